@@ -1,0 +1,131 @@
+//! Thin wrappers over the system calls the engine uses. Every unsafe call of
+//! the engine lives here, each with the rule that makes it sound.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::io::AsRawFd;
+
+/// The most iovecs one vectored call takes (Linux's UIO_MAXIOV).
+pub const IOV_MAX: usize = 1024;
+
+/// A region of memory a vectored call reads into or writes from.
+///
+/// Holding a `Segment` is a promise made by the engine: the memory stays valid
+/// and is touched by nobody else until the call that uses it returns.
+#[derive(Clone, Copy)]
+pub struct Segment {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+fn iovecs(segs: &[Segment]) -> Vec<libc::iovec> {
+    segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect()
+}
+
+/// Drops the first `n` bytes from a list of iovecs (after a short transfer).
+fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
+    let mut skip = 0;
+    while skip < iov.len() && n >= iov[skip].iov_len {
+        n -= iov[skip].iov_len;
+        skip += 1;
+    }
+    iov.drain(..skip);
+    if n > 0 {
+        let first = &mut iov[0];
+        // SAFETY: n < iov_len, so the new base stays inside the same buffer.
+        first.iov_base = unsafe { first.iov_base.cast::<u8>().add(n) }.cast();
+        first.iov_len -= n;
+    }
+}
+
+/// Reads the whole of `segs` from `offset`; bytes past the end of the file read as zeros.
+pub fn preadv_full(file: &File, segs: &[Segment], mut offset: u64) -> io::Result<()> {
+    let mut iov = iovecs(segs);
+    while !iov.is_empty() {
+        let n = iov.len().min(IOV_MAX);
+        // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
+        // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
+        let r = unsafe { libc::preadv(file.as_raw_fd(), iov.as_ptr(), n as i32, offset as i64) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            for v in &iov {
+                // SAFETY: as above; zero-filling the part past end of file.
+                unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
+            }
+            return Ok(());
+        }
+        advance(&mut iov, r as usize);
+        offset += r as u64;
+    }
+    Ok(())
+}
+
+/// Writes the whole of `segs` at `offset`; with `dsync` each call is durable on return.
+pub fn pwritev_full(file: &File, segs: &[Segment], mut offset: u64, dsync: bool) -> io::Result<()> {
+    let mut iov = iovecs(segs);
+    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+    while !iov.is_empty() {
+        let n = iov.len().min(IOV_MAX);
+        // SAFETY: each iovec points at memory the caller's `Segment`s vouch for; the kernel only reads it.
+        let r = unsafe { libc::pwritev2(file.as_raw_fd(), iov.as_ptr(), n as i32, offset as i64, flags) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "the file took no bytes"));
+        }
+        advance(&mut iov, r as usize);
+        offset += r as u64;
+    }
+    Ok(())
+}
+
+pub fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+    loop {
+        // SAFETY: fallocate only reads its integer arguments.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset as i64, len as i64) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+pub fn fdatasync(file: &File) -> io::Result<()> {
+    file.sync_data()
+}
+
+pub fn readahead(file: &File, offset: u64, len: u64) {
+    // SAFETY: posix_fadvise only reads its integer arguments; it is a hint and its result is ignored.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), offset as i64, len as i64, libc::POSIX_FADV_WILLNEED) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advance_skips_whole_and_partial_iovecs() {
+        let mut a = [0u8; 4];
+        let mut b = [0u8; 8];
+        let segs = [Segment { ptr: a.as_mut_ptr(), len: 4 }, Segment { ptr: b.as_mut_ptr(), len: 8 }];
+        let mut iov = iovecs(&segs);
+        advance(&mut iov, 6);
+        assert_eq!(iov.len(), 1);
+        assert_eq!(iov[0].iov_len, 6);
+        assert_eq!(iov[0].iov_base as usize, b.as_ptr() as usize + 2);
+    }
+}

@@ -1,0 +1,139 @@
+//! The engine conformance suite: the same assertions for every engine
+//! configuration (and, as they arrive, every engine and image format).
+
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use vdisk_image::{ErrorKind, Image, RawImage};
+
+use super::*;
+
+struct Collect(Mutex<mpsc::Sender<Request>>);
+
+impl Sink for Collect {
+    fn complete(&self, done: Vec<Request>) {
+        let tx = self.0.lock().unwrap();
+        for r in done {
+            tx.send(r).unwrap();
+        }
+    }
+}
+
+struct Rig {
+    dev: Device,
+    sink: Arc<dyn Sink>,
+    rx: mpsc::Receiver<Request>,
+    _dir: PathBuf,
+}
+
+impl Rig {
+    fn new(tag: &str, size: u64, read_only: bool, config: &EngineConfig) -> Rig {
+        let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("disk.img");
+        let _ = std::fs::remove_file(&path);
+        RawImage::create(&path, size, None).unwrap();
+        let image: Arc<dyn Image> = Arc::new(RawImage::open(&path, read_only).unwrap());
+        let dev = Device::start(tag, image, config).unwrap();
+        let (tx, rx) = mpsc::channel();
+        Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, _dir: dir }
+    }
+
+    /// Submits a batch and returns the completions in tag order.
+    fn run(&self, batch: Vec<Request>) -> Vec<Request> {
+        let n = batch.len();
+        self.dev.submit(batch, &self.sink);
+        let mut out: Vec<Request> = (0..n).map(|_| self.rx.recv().unwrap()).collect();
+        out.sort_by_key(|r| r.tag);
+        out
+    }
+}
+
+fn write(off: u64, data: Vec<u8>, tag: u64) -> Request {
+    let mut r = Request::new(Op::Write, off, data.len() as u64, tag);
+    r.buf = data;
+    r
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| seed.wrapping_add((i / 512) as u8) ^ (i as u8)).collect()
+}
+
+fn configs() -> Vec<(&'static str, EngineConfig)> {
+    vec![
+        ("default", EngineConfig::default()),
+        ("one-worker", EngineConfig { workers: 1, ..Default::default() }),
+        ("no-coalesce", EngineConfig { coalesce: false, batch: 1, workers: 4, ..Default::default() }),
+        ("sync", EngineConfig { sync: true, workers: 4, ..Default::default() }),
+    ]
+}
+
+#[test]
+fn reads_return_what_batched_writes_wrote() {
+    for (name, cfg) in configs() {
+        let rig = Rig::new(&format!("rw-{name}"), 4 << 20, false, &cfg);
+        // 64 adjacent 4 KiB writes in one batch: the coalescing path.
+        let writes: Vec<Request> = (0..64).map(|i| write(i * 4096, pattern(i as u8, 4096), i)).collect();
+        assert!(rig.run(writes).iter().all(|r| r.error.is_none()), "{name}");
+        // An unaligned write straddling two of them.
+        let odd = write(4096 * 3 + 17, pattern(99, 5000), 0);
+        assert!(rig.run(vec![odd])[0].error.is_none());
+        let reads: Vec<Request> = (0..64).map(|i| Request::new(Op::Read, i * 4096, 4096, i)).collect();
+        let done = rig.run(reads);
+        let mut expect: Vec<u8> = (0..64).flat_map(|i| pattern(i as u8, 4096)).collect();
+        expect[4096 * 3 + 17..4096 * 3 + 17 + 5000].copy_from_slice(&pattern(99, 5000));
+        for r in &done {
+            assert!(r.error.is_none(), "{name}");
+            let at = r.offset as usize;
+            assert_eq!(r.buf, expect[at..at + 4096], "{name}: block at {at}");
+        }
+        let mut fua = write(1 << 20, pattern(7, 65536), 0);
+        fua.flags.fua = true;
+        let flush = Request::new(Op::Flush, 0, 0, 1);
+        assert!(rig.run(vec![fua, flush]).iter().all(|r| r.error.is_none()));
+        rig.dev.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn trim_and_write_zeroes_read_back_as_zeros() {
+    for (name, cfg) in configs() {
+        let rig = Rig::new(&format!("zero-{name}"), 1 << 20, false, &cfg);
+        rig.run(vec![write(0, vec![0xab; 1 << 20], 0)]);
+        let trim = Request::new(Op::Trim, 0, 65536, 0);
+        let mut zero = Request::new(Op::WriteZeroes, 65536, 65536, 1);
+        zero.flags.no_hole = true;
+        let mut zero_odd = Request::new(Op::WriteZeroes, 200_001, 999, 2);
+        zero_odd.flags.fast_zero = true;
+        assert!(rig.run(vec![trim, zero, zero_odd]).iter().all(|r| r.error.is_none()), "{name}");
+        let got = rig.run(vec![Request::new(Op::Read, 0, 1 << 20, 0)]).remove(0).buf;
+        assert!(got[..131072].iter().all(|&b| b == 0), "{name}");
+        assert!(got[200_001..201_000].iter().all(|&b| b == 0), "{name}");
+        assert_eq!(got[200_000], 0xab);
+        assert_eq!(got[201_000], 0xab);
+        let mut bs = Request::new(Op::BlockStatus, 0, 1 << 20, 0);
+        bs.max_status = 16;
+        let st = rig.run(vec![bs]).remove(0).status;
+        assert!(st[0].hole, "{name}: a trimmed start is a hole: {st:?}");
+        assert_eq!(st[0].len, 65536, "{name}: {st:?}");
+    }
+}
+
+#[test]
+fn read_only_devices_refuse_writes() {
+    let rig = Rig::new("ro", 65536, true, &EngineConfig::default());
+    let done = rig.run(vec![write(0, vec![1; 512], 0), Request::new(Op::Trim, 0, 512, 1), Request::new(Op::Read, 0, 512, 2)]);
+    assert_eq!(done[0].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
+    assert_eq!(done[1].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
+    assert!(done[2].error.is_none());
+}
+
+#[test]
+fn shutdown_finishes_queued_requests() {
+    let rig = Rig::new("drain", 1 << 20, false, &EngineConfig { workers: 2, ..Default::default() });
+    let batch: Vec<Request> = (0..200).map(|i| write((i % 256) * 4096, vec![i as u8; 4096], i)).collect();
+    rig.dev.submit(batch, &rig.sink);
+    rig.dev.shutdown().unwrap();
+    assert_eq!(rig.rx.try_iter().count(), 200);
+}

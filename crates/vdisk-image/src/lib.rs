@@ -1,0 +1,85 @@
+//! Images: where the bytes of a virtual disk live, and how a request's logical
+//! range maps onto them.
+//!
+//! An image owns its files and its metadata (for a COW overlay, the bitmap in
+//! memory). It answers "where is this range?" with a list of [`Extent`]s; it
+//! does not move data itself and it knows nothing of threads, rings or wire
+//! protocols. The engine performs the extents.
+
+mod error;
+pub mod raw;
+
+use std::fs::File;
+use std::path::Path;
+
+pub use error::{Error, ErrorKind, Result};
+pub use raw::RawImage;
+
+/// Where one piece of a request lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    /// `len` bytes at `offset` in the image's file number `file` (see [`Image::files`]).
+    Data { file: usize, offset: u64, len: u64 },
+    /// `len` bytes that read as zeros and are stored nowhere.
+    Zero { len: u64 },
+}
+
+impl Extent {
+    pub fn len(&self) -> u64 {
+        match *self {
+            Extent::Data { len, .. } | Extent::Zero { len } => len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The allocation state of a run of the disk, as block-status queries report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    pub len: u64,
+    /// No storage is allocated for this run.
+    pub hole: bool,
+    /// The run reads as zeros.
+    pub zero: bool,
+}
+
+/// A virtual disk's storage. Implementations must be cheap to call from many
+/// threads at once: mapping happens on the request path.
+pub trait Image: Send + Sync {
+    /// A short name of the format, as `vdisk info` prints it ("raw", "cow").
+    fn format(&self) -> &'static str;
+
+    /// The size of the virtual disk in bytes.
+    fn size(&self) -> u64;
+
+    /// True when the image was opened read-only; writes are then refused at the edge.
+    fn read_only(&self) -> bool;
+
+    /// The files that [`Extent::Data`] refers to. File 0 receives all writes.
+    fn files(&self) -> &[File];
+
+    /// The path of file number `file`, for messages.
+    fn file_path(&self, file: usize) -> &Path;
+
+    /// Appends to `out` the extents that a read of `len` bytes at `offset` covers,
+    /// in order, adding up to exactly `len`. The range is already validated.
+    fn map_read(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()>;
+
+    /// Appends to `out` the extents a write of `len` bytes at `offset` must go
+    /// to. For TRIM and WRITE_ZEROES the same extents are punched or zeroed.
+    fn map_write(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()>;
+
+    /// Appends the allocation state of `len` bytes at `offset`, in order, at most
+    /// `max` runs (the last one may end early: the caller asks again from there).
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>)
+        -> Result<()>;
+
+    /// Makes the image's own metadata durable. Called by a flush after every
+    /// data file has been synced, so metadata never points at data that is not.
+    fn sync_metadata(&self) -> Result<()> {
+        Ok(())
+    }
+}
