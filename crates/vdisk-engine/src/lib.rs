@@ -18,7 +18,7 @@ mod request;
 mod sys;
 mod worker;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use vdisk_image::{Image, Result};
@@ -51,7 +51,7 @@ pub struct Device {
     name: String,
     image: Arc<dyn Image>,
     queue: Arc<Queue>,
-    workers: Vec<JoinHandle<()>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Device {
@@ -61,13 +61,9 @@ impl Device {
         let mut workers = Vec::with_capacity(config.workers);
         for i in 0..config.workers.max(1) {
             let w = worker::Worker::new(image.clone(), queue.clone(), config);
-            workers.push(
-                std::thread::Builder::new()
-                    .name(format!("{name}-w{i}"))
-                    .spawn(move || w.run())?,
-            );
+            workers.push(std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?);
         }
-        Ok(Device { name: name.to_owned(), image, queue, workers })
+        Ok(Device { name: name.to_owned(), image, queue, workers: Mutex::new(workers) })
     }
 
     pub fn name(&self) -> &str {
@@ -92,14 +88,16 @@ impl Device {
     }
 
     /// Finishes what is queued, stops the workers and makes every write durable.
-    pub fn shutdown(mut self) -> Result<()> {
+    /// Submitting after this is a bug: those requests would never complete.
+    pub fn shutdown(&self) -> Result<()> {
         self.stop_workers();
         worker::flush_image(self.image.as_ref())
     }
 
-    fn stop_workers(&mut self) {
+    fn stop_workers(&self) {
         self.queue.close();
-        for w in self.workers.drain(..) {
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap());
+        for w in workers {
             let _ = w.join();
         }
     }

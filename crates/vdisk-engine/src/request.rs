@@ -46,6 +46,8 @@ pub struct Request {
     pub status: Vec<Allocation>,
     pub max_status: usize,
     pub tag: u64,
+    /// The export's own flags for this request, carried untouched.
+    pub wire_flags: u16,
     /// Set by the engine when the request failed.
     pub error: Option<Error>,
 }
@@ -61,6 +63,7 @@ impl Request {
             status: Vec::new(),
             max_status: 0,
             tag,
+            wire_flags: 0,
             error: None,
         }
     }

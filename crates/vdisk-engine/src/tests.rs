@@ -123,7 +123,8 @@ fn trim_and_write_zeroes_read_back_as_zeros() {
 #[test]
 fn read_only_devices_refuse_writes() {
     let rig = Rig::new("ro", 65536, true, &EngineConfig::default());
-    let done = rig.run(vec![write(0, vec![1; 512], 0), Request::new(Op::Trim, 0, 512, 1), Request::new(Op::Read, 0, 512, 2)]);
+    let done =
+        rig.run(vec![write(0, vec![1; 512], 0), Request::new(Op::Trim, 0, 512, 1), Request::new(Op::Read, 0, 512, 2)]);
     assert_eq!(done[0].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
     assert_eq!(done[1].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
     assert!(done[2].error.is_none());

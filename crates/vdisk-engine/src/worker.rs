@@ -198,7 +198,8 @@ impl Worker {
         for ext in &self.extents {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
             let file = &self.image.files()[f];
-            let at = |e| Error::io(e, format!("{:?} of {len} bytes at offset {offset} of {}", req.op, self.describe(f)));
+            let at =
+                |e| Error::io(e, format!("{:?} of {len} bytes at offset {offset} of {}", req.op, self.describe(f)));
             if req.op == Op::Trim {
                 match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
                     Ok(()) => {}

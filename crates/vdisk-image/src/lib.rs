@@ -74,8 +74,7 @@ pub trait Image: Send + Sync {
 
     /// Appends the allocation state of `len` bytes at `offset`, in order, at most
     /// `max` runs (the last one may end early: the caller asks again from there).
-    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>)
-        -> Result<()>;
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()>;
 
     /// Makes the image's own metadata durable. Called by a flush after every
     /// data file has been synced, so metadata never points at data that is not.

@@ -20,9 +20,8 @@ impl RawImage {
     /// Opens an existing raw image. Fails with a message naming the file when it
     /// is missing, a directory, or cannot be opened as asked.
     pub fn open(path: &Path, read_only: bool) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| {
-            Error::io(e, format!("cannot open image {}", path.display()))
-        })?;
+        let meta =
+            std::fs::metadata(path).map_err(|e| Error::io(e, format!("cannot open image {}", path.display())))?;
         if meta.is_dir() {
             return Err(Error::invalid(format!(
                 "{} is a directory, not a disk image (create one with `vdisk create IMAGE --size 10G`)",
@@ -30,17 +29,10 @@ impl RawImage {
             )));
         }
         if !meta.is_file() && !meta.file_type().is_block_device() {
-            return Err(Error::invalid(format!(
-                "{} is neither a regular file nor a block device",
-                path.display()
-            )));
+            return Err(Error::invalid(format!("{} is neither a regular file nor a block device", path.display())));
         }
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| {
+        let mut file =
+            OpenOptions::new().read(true).write(!read_only).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| {
                 let hint = if read_only { "" } else { " (try --readonly)" };
                 Error::io(e, format!("cannot open image {}{hint}", path.display()))
             })?;
@@ -55,20 +47,16 @@ impl RawImage {
     /// existing file. With `preallocate`, reserves every block, calling
     /// `progress(done_bytes)` as it goes.
     pub fn create(path: &Path, size: u64, preallocate: Option<&dyn Fn(u64)>) -> Result<()> {
-        let file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(|e| {
-                if e.kind() == io::ErrorKind::AlreadyExists {
-                    Error::new(
-                        ErrorKind::InvalidInput,
-                        format!("{} already exists; remove it first or pick another name", path.display()),
-                    )
-                } else {
-                    Error::io(e, format!("cannot create {}", path.display()))
-                }
-            })?;
+        let file = OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| {
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                Error::new(
+                    ErrorKind::InvalidInput,
+                    format!("{} already exists; remove it first or pick another name", path.display()),
+                )
+            } else {
+                Error::io(e, format!("cannot create {}", path.display()))
+            }
+        })?;
         let result = (|| {
             file.set_len(size).map_err(|e| Error::io(e, format!("cannot size {}", path.display())))?;
             if let Some(progress) = preallocate {

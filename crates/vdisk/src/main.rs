@@ -1,1 +1,75 @@
-fn main() {}
+//! `vdisk`: the command line. It parses what the user asked for, opens the
+//! images, starts one engine per device and the exports over them, and stops
+//! them cleanly. A user mistake is one line on stderr and exit code 2.
+
+mod cli;
+mod create;
+mod info;
+mod logger;
+mod serve;
+mod size;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    logger::init(cli.verbose, cli.quiet);
+    let result = match cli.command {
+        cli::Command::Create(a) => create::run(a),
+        cli::Command::Info(a) => info::run(a),
+        cli::Command::Serve(a) => serve::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vdisk: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// An error for the user: the message, and whether it was their input (exit 2) or the system (exit 1).
+#[derive(Debug)]
+pub struct Failure {
+    message: String,
+    usage: bool,
+}
+
+impl Failure {
+    /// The user asked for something that cannot be: exit code 2.
+    pub fn usage(message: impl Into<String>) -> Self {
+        Failure { message: message.into(), usage: true }
+    }
+
+    /// Something failed while doing what was asked: exit code 1.
+    pub fn runtime(message: impl Into<String>) -> Self {
+        Failure { message: message.into(), usage: false }
+    }
+
+    fn exit_code(&self) -> u8 {
+        if self.usage {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Image errors the user caused (a missing file, a directory, a bad name) exit 2.
+impl From<vdisk_image::Error> for Failure {
+    fn from(e: vdisk_image::Error) -> Self {
+        use vdisk_image::ErrorKind::*;
+        match e.kind() {
+            InvalidInput | NotFound | ReadOnly | Corrupt => Failure::usage(e.to_string()),
+            _ => Failure::runtime(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! The fixed-newstyle handshake: option haggling until the client picks an
+//! export (OPT_GO / OPT_EXPORT_NAME) or leaves. Errors the client can recover
+//! from get an option error reply; a broken stream ends the connection.
+
+use std::io::{self, Read, Write};
+
+use crate::proto::*;
+use crate::Export;
+
+/// The biggest option payload we accept; larger ones close the connection.
+const MAX_OPTION_LEN: u32 = 64 << 10;
+
+/// What the client and server agreed on.
+#[derive(Debug, Clone)]
+pub struct Negotiated {
+    pub export: usize,
+    pub structured: bool,
+    /// The context id of base:allocation, when the client selected it.
+    pub allocation_context: Option<u32>,
+    pub transmission_flags: u16,
+}
+
+/// The context id we give base:allocation.
+const ALLOCATION_ID: u32 = 1;
+
+/// Why a handshake ended without a transmission phase.
+#[derive(Debug)]
+pub enum HandshakeEnd {
+    /// The client aborted (NBD_OPT_ABORT) or closed cleanly between options.
+    Aborted,
+    /// The client broke the protocol; the message says how.
+    Violation(String),
+    Io(io::Error),
+}
+
+impl From<io::Error> for HandshakeEnd {
+    fn from(e: io::Error) -> Self {
+        HandshakeEnd::Io(e)
+    }
+}
+
+pub fn transmission_flags(export: &Export, structured: bool) -> u16 {
+    let mut f = TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_SEND_CACHE | TF_CAN_MULTI_CONN;
+    if export.device.read_only() {
+        f |= TF_READ_ONLY;
+    } else {
+        f |= TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO;
+    }
+    if structured {
+        f |= TF_SEND_DF;
+    }
+    f
+}
+
+struct Haggle<'a, S> {
+    s: &'a mut S,
+    exports: &'a [Export],
+    structured: bool,
+    no_zeroes: bool,
+    /// (export index, id) chosen by OPT_SET_META_CONTEXT.
+    meta: Option<(usize, u32)>,
+    shutting_down: &'a dyn Fn() -> bool,
+}
+
+/// Runs the handshake on `s`. On success the stream is positioned at the first request.
+pub fn handshake<S: Read + Write>(
+    s: &mut S,
+    exports: &[Export],
+    shutting_down: &dyn Fn() -> bool,
+) -> Result<Negotiated, HandshakeEnd> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    s.write_all(&hello)?;
+    let client = read_u32(s)?;
+    if client & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(HandshakeEnd::Violation(format!("unknown client flags {client:#x}")));
+    }
+    let mut h =
+        Haggle { s, exports, structured: false, no_zeroes: client & FLAG_C_NO_ZEROES != 0, meta: None, shutting_down };
+    loop {
+        let mut head = [0u8; 16];
+        match h.s.read_exact(&mut head) {
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(HandshakeEnd::Aborted),
+            r => r?,
+        }
+        let magic = u64::from_be_bytes(head[0..8].try_into().unwrap());
+        let opt = u32::from_be_bytes(head[8..12].try_into().unwrap());
+        let len = u32::from_be_bytes(head[12..16].try_into().unwrap());
+        if magic != IHAVEOPT {
+            return Err(HandshakeEnd::Violation(format!("bad option magic {magic:#x}")));
+        }
+        if len > MAX_OPTION_LEN {
+            return Err(HandshakeEnd::Violation(format!("option {opt} claims {len} bytes of data")));
+        }
+        let mut data = vec![0u8; len as usize];
+        h.s.read_exact(&mut data)?;
+        if (h.shutting_down)() && opt != OPT_ABORT {
+            h.reply(opt, REP_ERR_SHUTDOWN, b"the server is shutting down")?;
+            continue;
+        }
+        if let Some(done) = h.option(opt, &data)? {
+            return Ok(done);
+        }
+    }
+}
+
+impl<S: Read + Write> Haggle<'_, S> {
+    /// Handles one option; returns the agreement when it starts transmission.
+    fn option(&mut self, opt: u32, data: &[u8]) -> Result<Option<Negotiated>, HandshakeEnd> {
+        match opt {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8_lossy(data);
+                let Some(idx) = self.find(&name) else {
+                    return Err(HandshakeEnd::Violation(format!("NBD_OPT_EXPORT_NAME for unknown export {name:?}")));
+                };
+                let done = self.agree(idx);
+                let mut out = Vec::with_capacity(134);
+                out.extend_from_slice(&self.exports[idx].device.size().to_be_bytes());
+                out.extend_from_slice(&done.transmission_flags.to_be_bytes());
+                if !self.no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                self.s.write_all(&out)?;
+                Ok(Some(done))
+            }
+            OPT_ABORT => {
+                let _ = self.reply(opt, REP_ACK, &[]);
+                Err(HandshakeEnd::Aborted)
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    self.reply(opt, REP_ERR_INVALID, b"NBD_OPT_LIST takes no data")?;
+                    return Ok(None);
+                }
+                for e in self.exports {
+                    let mut d = Vec::with_capacity(4 + e.name.len());
+                    d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
+                    d.extend_from_slice(e.name.as_bytes());
+                    self.reply(opt, REP_SERVER, &d)?;
+                }
+                self.reply(opt, REP_ACK, &[])?;
+                Ok(None)
+            }
+            OPT_INFO | OPT_GO => self.info_or_go(opt, data),
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    self.reply(opt, REP_ERR_INVALID, b"NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                } else {
+                    self.structured = true;
+                    self.reply(opt, REP_ACK, &[])?;
+                }
+                Ok(None)
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                self.meta_context(opt, data)?;
+                Ok(None)
+            }
+            _ => {
+                self.reply(opt, REP_ERR_UNSUP, format!("option {opt} is not supported").as_bytes())?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn info_or_go(&mut self, opt: u32, data: &[u8]) -> Result<Option<Negotiated>, HandshakeEnd> {
+        let mut r = Cursor(data);
+        let parsed = (|| {
+            let name = r.string()?;
+            let n = r.u16()? as usize;
+            let wants: Vec<u16> = (0..n).map(|_| r.u16()).collect::<Option<_>>()?;
+            r.0.is_empty().then_some((name, wants))
+        })();
+        let Some((name, wants)) = parsed else {
+            self.reply(opt, REP_ERR_INVALID, b"malformed NBD_OPT_INFO/GO data")?;
+            return Ok(None);
+        };
+        let Some(idx) = self.find(&name) else {
+            self.reply(opt, REP_ERR_UNKNOWN, format!("no export named {name:?}").as_bytes())?;
+            return Ok(None);
+        };
+        let export = &self.exports[idx];
+        let flags = transmission_flags(export, self.structured);
+        let mut info = Vec::with_capacity(12);
+        info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+        info.extend_from_slice(&export.device.size().to_be_bytes());
+        info.extend_from_slice(&flags.to_be_bytes());
+        self.reply(opt, REP_INFO, &info)?;
+        for want in wants {
+            let mut d = want.to_be_bytes().to_vec();
+            match want {
+                INFO_NAME => d.extend_from_slice(export.name.as_bytes()),
+                INFO_DESCRIPTION => d.extend_from_slice(export.description.as_bytes()),
+                INFO_BLOCK_SIZE => {
+                    for v in [MIN_BLOCK, PREFERRED_BLOCK, MAX_REQUEST] {
+                        d.extend_from_slice(&v.to_be_bytes());
+                    }
+                }
+                _ => continue,
+            }
+            self.reply(opt, REP_INFO, &d)?;
+        }
+        self.reply(opt, REP_ACK, &[])?;
+        Ok((opt == OPT_GO).then(|| self.agree(idx)))
+    }
+
+    fn meta_context(&mut self, opt: u32, data: &[u8]) -> io::Result<()> {
+        if !self.structured {
+            return self.reply(opt, REP_ERR_INVALID, b"negotiate NBD_OPT_STRUCTURED_REPLY first");
+        }
+        let mut r = Cursor(data);
+        let parsed = (|| {
+            let name = r.string()?;
+            let n = r.u32()?;
+            let mut queries = Vec::new();
+            for _ in 0..n {
+                queries.push(r.string()?);
+            }
+            r.0.is_empty().then_some((name, queries))
+        })();
+        let Some((name, queries)) = parsed else {
+            return self.reply(opt, REP_ERR_INVALID, b"malformed meta context data");
+        };
+        let Some(idx) = self.find(&name) else {
+            return self.reply(opt, REP_ERR_UNKNOWN, format!("no export named {name:?}").as_bytes());
+        };
+        let set = opt == OPT_SET_META_CONTEXT;
+        if set {
+            self.meta = None;
+        }
+        let matches = |q: &str| if set { q == META_BASE_ALLOCATION } else { q == "base:" || q == META_BASE_ALLOCATION };
+        if (!set && queries.is_empty()) || queries.iter().any(|q| matches(q)) {
+            let id = if set { ALLOCATION_ID } else { 0 };
+            let mut d = id.to_be_bytes().to_vec();
+            d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+            self.reply(opt, REP_META_CONTEXT, &d)?;
+            if set {
+                self.meta = Some((idx, id));
+            }
+        }
+        self.reply(opt, REP_ACK, &[])
+    }
+
+    fn agree(&self, export: usize) -> Negotiated {
+        Negotiated {
+            export,
+            structured: self.structured,
+            allocation_context: self.meta.filter(|(i, _)| *i == export).map(|(_, id)| id),
+            transmission_flags: transmission_flags(&self.exports[export], self.structured),
+        }
+    }
+
+    /// The export a client names; "" is the first one.
+    fn find(&self, name: &str) -> Option<usize> {
+        if name.is_empty() && !self.exports.is_empty() {
+            return Some(0);
+        }
+        self.exports.iter().position(|e| e.name == name)
+    }
+
+    fn reply(&mut self, opt: u32, kind: u32, data: &[u8]) -> io::Result<()> {
+        let mut out = Vec::with_capacity(20 + data.len());
+        out.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
+        out.extend_from_slice(&opt.to_be_bytes());
+        out.extend_from_slice(&kind.to_be_bytes());
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        out.extend_from_slice(data);
+        self.s.write_all(&out)
+    }
+}
+
+fn read_u32<S: Read>(s: &mut S) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+/// Reads big-endian fields from option data; `None` when the data runs out.
+struct Cursor<'a>(&'a [u8]);
+
+impl Cursor<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_be_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn string(&mut self) -> Option<String> {
+        let n = self.u32()? as usize;
+        if n > 4096 {
+            return None;
+        }
+        self.take(n).map(|b| String::from_utf8_lossy(b).into_owned())
+    }
+}

@@ -1,0 +1,96 @@
+//! The command line, as `vdisk --help` teaches it.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::size::parse_size;
+
+#[derive(Parser)]
+#[command(
+    name = "vdisk",
+    version,
+    about = "A userspace virtual-disk server: serve disk images to NBD clients, in parallel and in batches.",
+    after_help = "Examples:
+  vdisk create disk.img --size 10G          make a sparse 10 GiB raw image
+  vdisk serve disk.img                      serve it on a unix socket (the path is printed)
+  vdisk serve disk.img --listen             ...and on TCP 127.0.0.1:10809
+  qemu-img info 'nbd+unix:///disk?socket=/run/user/0/vdisk.sock'
+  vdisk info disk.img --json
+
+Run `vdisk COMMAND --help` for the options of each command."
+)]
+pub struct Cli {
+    /// More log output (-v: connections and errors, -vv: debug).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Only errors on stderr.
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Create a new disk image (raw, sparse unless --preallocate).
+    Create(CreateArgs),
+    /// Show an image's format, virtual size and allocated bytes.
+    Info(InfoArgs),
+    /// Serve images as NBD exports until SIGINT or SIGTERM.
+    #[command(after_help = "Each IMAGE becomes an export named after its file stem (disk.img → \"disk\");
+the empty export name selects the first image, so `nbd+unix:///?socket=PATH` just works.
+With no IMAGE, a fresh sparse 1 GiB demo image is served.
+
+Durability: writes are acknowledged once in the host page cache; FLUSH makes every
+acknowledged write durable (on every connection); FUA writes and --sync writes are
+durable before their reply, and still run in parallel.
+
+Examples:
+  vdisk serve disk.img
+  vdisk serve a.img b.img --socket /tmp/nbd.sock --readonly
+  vdisk serve disk.img --listen 0.0.0.0:10809 --workers 32
+  nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    /// Path of the new image; an existing file is never overwritten.
+    pub image: PathBuf,
+    /// Virtual size: bytes, or with a K, M, G or T suffix (binary units), e.g. 10G.
+    #[arg(long, short, value_parser = parse_size)]
+    pub size: u64,
+    /// Reserve every block now (with a progress bar) instead of leaving the file sparse.
+    #[arg(long)]
+    pub preallocate: bool,
+}
+
+#[derive(Args)]
+pub struct InfoArgs {
+    pub image: PathBuf,
+    /// Print JSON (keys: path, format, virtual-size, allocated).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Images to serve, one export each.
+    pub images: Vec<PathBuf>,
+    /// Unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Also (or only, without --socket) listen on TCP; HOST:PORT, :PORT or PORT. Default 127.0.0.1:10809.
+    #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:10809", value_name = "HOST:PORT")]
+    pub listen: Option<String>,
+    /// Refuse every write, trim and zero.
+    #[arg(long)]
+    pub readonly: bool,
+    /// Worker threads per device.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub workers: u16,
+    /// Make every write durable before its reply (writes still run in parallel).
+    #[arg(long)]
+    pub sync: bool,
+}

@@ -1,0 +1,202 @@
+//! `vdisk serve`: opens the images, starts a device (engine) per image, the
+//! NBD listeners over them, and runs until SIGINT/SIGTERM. Shutdown order:
+//! stop accepting, let connections finish their requests, flush every device,
+//! remove the socket file.
+
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vdisk_engine::{Device, EngineConfig};
+use vdisk_image::{Image, RawImage};
+use vdisk_nbd::{Export, Listener, Server};
+
+use crate::cli::ServeArgs;
+use crate::size::human;
+use crate::Failure;
+
+const DEMO_SIZE: u64 = 1 << 30;
+
+pub fn run(a: ServeArgs) -> Result<(), Failure> {
+    // Signals go to one thread that waits for them; block them before any thread starts.
+    let signals = block_signals();
+    let demo = if a.images.is_empty() { Some(demo_image()?) } else { None };
+    let paths: Vec<PathBuf> = demo.iter().cloned().chain(a.images.iter().cloned()).collect();
+
+    let config = EngineConfig { workers: a.workers as usize, sync: a.sync, ..Default::default() };
+    let mut exports = Vec::new();
+    for path in &paths {
+        let image = RawImage::open(path, a.readonly)?;
+        let name = export_name(path);
+        if exports.iter().any(|e: &Export| e.name == name) {
+            return Err(Failure::usage(format!(
+                "two images would both be export {name:?} ({}); export names come from file stems, rename one",
+                path.display()
+            )));
+        }
+        let description = format!("{} ({}, {})", path.display(), image.format(), human(image.size()));
+        let image: Arc<dyn Image> = Arc::new(image);
+        let device = Device::start(&name, image, &config)
+            .map_err(|e| Failure::runtime(format!("cannot start workers for {}: {e}", path.display())))?;
+        exports.push(Export { name, description, device: Arc::new(device) });
+    }
+
+    let mut listeners = Vec::new();
+    let mut banner = Vec::new();
+    let first = exports[0].name.clone();
+    let socket = match (&a.socket, &a.listen) {
+        (Some(p), _) => Some(p.clone()),
+        (None, None) => Some(default_socket()),
+        (None, Some(_)) => None,
+    };
+    if let Some(path) = &socket {
+        listeners.push(Listener::Unix(bind_unix(path)?, path.clone()));
+        let uri = format!("nbd+unix:///{first}?socket={}", path.display());
+        banner.push(format!("vdisk: listening on unix socket {}", path.display()));
+        banner.push(format!("  try: nbdinfo '{uri}'"));
+        banner.push(format!("       qemu-img info '{uri}'"));
+    }
+    if let Some(addr) = &a.listen {
+        let addr = parse_listen(addr)?;
+        let l = TcpListener::bind(addr).map_err(|e| {
+            Failure::usage(format!(
+                "cannot listen on {addr}: {e} (is another server using the port? pick another with --listen HOST:PORT)"
+            ))
+        })?;
+        listeners.push(Listener::Tcp(l));
+        banner.push(format!("vdisk: listening on tcp {addr}"));
+        banner.push(format!("  try: nbdinfo nbd://{addr}/{first}"));
+    }
+
+    for e in &exports {
+        let mode = if e.device.read_only() { "read-only" } else { "read-write" };
+        let sync = if a.sync { ", sync" } else { "" };
+        println!("vdisk: export {:?}: {}, {mode}, {} workers{sync}", e.name, e.description, a.workers);
+    }
+    if demo.is_some() {
+        println!("vdisk: no image given: serving a fresh sparse 1 GiB demo image, removed at exit");
+    }
+    for line in banner {
+        println!("{line}");
+    }
+    println!("vdisk: stop with Ctrl-C (SIGINT) or SIGTERM");
+    println!("vdisk: ready");
+
+    let server = Server::new(exports).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
+    {
+        let server = server.clone();
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || wait_for_signals(signals, &server))
+            .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
+    }
+    let served = server.serve(listeners);
+    if let Some(path) = &socket {
+        let _ = std::fs::remove_file(path);
+    }
+    // Every connection has finished: no request is in flight. Flush each device.
+    let mut failed = None;
+    for e in server.exports() {
+        if let Err(err) = e.device.shutdown() {
+            failed = Some(Failure::runtime(format!("flush of export {:?} failed at shutdown: {err}", e.name)));
+        }
+    }
+    if let Some(path) = &demo {
+        let _ = std::fs::remove_file(path);
+    }
+    served.map_err(|e| Failure::runtime(format!("server failed: {e}")))?;
+    log::info!("stopped cleanly");
+    failed.map_or(Ok(()), Err)
+}
+
+/// The export name of an image: its file stem.
+fn export_name(path: &Path) -> String {
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into())
+}
+
+fn default_socket() -> PathBuf {
+    let dir = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    dir.join(format!("vdisk-{}.sock", std::process::id()))
+}
+
+/// Binds a unix socket, replacing a stale socket file but never a live one or another kind of file.
+fn bind_unix(path: &Path) -> Result<UnixListener, Failure> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(Failure::usage(format!(
+                "{} exists and is not a socket; choose another --socket path",
+                path.display()
+            )));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(Failure::usage(format!(
+                "{} is in use by another server; choose another --socket path",
+                path.display()
+            )));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    UnixListener::bind(path)
+        .map_err(|e| Failure::usage(format!("cannot listen on unix socket {}: {e}", path.display())))
+}
+
+/// HOST:PORT, :PORT or PORT (host 127.0.0.1).
+fn parse_listen(s: &str) -> Result<SocketAddr, Failure> {
+    let full = if let Some(port) = s.strip_prefix(':') {
+        format!("127.0.0.1:{port}")
+    } else if s.chars().all(|c| c.is_ascii_digit()) {
+        format!("127.0.0.1:{s}")
+    } else {
+        s.to_owned()
+    };
+    full.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| Failure::usage(format!("--listen {s:?} is not HOST:PORT (e.g. 127.0.0.1:10809)")))
+}
+
+/// A fresh sparse demo image in the temp directory, removed at exit.
+fn demo_image() -> Result<PathBuf, Failure> {
+    let path = std::env::temp_dir().join(format!("vdisk-demo-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    RawImage::create(&path, DEMO_SIZE, None)?;
+    Ok(path)
+}
+
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it, and
+    // pthread_sigmask only changes this thread's mask (inherited by threads it starts).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// First signal: stop cleanly. Second: give up at once.
+fn wait_for_signals(set: libc::sigset_t, server: &Server) {
+    let mut count = 0;
+    loop {
+        let mut sig = 0;
+        // SAFETY: `set` is an initialised signal set and `sig` a valid out-pointer.
+        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            continue;
+        }
+        count += 1;
+        if count == 1 {
+            eprintln!("vdisk: signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            server.stop();
+        } else {
+            eprintln!("vdisk: second signal: quitting without waiting");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! Shared harness for the integration tests: start the real `vdisk` binary,
+//! wait until it is ready, hand out URIs for real clients, stop it cleanly.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn vdisk_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_vdisk")
+}
+
+/// A fresh directory for one test, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let base = std::env::var_os("VDISK_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        let p = base.join(format!("vdisk-it-{}-{tag}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `vdisk ARGS` to completion.
+pub fn vdisk(args: &[&str]) -> Output {
+    Command::new(vdisk_bin()).args(args).output().expect("run vdisk")
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? .ci/run installs it)"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Creates a sparse image of `size` (e.g. "64M") with `vdisk create`.
+pub fn create_image(path: &Path, size: &str) {
+    let out = vdisk(&["create", path.to_str().unwrap(), "--size", size]);
+    assert!(out.status.success(), "vdisk create: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A running `vdisk serve`.
+pub struct Server {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub stdout: Vec<String>,
+}
+
+impl Server {
+    /// Starts `vdisk serve ARGS --socket DIR/nbd.sock` and waits for "vdisk: ready".
+    pub fn start(dir: &TempDir, args: &[&str]) -> Server {
+        let socket = dir.path("nbd.sock");
+        let socket_arg = socket.to_str().unwrap().to_owned();
+        let mut all: Vec<&str> = vec!["serve"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--socket", &socket_arg]);
+        Self::spawn(&all, socket)
+    }
+
+    /// Starts `vdisk ARGS` as given (the caller names the socket) and waits until ready.
+    pub fn spawn(args: &[&str], socket: PathBuf) -> Server {
+        let mut child = Command::new(vdisk_bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn vdisk");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut lines = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    let ready = line.trim() == "vdisk: ready";
+                    lines.push(line);
+                    if ready {
+                        break;
+                    }
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("vdisk {args:?} did not become ready; it printed: {lines:#?}");
+                }
+            }
+        }
+        Server { child, socket, stdout: lines }
+    }
+
+    /// `nbd+unix:///EXPORT?socket=PATH`
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.socket.display())
+    }
+
+    /// Sends `signal` and waits for the exit status.
+    pub fn stop_with(mut self, signal: i32) -> std::process::ExitStatus {
+        // SAFETY: kill only reads its integer arguments.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("vdisk did not stop within 30 s of signal {signal}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM; asserts a clean exit and that the socket file is gone.
+    pub fn stop(self) {
+        let socket = self.socket.clone();
+        let st = self.stop_with(libc::SIGTERM);
+        assert!(st.success(), "vdisk exited with {st} after SIGTERM");
+        assert!(!socket.exists(), "socket {} left behind", socket.display());
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
