@@ -13,10 +13,11 @@
 //! every write completed before the FLUSH was submitted, on any connection, is
 //! durable when the FLUSH completes.
 
+mod plan;
 mod queue;
 mod request;
 mod sys;
-mod worker;
+mod threads;
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -60,7 +61,8 @@ impl Device {
         let queue = Arc::new(Queue::new(config.workers.max(1)));
         let mut workers = Vec::with_capacity(config.workers);
         for i in 0..config.workers.max(1) {
-            let w = worker::Worker::new(image.clone(), queue.clone(), config);
+            let planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
+            let w = threads::Worker::new(planner, queue.clone(), config.batch);
             workers.push(std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?);
         }
         Ok(Device { name: name.to_owned(), image, queue, workers: Mutex::new(workers) })
@@ -91,7 +93,7 @@ impl Device {
     /// Submitting after this is a bug: those requests would never complete.
     pub fn shutdown(&self) -> Result<()> {
         self.stop_workers();
-        worker::flush_image(self.image.as_ref())
+        plan::Planner::new(self.image.clone(), false, false).flush()
     }
 
     fn stop_workers(&self) {

@@ -66,3 +66,17 @@ impl Queue {
         self.ready.notify_all();
     }
 }
+
+/// Hands each sink its completed requests in one call.
+pub(crate) fn deliver(jobs: &mut Vec<Job>) {
+    let mut groups: Vec<(Arc<dyn Sink>, Vec<Request>)> = Vec::new();
+    for (req, sink) in jobs.drain(..) {
+        match groups.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
+            Some((_, reqs)) => reqs.push(req),
+            None => groups.push((sink, vec![req])),
+        }
+    }
+    for (sink, reqs) in groups {
+        sink.complete(reqs);
+    }
+}

@@ -1,0 +1,267 @@
+//! What both engines share: mapping a batch of requests through the image into
+//! runs of file I/O (contiguous pieces merged into one vectored call), and the
+//! operations that are not data transfers (trim, zero, cache, block status,
+//! flush). The engines differ only in how they perform the runs.
+
+use std::fs::File;
+use std::sync::Arc;
+
+use vdisk_image::{Error, ErrorKind, Extent, Image, Result};
+
+use crate::sys::{self, Segment, IOV_MAX};
+use crate::{Op, Request};
+
+/// One contiguous piece of a read or write, in one file.
+struct Piece {
+    write: bool,
+    dsync: bool,
+    file: usize,
+    offset: u64,
+    job: usize,
+    seg: Segment,
+}
+
+/// One vectored call: pieces contiguous in one file, all reads or all writes.
+pub(crate) struct Run {
+    pub write: bool,
+    pub dsync: bool,
+    pub file: usize,
+    pub offset: u64,
+    pub segs: Vec<Segment>,
+    /// The job each segment belongs to.
+    pub jobs: Vec<usize>,
+}
+
+impl Run {
+    pub fn len(&self) -> usize {
+        self.segs.iter().map(|s| s.len).sum()
+    }
+}
+
+pub(crate) struct Planner {
+    pub image: Arc<dyn Image>,
+    pub sync: bool,
+    pub coalesce: bool,
+    extents: Vec<Extent>,
+}
+
+impl Planner {
+    pub fn new(image: Arc<dyn Image>, sync: bool, coalesce: bool) -> Self {
+        Planner { image, sync, coalesce, extents: Vec::new() }
+    }
+
+    /// Maps the reads and writes among `jobs` (keyed by the caller's index) to
+    /// runs of file I/O. Zero extents of reads are filled here; requests that
+    /// cannot be mapped get their error. The runs point into the requests'
+    /// buffers: the caller must keep those requests alive and untouched until
+    /// every run is done.
+    pub fn plan<'a>(&mut self, jobs: impl Iterator<Item = (usize, &'a mut Request)>) -> Vec<Run> {
+        let mut pieces = Vec::new();
+        for (key, req) in jobs {
+            let write = match req.op {
+                Op::Read => false,
+                Op::Write => true,
+                _ => continue,
+            };
+            if let Err(e) = self.map_one(key, req, write, &mut pieces) {
+                req.error.get_or_insert(e);
+            }
+        }
+        self.merge(pieces)
+    }
+
+    fn map_one(&mut self, key: usize, req: &mut Request, write: bool, pieces: &mut Vec<Piece>) -> Result<()> {
+        if write && self.image.read_only() {
+            return Err(read_only());
+        }
+        if req.buf.len() as u64 != req.len {
+            if write {
+                return Err(Error::invalid("write buffer does not match its length"));
+            }
+            req.buf.resize(req.len as usize, 0);
+        }
+        self.extents.clear();
+        if write {
+            self.image.map_write(req.offset, req.len, &mut self.extents)?;
+        } else {
+            self.image.map_read(req.offset, req.len, &mut self.extents)?;
+        }
+        let dsync = write && (self.sync || req.flags.fua);
+        let mut at = 0usize;
+        for ext in &self.extents {
+            let len = ext.len() as usize;
+            let region = &mut req.buf[at..at + len];
+            match *ext {
+                Extent::Data { file, offset, .. } => pieces.push(Piece {
+                    write,
+                    dsync,
+                    file,
+                    offset,
+                    job: key,
+                    seg: Segment { ptr: region.as_mut_ptr(), len },
+                }),
+                Extent::Zero { .. } if !write => region.fill(0),
+                Extent::Zero { .. } => {}
+            }
+            at += len;
+        }
+        Ok(())
+    }
+
+    fn merge(&self, mut pieces: Vec<Piece>) -> Vec<Run> {
+        if self.coalesce {
+            pieces.sort_by_key(|p| (p.write, p.dsync, p.file, p.offset));
+        }
+        let mut runs: Vec<Run> = Vec::new();
+        for p in pieces {
+            if let Some(r) = runs.last_mut() {
+                let next = r.offset + r.len() as u64;
+                if self.coalesce
+                    && (r.write, r.dsync, r.file, next) == (p.write, p.dsync, p.file, p.offset)
+                    && r.segs.len() < IOV_MAX
+                {
+                    r.segs.push(p.seg);
+                    r.jobs.push(p.job);
+                    continue;
+                }
+            }
+            runs.push(Run {
+                write: p.write,
+                dsync: p.dsync,
+                file: p.file,
+                offset: p.offset,
+                segs: vec![p.seg],
+                jobs: vec![p.job],
+            });
+        }
+        runs
+    }
+
+    /// Performs a run with blocking vectored calls.
+    pub fn perform(&self, run: &Run) -> Result<()> {
+        self.perform_segs(run, &run.segs, run.offset)
+    }
+
+    /// Performs part of a run (segments starting at `offset`) with blocking calls.
+    pub fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
+        let file = &self.image.files()[run.file];
+        // The segments point into buffers of requests the engine owns until it
+        // completes them, and no two overlap: `Segment`'s promise holds.
+        let r = if run.write {
+            sys::pwritev_full(file, segs, offset, run.dsync)
+        } else {
+            sys::preadv_full(file, segs, offset)
+        };
+        r.map_err(|e| self.run_error(run, e))
+    }
+
+    pub fn run_error(&self, run: &Run, e: std::io::Error) -> Error {
+        let what = if run.write { "write" } else { "read" };
+        Error::io(e, format!("{what} of {} bytes at offset {} of {}", run.len(), run.offset, self.describe(run.file)))
+    }
+
+    pub fn describe(&self, file: usize) -> String {
+        self.image.file_path(file).display().to_string()
+    }
+
+    /// Performs a request that is not a data transfer or a flush (those return
+    /// `false`, untouched): trim, write zeroes, cache, block status.
+    pub fn perform_other(&mut self, req: &mut Request) -> bool {
+        let r = match req.op {
+            Op::Read | Op::Write | Op::Flush => return false,
+            Op::Trim | Op::WriteZeroes => self.deallocate(req),
+            Op::Cache => self.cache(req),
+            Op::BlockStatus => self.image.allocation(req.offset, req.len, req.max_status.max(1), &mut req.status),
+        };
+        if let Err(e) = r {
+            req.error.get_or_insert(e);
+        }
+        true
+    }
+
+    fn deallocate(&mut self, req: &Request) -> Result<()> {
+        if self.image.read_only() {
+            return Err(read_only());
+        }
+        self.extents.clear();
+        self.image.map_write(req.offset, req.len, &mut self.extents)?;
+        for ext in &self.extents {
+            let Extent::Data { file: f, offset, len } = *ext else { continue };
+            let file = &self.image.files()[f];
+            let at =
+                |e| Error::io(e, format!("{:?} of {len} bytes at offset {offset} of {}", req.op, self.describe(f)));
+            if req.op == Op::Trim {
+                match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+                    Ok(()) => {}
+                    // TRIM is advisory: a file system that cannot punch keeps the data.
+                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                    Err(e) => return Err(at(e)),
+                }
+                continue;
+            }
+            zero_range(file, offset, len, req.flags.no_hole, req.flags.fast_zero).map_err(at)?;
+        }
+        if self.sync || req.flags.fua {
+            self.sync_files()?;
+        }
+        Ok(())
+    }
+
+    fn cache(&mut self, req: &Request) -> Result<()> {
+        self.extents.clear();
+        self.image.map_read(req.offset, req.len, &mut self.extents)?;
+        for ext in &self.extents {
+            if let Extent::Data { file, offset, len } = *ext {
+                sys::readahead(&self.image.files()[file], offset, len);
+            }
+        }
+        Ok(())
+    }
+
+    fn sync_files(&self) -> Result<()> {
+        for (i, file) in self.image.files().iter().enumerate() {
+            sys::fdatasync(file).map_err(|e| Error::io(e, format!("flush of {}", self.describe(i))))?;
+        }
+        Ok(())
+    }
+
+    /// Syncs every file of the image, then its metadata: data before the
+    /// metadata that points at it.
+    pub fn flush(&self) -> Result<()> {
+        self.sync_files()?;
+        self.image.sync_metadata()
+    }
+}
+
+fn read_only() -> Error {
+    Error::new(ErrorKind::ReadOnly, "the device is read-only")
+}
+
+/// Makes a range read as zeros: a punched hole where holes are allowed, else a
+/// zeroed (allocated) range, else written zeros unless the caller wants fast only.
+fn zero_range(file: &File, offset: u64, len: u64, no_hole: bool, fast: bool) -> std::io::Result<()> {
+    let unsupported = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENODEV));
+    if !no_hole {
+        match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+            Ok(()) => return Ok(()),
+            Err(e) if unsupported(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    match sys::fallocate(file, libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+        Ok(()) => return Ok(()),
+        Err(e) if unsupported(&e) && fast => return Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
+        Err(e) if unsupported(&e) => {}
+        Err(e) => return Err(e),
+    }
+    const CHUNK: u64 = 1 << 20;
+    let mut zeros = vec![0u8; CHUNK.min(len) as usize];
+    let mut at = 0;
+    while at < len {
+        let n = CHUNK.min(len - at) as usize;
+        let seg = Segment { ptr: zeros.as_mut_ptr(), len: n };
+        sys::pwritev_full(file, &[seg], offset + at, false)?;
+        at += n as u64;
+    }
+    Ok(())
+}
