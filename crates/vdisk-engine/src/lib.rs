@@ -18,6 +18,7 @@ mod queue;
 mod request;
 mod sys;
 mod threads;
+mod uring;
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -28,11 +29,27 @@ pub use request::{Flags, Op, Request, Sink};
 
 use queue::Queue;
 
+/// Which engine moves a device's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// A pool of worker threads doing blocking `preadv`/`pwritev2`.
+    Threads,
+    /// io_uring: whole batches per `io_uring_enter`, one ring per queue thread.
+    Uring,
+}
+
 /// How a device's engine runs.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Worker threads per device.
+    pub kind: EngineKind,
+    /// Worker threads per device (thread engine).
     pub workers: usize,
+    /// Rings (each with its own thread) per device (uring engine).
+    pub rings: usize,
+    /// Submission-queue entries per ring.
+    pub ring_entries: u32,
+    /// Let a kernel thread poll the submission queue (uring engine).
+    pub sqpoll: bool,
     /// Every write durable before it completes.
     pub sync: bool,
     /// Most requests a worker takes from the queue at once.
@@ -43,29 +60,85 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { workers: 16, sync: false, batch: 64, coalesce: true }
+        EngineConfig {
+            kind: EngineKind::Threads,
+            workers: 16,
+            rings: 1,
+            ring_entries: 256,
+            sqpoll: false,
+            sync: false,
+            batch: 64,
+            coalesce: true,
+        }
     }
 }
 
 /// One virtual disk with its queue and workers.
 pub struct Device {
     name: String,
+    kind: EngineKind,
     image: Arc<dyn Image>,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Device {
-    /// Starts the workers of a device over `image`.
+    /// Starts the engine of a device over `image`. A uring engine the kernel
+    /// cannot run falls back to threads, with a log line that says why.
     pub fn start(name: &str, image: Arc<dyn Image>, config: &EngineConfig) -> std::io::Result<Device> {
-        let queue = Arc::new(Queue::new(config.workers.max(1)));
-        let mut workers = Vec::with_capacity(config.workers);
-        for i in 0..config.workers.max(1) {
-            let planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
-            let w = threads::Worker::new(planner, queue.clone(), config.batch);
-            workers.push(std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?);
+        if config.kind == EngineKind::Uring {
+            match uring::probe()
+                .map_err(std::io::Error::other)
+                .and_then(|()| Self::spawn(name, &image, config, EngineKind::Uring))
+            {
+                Ok(dev) => return Ok(dev),
+                Err(e) => log::warn!("{name}: io_uring unavailable ({e}); using the thread engine instead"),
+            }
         }
-        Ok(Device { name: name.to_owned(), image, queue, workers: Mutex::new(workers) })
+        Self::spawn(name, &image, config, EngineKind::Threads)
+    }
+
+    fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
+        let consumers = if kind == EngineKind::Uring { config.rings } else { config.workers }.max(1);
+        let queue = Arc::new(Queue::new(consumers));
+        let dev = Device { name: name.to_owned(), kind, image: image.clone(), queue, workers: Mutex::new(Vec::new()) };
+        for i in 0..consumers {
+            let planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
+            let queue = dev.queue.clone();
+            let handle = match kind {
+                EngineKind::Threads => {
+                    let w = threads::Worker::new(planner, queue, config.batch);
+                    std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?
+                }
+                EngineKind::Uring => {
+                    // A ring holds raw pointers while it runs, so it is built on its own thread.
+                    let rc = uring::RingConfig { entries: config.ring_entries, sqpoll: config.sqpoll };
+                    let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    let h = std::thread::Builder::new().name(format!("{name}-ring{i}")).spawn(move || {
+                        match uring::RingWorker::new(planner, queue, batch, rc) {
+                            Ok(w) => {
+                                let _ = tx.send(Ok(()));
+                                w.run()
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(e));
+                            }
+                        }
+                    })?;
+                    // On error `dev` drops here, which stops the rings already started.
+                    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("ring thread died")))?;
+                    h
+                }
+            };
+            dev.workers.lock().unwrap().push(handle);
+        }
+        Ok(dev)
+    }
+
+    /// The engine actually running (after any fallback).
+    pub fn kind(&self) -> EngineKind {
+        self.kind
     }
 
     pub fn name(&self) -> &str {

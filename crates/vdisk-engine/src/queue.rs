@@ -1,17 +1,37 @@
 //! A device's request queue: many producers (connections) push batches, many
-//! workers take batches. One short lock per batch, not per request.
+//! consumers (thread workers or rings) take batches. One short lock per batch,
+//! not per request. Ring consumers sleep in `io_uring_enter`, not on the
+//! condvar: they register a [`Waker`] (an eventfd the ring has a read armed on)
+//! and a push writes to it only when that ring said it was going idle.
 
 use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::{Request, Sink};
 
 pub(crate) type Job = (Request, Arc<dyn Sink>);
 
+/// How a sleeping ring is woken.
+pub(crate) struct Waker {
+    pub fd: OwnedFd,
+    pub idle: AtomicBool,
+}
+
+impl Waker {
+    pub fn wake(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a valid u64 to an eventfd we own.
+        unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
 pub(crate) struct Queue {
     state: Mutex<State>,
     ready: Condvar,
-    workers: usize,
+    consumers: usize,
+    wakers: Mutex<Vec<Arc<Waker>>>,
 }
 
 struct State {
@@ -20,8 +40,17 @@ struct State {
 }
 
 impl Queue {
-    pub fn new(workers: usize) -> Self {
-        Queue { state: Mutex::new(State { jobs: VecDeque::new(), closed: false }), ready: Condvar::new(), workers }
+    pub fn new(consumers: usize) -> Self {
+        Queue {
+            state: Mutex::new(State { jobs: VecDeque::new(), closed: false }),
+            ready: Condvar::new(),
+            consumers: consumers.max(1),
+            wakers: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn add_waker(&self, w: Arc<Waker>) {
+        self.wakers.lock().unwrap().push(w);
     }
 
     pub fn push(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
@@ -37,6 +66,14 @@ impl Queue {
         } else {
             self.ready.notify_all();
         }
+        for w in self.wakers.lock().unwrap().iter() {
+            if w.idle.swap(false, Ordering::SeqCst) {
+                w.wake();
+                if n == 1 {
+                    break;
+                }
+            }
+        }
     }
 
     /// Takes a fair share of what is waiting (at least one, at most `max`),
@@ -45,13 +82,7 @@ impl Queue {
         let mut st = self.state.lock().unwrap();
         loop {
             if !st.jobs.is_empty() {
-                let share = st.jobs.len().div_ceil(self.workers).clamp(1, max.max(1));
-                into.extend(st.jobs.drain(..share));
-                let more = !st.jobs.is_empty();
-                drop(st);
-                if more {
-                    self.ready.notify_one();
-                }
+                self.share(&mut st, max, into);
                 return true;
             }
             if st.closed {
@@ -61,9 +92,31 @@ impl Queue {
         }
     }
 
+    /// Like [`Queue::take`] without blocking: returns false once closed and drained.
+    pub fn try_take(&self, max: usize, into: &mut Vec<Job>) -> bool {
+        let mut st = self.state.lock().unwrap();
+        if !st.jobs.is_empty() {
+            self.share(&mut st, max, into);
+            return true;
+        }
+        !st.closed
+    }
+
+    fn share(&self, st: &mut State, max: usize, into: &mut Vec<Job>) {
+        let share = st.jobs.len().div_ceil(self.consumers).clamp(1, max.max(1));
+        into.extend(st.jobs.drain(..share));
+        if !st.jobs.is_empty() {
+            self.ready.notify_one();
+        }
+    }
+
     pub fn close(&self) {
         self.state.lock().unwrap().closed = true;
         self.ready.notify_all();
+        for w in self.wakers.lock().unwrap().iter() {
+            w.idle.store(false, Ordering::SeqCst);
+            w.wake();
+        }
     }
 }
 

@@ -21,7 +21,7 @@ impl Sink for Collect {
 }
 
 struct Rig {
-    dev: Device,
+    dev: Arc<Device>,
     sink: Arc<dyn Sink>,
     rx: mpsc::Receiver<Request>,
     _dir: PathBuf,
@@ -36,8 +36,9 @@ impl Rig {
         RawImage::create(&path, size, None).unwrap();
         let image: Arc<dyn Image> = Arc::new(RawImage::open(&path, read_only).unwrap());
         let dev = Device::start(tag, image, config).unwrap();
+        assert_eq!(dev.kind(), config.kind, "{tag}: the engine asked for runs here");
         let (tx, rx) = mpsc::channel();
-        Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, _dir: dir }
+        Rig { dev: Arc::new(dev), sink: Arc::new(Collect(Mutex::new(tx))), rx, _dir: dir }
     }
 
     /// Submits a batch and returns the completions in tag order.
@@ -66,6 +67,9 @@ fn configs() -> Vec<(&'static str, EngineConfig)> {
         ("one-worker", EngineConfig { workers: 1, ..Default::default() }),
         ("no-coalesce", EngineConfig { coalesce: false, batch: 1, workers: 4, ..Default::default() }),
         ("sync", EngineConfig { sync: true, workers: 4, ..Default::default() }),
+        ("uring", EngineConfig { kind: EngineKind::Uring, ..Default::default() }),
+        ("uring-2rings", EngineConfig { kind: EngineKind::Uring, rings: 2, ring_entries: 8, ..Default::default() }),
+        ("uring-sync", EngineConfig { kind: EngineKind::Uring, sync: true, coalesce: false, ..Default::default() }),
     ]
 }
 
@@ -122,7 +126,13 @@ fn trim_and_write_zeroes_read_back_as_zeros() {
 
 #[test]
 fn read_only_devices_refuse_writes() {
-    let rig = Rig::new("ro", 65536, true, &EngineConfig::default());
+    for (name, cfg) in configs() {
+        read_only_refuses(name, &cfg);
+    }
+}
+
+fn read_only_refuses(name: &str, cfg: &EngineConfig) {
+    let rig = Rig::new(&format!("ro-{name}"), 65536, true, cfg);
     let done =
         rig.run(vec![write(0, vec![1; 512], 0), Request::new(Op::Trim, 0, 512, 1), Request::new(Op::Read, 0, 512, 2)]);
     assert_eq!(done[0].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
@@ -132,9 +142,38 @@ fn read_only_devices_refuse_writes() {
 
 #[test]
 fn shutdown_finishes_queued_requests() {
-    let rig = Rig::new("drain", 1 << 20, false, &EngineConfig { workers: 2, ..Default::default() });
-    let batch: Vec<Request> = (0..200).map(|i| write((i % 256) * 4096, vec![i as u8; 4096], i)).collect();
-    rig.dev.submit(batch, &rig.sink);
-    rig.dev.shutdown().unwrap();
-    assert_eq!(rig.rx.try_iter().count(), 200);
+    for (name, cfg) in configs() {
+        let rig = Rig::new(&format!("drain-{name}"), 1 << 20, false, &cfg);
+        let batch: Vec<Request> = (0..200).map(|i| write((i % 256) * 4096, vec![i as u8; 4096], i)).collect();
+        rig.dev.submit(batch, &rig.sink);
+        rig.dev.shutdown().unwrap();
+        assert_eq!(rig.rx.try_iter().count(), 200, "{name}");
+    }
+}
+
+#[test]
+fn many_batches_from_many_threads() {
+    for (name, cfg) in configs() {
+        let rig = Rig::new(&format!("mt-{name}"), 4 << 20, false, &cfg);
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let (dev, sink) = (rig.dev.clone(), rig.sink.clone());
+                std::thread::spawn(move || {
+                    for round in 0..20u64 {
+                        let batch: Vec<Request> = (0..16)
+                            .map(|i| {
+                                write((t * 256 + (round * 16 + i) % 256) * 4096, pattern((t * 7 + i) as u8, 4096), i)
+                            })
+                            .collect();
+                        dev.submit(batch, &sink);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let done: Vec<Request> = (0..4 * 20 * 16).map(|_| rig.rx.recv().unwrap()).collect();
+        assert!(done.iter().all(|r| r.error.is_none()), "{name}");
+    }
 }

@@ -274,7 +274,10 @@ fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only: bool) -> 
 /// Serves requests on `stream` until the client disconnects, sends DISC, breaks
 /// the protocol, or the server shuts the socket's read side. Every request
 /// read is answered (or the client is gone) before this returns.
-pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated) -> io::Result<()> {
+///
+/// Without `batching` (an ablation for benchmarks), each request is submitted
+/// on its own and each reply sent with its own write.
+pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batching: bool) -> io::Result<()> {
     let outbox = Arc::new(Outbox {
         state: Mutex::new(OutState::default()),
         changed: Condvar::new(),
@@ -284,16 +287,22 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated) -> io:
     let writer = {
         let outbox = outbox.clone();
         let stream = stream.try_clone()?;
-        std::thread::Builder::new().name("nbd-writer".into()).spawn(move || write_replies(stream, &outbox))?
+        std::thread::Builder::new().name("nbd-writer".into()).spawn(move || write_replies(stream, &outbox, batching))?
     };
-    let result = read_requests(stream, &device, &neg, &outbox);
+    let result = read_requests(stream, &device, &neg, &outbox, batching);
     outbox.state.lock().unwrap().reader_done = true;
     outbox.changed.notify_all();
     let _ = writer.join();
     result
 }
 
-fn read_requests(mut stream: Stream, device: &Device, neg: &Negotiated, outbox: &Arc<Outbox>) -> io::Result<()> {
+fn read_requests(
+    mut stream: Stream,
+    device: &Device,
+    neg: &Negotiated,
+    outbox: &Arc<Outbox>,
+    batching: bool,
+) -> io::Result<()> {
     let sink: Arc<dyn Sink> = outbox.clone();
     let (size, read_only) = (device.size(), device.read_only());
     let mut rbuf = vec![0u8; READ_BUFFER];
@@ -368,6 +377,9 @@ fn read_requests(mut stream: Stream, device: &Device, neg: &Negotiated, outbox: 
                 outbox.charge(c, true);
             }
             batch.push(req);
+            if !batching {
+                device.submit(std::mem::take(&mut batch), &sink);
+            }
         }
         device.submit(std::mem::take(&mut batch), &sink);
         if stop {
@@ -388,7 +400,7 @@ fn read_requests(mut stream: Stream, device: &Device, neg: &Negotiated, outbox: 
 /// Sends whatever replies are waiting with one vectored write, until the reader
 /// is done and nothing is in flight. After a send error it keeps draining (the
 /// client is gone) so that the reader and the engine never wait on it.
-fn write_replies(mut stream: Stream, outbox: &Outbox) {
+fn write_replies(mut stream: Stream, outbox: &Outbox, batching: bool) {
     let mut broken = false;
     loop {
         let msgs = {
@@ -402,7 +414,12 @@ fn write_replies(mut stream: Stream, outbox: &Outbox) {
             std::mem::take(&mut st.msgs)
         };
         if !broken {
-            if let Err(e) = send_all(&mut stream, &msgs) {
+            let sent = if batching {
+                send_all(&mut stream, &msgs)
+            } else {
+                msgs.iter().try_for_each(|m| send_all(&mut stream, std::slice::from_ref(m)))
+            };
+            if let Err(e) = sent {
                 log::info!("{}: cannot send replies ({e}); dropping the connection", stream.peer());
                 stream.shutdown(Shutdown::Both);
                 broken = true;

@@ -64,8 +64,23 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long shutdown waits for clients to finish before cutting them off.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
+/// How the server runs its connections.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerOptions {
+    /// Submit everything one read brought as one batch and send all waiting
+    /// replies with one write. Off only to measure what batching is worth.
+    pub batching: bool,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions { batching: true }
+    }
+}
+
 pub struct Server {
     exports: Vec<Export>,
+    options: ServerOptions,
     stopping: AtomicBool,
     /// Written once on stop; acceptors poll its read end.
     wake: (OwnedFd, OwnedFd),
@@ -76,7 +91,7 @@ pub struct Server {
 }
 
 impl Server {
-    pub fn new(exports: Vec<Export>) -> io::Result<Arc<Server>> {
+    pub fn new(exports: Vec<Export>, options: ServerOptions) -> io::Result<Arc<Server>> {
         let mut fds = [0; 2];
         // SAFETY: pipe2 writes two fds into the array we pass; we own them from here on.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
@@ -86,6 +101,7 @@ impl Server {
         let wake = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         Ok(Arc::new(Server {
             exports,
+            options,
             stopping: AtomicBool::new(false),
             wake,
             conns: Mutex::new(HashMap::new()),
@@ -214,7 +230,7 @@ impl Server {
         let _ = stream.set_read_timeout(None);
         let export = &self.exports[neg.export];
         log::debug!("{peer}: connected to export {:?}", export.name);
-        if let Err(e) = conn::transmission(stream, export.device.clone(), neg) {
+        if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
             if e.kind() == io::ErrorKind::InvalidData {
                 log::warn!("{peer}: {e}; closing the connection");
             } else {

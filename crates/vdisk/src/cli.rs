@@ -74,6 +74,12 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineArg {
+    Uring,
+    Threads,
+}
+
 #[derive(Args)]
 pub struct ServeArgs {
     /// Images to serve, one export each.
@@ -87,9 +93,23 @@ pub struct ServeArgs {
     /// Refuse every write, trim and zero.
     #[arg(long)]
     pub readonly: bool,
-    /// Worker threads per device.
+    /// The I/O engine: uring (batches in one io_uring_enter; falls back to threads
+    /// with a log line where the kernel lacks it) or threads (a pool of workers).
+    #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
+    pub engine: EngineArg,
+    /// Worker threads per device (thread engine).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub workers: u16,
+    /// Rings per device, each with its own thread (uring engine).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub rings: u16,
+    /// Let a kernel thread poll each ring's submission queue (uring engine; costs a core while busy).
+    #[arg(long)]
+    pub sqpoll: bool,
+    /// Most requests handed over at once on every hop; 1 turns batching and
+    /// request merging off (to measure what they are worth).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub batch: u16,
     /// Make every write durable before its reply (writes still run in parallel).
     #[arg(long)]
     pub sync: bool,

@@ -9,11 +9,11 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vdisk_engine::{Device, EngineConfig};
+use vdisk_engine::{Device, EngineConfig, EngineKind};
 use vdisk_image::{Image, RawImage};
-use vdisk_nbd::{Export, Listener, Server};
+use vdisk_nbd::{Export, Listener, Server, ServerOptions};
 
-use crate::cli::ServeArgs;
+use crate::cli::{EngineArg, ServeArgs};
 use crate::size::human;
 use crate::Failure;
 
@@ -25,7 +25,20 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     let demo = if a.images.is_empty() { Some(demo_image()?) } else { None };
     let paths: Vec<PathBuf> = demo.iter().cloned().chain(a.images.iter().cloned()).collect();
 
-    let config = EngineConfig { workers: a.workers as usize, sync: a.sync, ..Default::default() };
+    let config = EngineConfig {
+        kind: match a.engine {
+            EngineArg::Uring => EngineKind::Uring,
+            EngineArg::Threads => EngineKind::Threads,
+        },
+        workers: a.workers as usize,
+        rings: a.rings as usize,
+        sqpoll: a.sqpoll,
+        sync: a.sync,
+        batch: a.batch as usize,
+        coalesce: a.batch > 1,
+        ..Default::default()
+    };
+    let options = ServerOptions { batching: a.batch > 1 };
     let mut exports = Vec::new();
     for path in &paths {
         let image = RawImage::open(path, a.readonly)?;
@@ -73,7 +86,11 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     for e in &exports {
         let mode = if e.device.read_only() { "read-only" } else { "read-write" };
         let sync = if a.sync { ", sync" } else { "" };
-        println!("vdisk: export {:?}: {}, {mode}, {} workers{sync}", e.name, e.description, a.workers);
+        let engine = match e.device.kind() {
+            EngineKind::Uring => format!("io_uring engine, {} ring(s)", a.rings),
+            EngineKind::Threads => format!("thread engine, {} workers", a.workers),
+        };
+        println!("vdisk: export {:?}: {}, {mode}, {engine}{sync}", e.name, e.description);
     }
     if demo.is_some() {
         println!("vdisk: no image given: serving a fresh sparse 1 GiB demo image, removed at exit");
@@ -84,7 +101,8 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     println!("vdisk: stop with Ctrl-C (SIGINT) or SIGTERM");
     println!("vdisk: ready");
 
-    let server = Server::new(exports).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
+    let server =
+        Server::new(exports, options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
     {
         let server = server.clone();
         std::thread::Builder::new()

@@ -1,0 +1,375 @@
+//! The io_uring engine: one ring per queue thread. Everything the thread took
+//! from the device's queue goes into the ring at once and is submitted with the
+//! same `io_uring_enter` that waits for completions; completions are reaped as
+//! a batch and delivered grouped by sink.
+//!
+//! The in-flight table (`ops`, `jobs`) owns every request, and with it every
+//! buffer and iovec array the kernel may touch, until that operation's
+//! completion has been reaped. All `unsafe` submission is in [`Ring::push`].
+//!
+//! FLUSH is an `IORING_OP_FSYNC` (datasync) per file, not ordered against other
+//! operations in the ring: it must cover only writes *completed* before it was
+//! submitted, and those are already in the page cache. The image's metadata is
+//! synced after the files' fsyncs complete. FUA and sync-mode writes carry
+//! `RWF_DSYNC` on their SQE and still run in parallel.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+use vdisk_image::{Error, Result};
+
+use crate::plan::{Planner, Run};
+use crate::queue::{deliver, Job, Queue, Waker};
+use crate::sys::Segment;
+use crate::Op;
+
+/// Builds an SQE on file number `$file` of the image: the registered index when
+/// files are registered, the plain fd otherwise.
+macro_rules! on_file {
+    ($w:expr, $file:expr, |$f:ident| $build:expr) => {
+        if $w.ring.fixed_files {
+            let $f = types::Fixed($file as u32);
+            $build
+        } else {
+            let $f = types::Fd($w.planner.image.files()[$file].as_raw_fd());
+            $build
+        }
+    };
+}
+
+/// user_data of the eventfd read that wakes an idle ring.
+const WAKE: u64 = u64::MAX;
+/// user_data of the cancel of that read at exit.
+const CANCEL: u64 = u64::MAX - 1;
+
+/// How rings are set up.
+#[derive(Debug, Clone, Copy)]
+pub struct RingConfig {
+    pub entries: u32,
+    pub sqpoll: bool,
+}
+
+/// A small slab: stable keys, reused slots.
+struct Slab<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<usize>,
+    live: usize,
+}
+
+impl<T> Slab<T> {
+    fn new() -> Self {
+        Slab { slots: Vec::new(), free: Vec::new(), live: 0 }
+    }
+
+    fn insert(&mut self, v: T) -> usize {
+        self.live += 1;
+        match self.free.pop() {
+            Some(k) => {
+                self.slots[k] = Some(v);
+                k
+            }
+            None => {
+                self.slots.push(Some(v));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn remove(&mut self, k: usize) -> T {
+        let v = self.slots[k].take().expect("a live slab key");
+        self.free.push(k);
+        self.live -= 1;
+        v
+    }
+
+    fn get_mut(&mut self, k: usize) -> &mut T {
+        self.slots[k].as_mut().expect("a live slab key")
+    }
+}
+
+/// A request in flight and how many of its operations are still in the ring.
+struct JobSlot {
+    job: Job,
+    pending: usize,
+}
+
+enum OpKind {
+    /// A vectored read or write; `iov` is what the SQE points at, owned here
+    /// (and never read again) until the completion is reaped.
+    Data {
+        run: Run,
+        #[allow(dead_code)]
+        iov: Vec<libc::iovec>,
+        jobs: Vec<usize>,
+    },
+    /// The fsync of one file for a FLUSH.
+    Fsync { job: usize },
+}
+
+struct Ring {
+    ring: IoUring,
+    fixed_files: bool,
+}
+
+impl Ring {
+    /// Queues one SQE, submitting first if the submission queue is full.
+    ///
+    /// # Safety
+    /// Every buffer, iovec array and fd the entry refers to must stay valid and
+    /// untouched by anyone else until its completion is reaped. The callers
+    /// guarantee it by keeping the owner (the request and the `OpKind` holding
+    /// the iovecs, or the eventfd buffer) in the in-flight table until then.
+    unsafe fn push(&mut self, entry: &squeue::Entry) -> std::io::Result<()> {
+        loop {
+            // SAFETY: the caller's contract above.
+            if unsafe { self.ring.submission().push(entry) }.is_ok() {
+                return Ok(());
+            }
+            self.ring.submit()?;
+        }
+    }
+}
+
+pub(crate) struct RingWorker {
+    // The ring is dropped first, after the wake read has been cancelled and reaped.
+    ring: Ring,
+    planner: Planner,
+    queue: Arc<Queue>,
+    waker: Arc<Waker>,
+    wake_buf: Box<u64>,
+    jobs: Slab<JobSlot>,
+    ops: Slab<OpKind>,
+    done: Vec<Job>,
+    batch: usize,
+}
+
+impl RingWorker {
+    /// Builds a ring for `planner.image` (files registered when the kernel allows)
+    /// and registers its waker with the queue.
+    pub fn new(planner: Planner, queue: Arc<Queue>, batch: usize, cfg: RingConfig) -> std::io::Result<Self> {
+        let mut builder = IoUring::builder();
+        if cfg.sqpoll {
+            builder.setup_sqpoll(1000);
+        }
+        let ring = builder.setup_cqsize(cfg.entries * 4).build(cfg.entries)?;
+        let fds: Vec<i32> = planner.image.files().iter().map(|f| f.as_raw_fd()).collect();
+        let fixed_files = ring.submitter().register_files(&fds).is_ok();
+        // SAFETY: eventfd returns a new fd that nobody else owns, or -1 (checked).
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if efd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: efd is a fresh, valid fd owned by nobody else.
+        let waker = Arc::new(Waker { fd: unsafe { OwnedFd::from_raw_fd(efd) }, idle: false.into() });
+        queue.add_waker(waker.clone());
+        Ok(RingWorker {
+            ring: Ring { ring, fixed_files },
+            planner,
+            queue,
+            waker,
+            wake_buf: Box::new(0),
+            jobs: Slab::new(),
+            ops: Slab::new(),
+            done: Vec::new(),
+            batch: batch.max(1),
+        })
+    }
+
+    pub fn run(mut self) {
+        if let Err(e) = self.serve() {
+            log::error!("io_uring queue of {} failed: {e}", self.planner.describe(0));
+        }
+    }
+
+    fn serve(&mut self) -> std::io::Result<()> {
+        self.arm_wake()?;
+        let mut new = Vec::with_capacity(self.batch);
+        loop {
+            let mut open = self.queue.try_take(self.batch, &mut new);
+            if new.is_empty() && open {
+                // Going idle: say so, then look once more so no push is missed.
+                self.waker.idle.store(true, Ordering::SeqCst);
+                open = self.queue.try_take(self.batch, &mut new);
+                if !new.is_empty() {
+                    self.waker.idle.store(false, Ordering::SeqCst);
+                }
+            }
+            if !new.is_empty() {
+                self.start(&mut new)?;
+            }
+            deliver(&mut self.done);
+            if !open && self.jobs.live == 0 {
+                break;
+            }
+            if !new.is_empty() || self.waker.idle.load(Ordering::SeqCst) || self.ops.live > 0 {
+                self.ring.ring.submit_and_wait(1)?;
+            }
+            self.reap()?;
+        }
+        // Take the wake read back before the ring and its buffer go.
+        let cancel = opcode::AsyncCancel::new(WAKE).build().user_data(CANCEL);
+        // SAFETY: the cancel entry refers to no memory.
+        unsafe { self.ring.push(&cancel)? };
+        let mut outstanding = 2;
+        while outstanding > 0 {
+            self.ring.ring.submit_and_wait(1)?;
+            for cqe in self.ring.ring.completion() {
+                if matches!(cqe.user_data(), WAKE | CANCEL) {
+                    outstanding -= 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn arm_wake(&mut self) -> std::io::Result<()> {
+        let read = opcode::Read::new(types::Fd(self.waker.fd.as_raw_fd()), (&mut *self.wake_buf as *mut u64).cast(), 8)
+            .build()
+            .user_data(WAKE);
+        // SAFETY: wake_buf is a heap u64 owned by this worker, which waits for this
+        // read's completion (or its cancellation) before dropping it.
+        unsafe { self.ring.push(&read) }
+    }
+
+    /// Puts a batch of new requests into the ring (or completes them here when
+    /// they need no I/O or failed to map).
+    fn start(&mut self, new: &mut Vec<Job>) -> std::io::Result<()> {
+        let runs = self.planner.plan(new.iter_mut().map(|(r, _)| r).enumerate());
+        let keys: Vec<usize> = new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 0 })).collect();
+        for mut run in runs {
+            for j in run.jobs.iter_mut() {
+                *j = keys[*j];
+            }
+            let mut jobs = run.jobs.clone();
+            jobs.dedup();
+            for &j in &jobs {
+                self.jobs.get_mut(j).pending += 1;
+            }
+            let iov: Vec<libc::iovec> =
+                run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
+            let fd = run.file;
+            let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
+            let op = self.ops.insert(OpKind::Data { run, iov, jobs });
+            let entry = if write {
+                let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+                on_file!(self, fd, |f| opcode::Writev::new(f, ptr, n).offset(offset).rw_flags(flags).build())
+            } else {
+                on_file!(self, fd, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
+            };
+            // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
+            // in `jobs`; both stay until this op's completion is reaped.
+            unsafe { self.ring.push(&entry.user_data(op as u64))? };
+        }
+        for &k in &keys {
+            let slot = self.jobs.get_mut(k);
+            if slot.job.0.op == Op::Flush {
+                let files = self.planner.image.files().len();
+                slot.pending += files;
+                for file in 0..files {
+                    let op = self.ops.insert(OpKind::Fsync { job: k });
+                    let entry =
+                        on_file!(self, file, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
+                            .user_data(op as u64);
+                    // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
+                    unsafe { self.ring.push(&entry)? };
+                }
+            } else {
+                self.planner.perform_other(&mut slot.job.0);
+            }
+            if self.jobs.get_mut(k).pending == 0 {
+                self.finish(k);
+            }
+        }
+        Ok(())
+    }
+
+    fn reap(&mut self) -> std::io::Result<()> {
+        let cqes: Vec<(u64, i32)> = self.ring.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        for (ud, res) in cqes {
+            if ud == WAKE {
+                self.arm_wake()?;
+                continue;
+            }
+            match self.ops.remove(ud as usize) {
+                OpKind::Data { run, iov: _, jobs } => {
+                    self.data_done(&run, res);
+                    for j in jobs {
+                        self.release(j);
+                    }
+                }
+                OpKind::Fsync { job } => {
+                    if res < 0 {
+                        let e = std::io::Error::from_raw_os_error(-res);
+                        let err = Error::io(e, format!("flush of {}", self.planner.describe(0)));
+                        self.jobs.get_mut(job).job.0.error.get_or_insert(err);
+                    }
+                    self.release(job);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a data completion; a short transfer is finished with blocking
+    /// calls, a failed one is retried piece by piece so only the requests that
+    /// really failed see the error.
+    fn data_done(&mut self, run: &Run, res: i32) {
+        if res >= 0 && res as usize == run.len() {
+            return;
+        }
+        if res >= 0 {
+            let (rest, at) = skip(&run.segs, res as usize);
+            if self.planner.perform_segs(run, &rest, run.offset + at as u64).is_ok() {
+                return;
+            }
+        }
+        let mut at = run.offset;
+        for (seg, &job) in run.segs.iter().zip(&run.jobs) {
+            if let Err(e) = self.planner.perform_segs(run, std::slice::from_ref(seg), at) {
+                self.jobs.get_mut(job).job.0.error.get_or_insert(e);
+            }
+            at += seg.len as u64;
+        }
+    }
+
+    fn release(&mut self, k: usize) {
+        let slot = self.jobs.get_mut(k);
+        slot.pending -= 1;
+        if slot.pending == 0 {
+            if slot.job.0.op == Op::Flush && slot.job.0.error.is_none() {
+                if let Err(e) = self.planner.image.sync_metadata() {
+                    slot.job.0.error = Some(e);
+                }
+            }
+            self.finish(k);
+        }
+    }
+
+    fn finish(&mut self, k: usize) {
+        let slot = self.jobs.remove(k);
+        self.done.push(slot.job);
+    }
+}
+
+/// The segments left after the first `n` bytes, and where they start.
+fn skip(segs: &[Segment], mut n: usize) -> (Vec<Segment>, usize) {
+    let start = n;
+    let mut out = Vec::new();
+    for s in segs {
+        if n >= s.len {
+            n -= s.len;
+            continue;
+        }
+        // SAFETY: n < s.len, so the pointer stays inside the same buffer.
+        out.push(Segment { ptr: unsafe { s.ptr.add(n) }, len: s.len - n });
+        n = 0;
+    }
+    (out, start)
+}
+
+/// Whether this kernel can run the ring engine.
+pub fn probe() -> Result<()> {
+    IoUring::new(8).map(|_| ()).map_err(|e| Error::io(e, "io_uring is not available"))
+}
