@@ -20,6 +20,7 @@ mod sys;
 mod threads;
 mod uring;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -56,6 +57,9 @@ pub struct EngineConfig {
     pub batch: usize,
     /// Merge contiguous reads or writes of a batch into one vectored call.
     pub coalesce: bool,
+    /// Let [`Device::submit_inline`] finish in the caller's thread what needs no
+    /// device: everything on an in-memory file, page-cache hits elsewhere.
+    pub inline: bool,
 }
 
 impl Default for EngineConfig {
@@ -69,14 +73,30 @@ impl Default for EngineConfig {
             sync: false,
             batch: 64,
             coalesce: true,
+            inline: true,
         }
     }
+}
+
+/// What [`Device::submit_inline`] may finish in the caller's thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inline {
+    Never,
+    /// The files are in memory: nothing ever waits for a device.
+    All,
+    /// Reads whose data is all in the page cache (`RWF_NOWAIT`).
+    CachedReads,
 }
 
 /// One virtual disk with its queue and workers.
 pub struct Device {
     name: String,
     kind: EngineKind,
+    inline: Inline,
+    /// Cleared the first time the file system refuses RWF_NOWAIT.
+    nowait_works: AtomicBool,
+    sync: bool,
+    coalesce: bool,
     image: Arc<dyn Image>,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -101,7 +121,24 @@ impl Device {
     fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
         let consumers = if kind == EngineKind::Uring { config.rings } else { config.workers }.max(1);
         let queue = Arc::new(Queue::new(consumers));
-        let dev = Device { name: name.to_owned(), kind, image: image.clone(), queue, workers: Mutex::new(Vec::new()) };
+        let inline = if !config.inline {
+            Inline::Never
+        } else if image.files().iter().all(sys::in_memory) {
+            Inline::All
+        } else {
+            Inline::CachedReads
+        };
+        let dev = Device {
+            name: name.to_owned(),
+            kind,
+            inline,
+            nowait_works: AtomicBool::new(true),
+            sync: config.sync,
+            coalesce: config.coalesce,
+            image: image.clone(),
+            queue,
+            workers: Mutex::new(Vec::new()),
+        };
         for i in 0..consumers {
             let planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
             let queue = dev.queue.clone();
@@ -160,6 +197,52 @@ impl Device {
     /// Queues a batch; each request comes back through `sink` once done.
     pub fn submit(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
         self.queue.push(batch, sink);
+    }
+
+    /// Finishes in the caller's thread what needs no device and puts it in
+    /// `done` (the caller answers those); queues the rest, which comes back
+    /// through `sink`. On an in-memory file everything finishes inline; on
+    /// others, reads the page cache can serve in full.
+    pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
+        let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
+        match self.inline {
+            Inline::Never => self.submit(batch, sink),
+            Inline::All => {
+                let first = done.len();
+                done.extend(batch);
+                let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
+                threads::execute(&mut planner, &mut reqs);
+            }
+            Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => self.submit(batch, sink),
+            Inline::CachedReads => {
+                let (mut reads, mut rest): (Vec<Request>, Vec<Request>) =
+                    batch.into_iter().partition(|r| r.op == Op::Read);
+                let runs = planner.plan(reads.iter_mut().enumerate());
+                let mut missed = vec![false; reads.len()];
+                for run in &runs {
+                    let hit = match planner.perform_cached(run) {
+                        Ok(hit) => hit,
+                        Err(e) => {
+                            if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                                self.nowait_works.store(false, Ordering::Relaxed);
+                            }
+                            false
+                        }
+                    };
+                    if !hit {
+                        run.jobs.iter().for_each(|&j| missed[j] = true);
+                    }
+                }
+                for (req, missed) in reads.into_iter().zip(missed) {
+                    if missed && req.error.is_none() {
+                        rest.push(req);
+                    } else {
+                        done.push(req);
+                    }
+                }
+                self.submit(rest, sink);
+            }
+        }
     }
 
     /// Finishes what is queued, stops the workers and makes every write durable.

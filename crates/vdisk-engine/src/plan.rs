@@ -155,6 +155,14 @@ impl Planner {
         r.map_err(|e| self.run_error(run, e))
     }
 
+    /// Tries a read run from the page cache only. False when any of it would
+    /// have to wait for the device (or the file system cannot tell).
+    pub fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
+        let file = &self.image.files()[run.file];
+        // Same promise as `perform_segs`.
+        Ok(sys::preadv_nowait(file, &run.segs, run.offset)? == run.len())
+    }
+
     pub fn run_error(&self, run: &Run, e: std::io::Error) -> Error {
         let what = if run.write { "write" } else { "read" };
         Error::io(e, format!("{what} of {} bytes at offset {} of {}", run.len(), run.offset, self.describe(run.file)))

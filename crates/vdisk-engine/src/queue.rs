@@ -37,12 +37,14 @@ pub(crate) struct Queue {
 struct State {
     jobs: VecDeque<Job>,
     closed: bool,
+    /// Consumers blocked on `ready`: only then is a wake-up (a futex call) owed.
+    waiting: usize,
 }
 
 impl Queue {
     pub fn new(consumers: usize) -> Self {
         Queue {
-            state: Mutex::new(State { jobs: VecDeque::new(), closed: false }),
+            state: Mutex::new(State { jobs: VecDeque::new(), closed: false, waiting: 0 }),
             ready: Condvar::new(),
             consumers: consumers.max(1),
             wakers: Mutex::new(Vec::new()),
@@ -60,10 +62,11 @@ impl Queue {
         }
         let mut st = self.state.lock().unwrap();
         st.jobs.extend(batch.into_iter().map(|r| (r, sink.clone())));
+        let waiting = st.waiting;
         drop(st);
-        if n == 1 {
+        if waiting == 1 || (waiting > 1 && n == 1) {
             self.ready.notify_one();
-        } else {
+        } else if waiting > 1 {
             self.ready.notify_all();
         }
         for w in self.wakers.lock().unwrap().iter() {
@@ -88,7 +91,9 @@ impl Queue {
             if st.closed {
                 return false;
             }
+            st.waiting += 1;
             st = self.ready.wait(st).unwrap();
+            st.waiting -= 1;
         }
     }
 
@@ -105,7 +110,7 @@ impl Queue {
     fn share(&self, st: &mut State, max: usize, into: &mut Vec<Job>) {
         let share = st.jobs.len().div_ceil(self.consumers).clamp(1, max.max(1));
         into.extend(st.jobs.drain(..share));
-        if !st.jobs.is_empty() {
+        if !st.jobs.is_empty() && st.waiting > 0 {
             self.ready.notify_one();
         }
     }

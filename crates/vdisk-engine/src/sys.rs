@@ -90,6 +90,35 @@ pub fn pwritev_full(file: &File, segs: &[Segment], mut offset: u64, dsync: bool)
     Ok(())
 }
 
+/// One `preadv2(RWF_NOWAIT)`: reads only what is already in the page cache.
+/// Returns the bytes read (possibly fewer than asked); EAGAIN when it would block.
+pub fn preadv_nowait(file: &File, segs: &[Segment], offset: u64) -> io::Result<usize> {
+    let iov = iovecs(segs);
+    // SAFETY: as in `preadv_full`: the segments vouch for the memory.
+    let r = unsafe {
+        libc::preadv2(file.as_raw_fd(), iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64, libc::RWF_NOWAIT)
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(r as usize)
+}
+
+/// True when the file lives in memory (tmpfs, ramfs, hugetlbfs): its I/O never
+/// waits for a device.
+pub fn in_memory(file: &File) -> bool {
+    const TMPFS: i64 = 0x0102_1994;
+    const RAMFS: i64 = 0x8584_58f6;
+    const HUGETLBFS: i64 = 0x9584_58f6;
+    // SAFETY: statfs is plain data; fstatfs fills it for a valid fd.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open and `st` is a valid out-pointer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    matches!(st.f_type as i64, TMPFS | RAMFS | HUGETLBFS)
+}
+
 pub fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
     loop {
         // SAFETY: fallocate only reads its integer arguments.

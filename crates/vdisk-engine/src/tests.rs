@@ -29,7 +29,11 @@ struct Rig {
 
 impl Rig {
     fn new(tag: &str, size: u64, read_only: bool, config: &EngineConfig) -> Rig {
-        let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-{tag}", std::process::id()));
+        Self::new_in(&std::env::temp_dir(), tag, size, read_only, config)
+    }
+
+    fn new_in(base: &std::path::Path, tag: &str, size: u64, read_only: bool, config: &EngineConfig) -> Rig {
+        let dir = base.join(format!("vdisk-engine-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("disk.img");
         let _ = std::fs::remove_file(&path);
@@ -39,6 +43,18 @@ impl Rig {
         assert_eq!(dev.kind(), config.kind, "{tag}: the engine asked for runs here");
         let (tx, rx) = mpsc::channel();
         Rig { dev: Arc::new(dev), sink: Arc::new(Collect(Mutex::new(tx))), rx, _dir: dir }
+    }
+
+    /// Submits a batch through `submit_inline` and returns all completions in tag order.
+    fn run_inline(&self, batch: Vec<Request>) -> Vec<Request> {
+        let n = batch.len();
+        let mut out = Vec::new();
+        self.dev.submit_inline(batch, &self.sink, &mut out);
+        while out.len() < n {
+            out.push(self.rx.recv().unwrap());
+        }
+        out.sort_by_key(|r| r.tag);
+        out
     }
 
     /// Submits a batch and returns the completions in tag order.
@@ -175,5 +191,31 @@ fn many_batches_from_many_threads() {
         }
         let done: Vec<Request> = (0..4 * 20 * 16).map(|_| rig.rx.recv().unwrap()).collect();
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");
+    }
+}
+
+#[test]
+fn inline_submission_matches_queued_submission() {
+    // /dev/shm is in memory (everything inline); the temp dir is usually not (cached reads inline).
+    for base in [std::path::PathBuf::from("/dev/shm"), std::env::temp_dir()] {
+        if !base.is_dir() {
+            continue;
+        }
+        for (name, cfg) in configs() {
+            let rig = Rig::new_in(&base, &format!("inline-{name}"), 1 << 20, false, &cfg);
+            let writes: Vec<Request> = (0..32).map(|i| write(i * 8192, pattern(i as u8, 8192), i)).collect();
+            assert!(rig.run_inline(writes).iter().all(|r| r.error.is_none()), "{name}");
+            let mut mixed: Vec<Request> = (0..32).map(|i| Request::new(Op::Read, i * 8192, 8192, i)).collect();
+            mixed.push(Request::new(Op::Flush, 0, 0, 100));
+            mixed.push(Request::new(Op::Trim, 0, 8192, 101));
+            let done = rig.run_inline(mixed);
+            for r in &done[..32] {
+                assert!(r.error.is_none(), "{name}");
+                assert_eq!(r.buf, pattern(r.tag as u8, 8192), "{name} in {}: block {}", base.display(), r.tag);
+            }
+            assert!(done[32..].iter().all(|r| r.error.is_none()));
+            let zero = rig.run_inline(vec![Request::new(Op::Read, 0, 8192, 0)]).remove(0).buf;
+            assert!(zero.iter().all(|&b| b == 0), "{name}: trimmed range reads zeros");
+        }
     }
 }

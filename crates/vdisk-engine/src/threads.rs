@@ -1,11 +1,13 @@
 //! The thread engine: a pool of workers per device, each taking a fair share
 //! of the queue, performing its runs with blocking `preadv`/`pwritev2`, then
-//! handing completions back grouped by sink.
+//! handing completions back grouped by sink. [`execute`] is also what runs a
+//! batch inline in the caller's thread.
+
+use std::sync::Arc;
 
 use crate::plan::Planner;
-use crate::queue::{deliver, Job, Queue};
-use crate::Op;
-use std::sync::Arc;
+use crate::queue::{deliver, Queue};
+use crate::{Op, Request};
 
 pub(crate) struct Worker {
     planner: Planner,
@@ -21,37 +23,40 @@ impl Worker {
     pub fn run(mut self) {
         let mut jobs = Vec::with_capacity(self.batch);
         while self.queue.take(self.batch, &mut jobs) {
-            self.execute(&mut jobs);
+            let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _)| r).collect();
+            execute(&mut self.planner, &mut reqs);
             deliver(&mut jobs);
         }
     }
+}
 
-    fn execute(&mut self, jobs: &mut [Job]) {
-        let runs = self.planner.plan(jobs.iter_mut().map(|(r, _)| r).enumerate());
-        for run in &runs {
-            if self.planner.perform(run).is_err() {
-                // Retry piece by piece so only the requests that really failed see the error.
-                let mut at = run.offset;
-                for (seg, &job) in run.segs.iter().zip(&run.jobs) {
-                    if let Err(e) = self.planner.perform_segs(run, std::slice::from_ref(seg), at) {
-                        jobs[job].0.error.get_or_insert(e);
-                    }
-                    at += seg.len as u64;
+/// Performs a batch with blocking calls: data runs first, then the other
+/// operations, then one flush for all the FLUSH requests of the batch.
+pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
+    let runs = planner.plan(reqs.iter_mut().map(|r| &mut **r).enumerate());
+    for run in &runs {
+        if planner.perform(run).is_err() {
+            // Retry piece by piece so only the requests that really failed see the error.
+            let mut at = run.offset;
+            for (seg, &job) in run.segs.iter().zip(&run.jobs) {
+                if let Err(e) = planner.perform_segs(run, std::slice::from_ref(seg), at) {
+                    reqs[job].error.get_or_insert(e);
                 }
+                at += seg.len as u64;
             }
         }
-        let mut flush = false;
-        for (req, _) in jobs.iter_mut() {
-            if !self.planner.perform_other(req) && req.op == Op::Flush {
-                flush = true;
-            }
+    }
+    let mut flush = false;
+    for req in reqs.iter_mut() {
+        if !planner.perform_other(req) && req.op == Op::Flush {
+            flush = true;
         }
-        if flush {
-            let r = self.planner.flush();
-            for (req, _) in jobs.iter_mut().filter(|(r, _)| r.op == Op::Flush) {
-                if let Err(e) = &r {
-                    req.error = Some(vdisk_image::Error::new(e.kind(), e.to_string()));
-                }
+    }
+    if flush {
+        let r = planner.flush();
+        for req in reqs.iter_mut().filter(|r| r.op == Op::Flush) {
+            if let Err(e) = &r {
+                req.error = Some(vdisk_image::Error::new(e.kind(), e.to_string()));
             }
         }
     }

@@ -8,7 +8,9 @@
 
 mod conn;
 pub mod handshake;
+mod outbox;
 pub mod proto;
+mod reply;
 mod stream;
 
 use std::collections::HashMap;

@@ -1,10 +1,12 @@
 //! A connected client socket, unix or TCP, behind one type.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
+
+const IOV_MAX: usize = 1024;
 
 pub enum Stream {
     Unix(UnixStream),
@@ -33,6 +35,39 @@ impl Stream {
         }
     }
 
+    /// One vectored `sendmsg` of `slices`, starting `skip` bytes in. Returns the
+    /// bytes sent; without `blocking`, WouldBlock when the socket is full.
+    pub fn send_from(&self, slices: &[&[u8]], mut skip: usize, blocking: bool) -> io::Result<usize> {
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(slices.len().min(IOV_MAX));
+        for s in slices {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            let part = &s[skip..];
+            skip = 0;
+            iov.push(libc::iovec { iov_base: part.as_ptr() as *mut libc::c_void, iov_len: part.len() });
+            if iov.len() == IOV_MAX {
+                break;
+            }
+        }
+        if iov.is_empty() {
+            return Ok(0);
+        }
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header we then fill.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len();
+        let flags = libc::MSG_NOSIGNAL | if blocking { 0 } else { libc::MSG_DONTWAIT };
+        // SAFETY: msg points at `iov`, whose entries point into `slices`; all outlive the call,
+        // and the kernel only reads them.
+        let n = unsafe { libc::sendmsg(self.as_raw_fd(), &msg, flags) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     pub fn peer(&self) -> String {
         match self {
             Stream::Unix(_) => "unix client".to_owned(),
@@ -55,13 +90,6 @@ impl Write for Stream {
         match self {
             Stream::Unix(s) => s.write(buf),
             Stream::Tcp(s) => s.write(buf),
-        }
-    }
-
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.write_vectored(bufs),
-            Stream::Tcp(s) => s.write_vectored(bufs),
         }
     }
 

@@ -110,6 +110,10 @@ pub struct ServeArgs {
     /// request merging off (to measure what they are worth).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub batch: u16,
+    /// Never finish requests in the connection's own thread (by default, I/O that
+    /// cannot wait for a device — in-memory files, page-cache hits — runs inline).
+    #[arg(long)]
+    pub no_inline: bool,
     /// Make every write durable before its reply (writes still run in parallel).
     #[arg(long)]
     pub sync: bool,

@@ -36,6 +36,7 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         sync: a.sync,
         batch: a.batch as usize,
         coalesce: a.batch > 1,
+        inline: !a.no_inline,
         ..Default::default()
     };
     let options = ServerOptions { batching: a.batch > 1 };

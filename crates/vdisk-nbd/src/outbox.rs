@@ -1,0 +1,220 @@
+//! The outbox of a connection: replies on their way to the client, and the
+//! in-flight accounting that bounds a connection's memory.
+//!
+//! Whoever completes requests sends their replies: the reader (for requests
+//! done inline), an engine worker or ring (through the [`Sink`]). If nobody is
+//! sending and nothing is queued, the completer sends at once with one
+//! non-blocking vectored `sendmsg`; otherwise, or when the socket is full, the
+//! replies queue up and the connection's writer thread sends them, blocking as
+//! needed. So in the common case a reply costs no thread hand-off, and a client
+//! that stops reading only ever blocks its own writer.
+
+use std::io;
+use std::net::Shutdown;
+use std::sync::{Condvar, Mutex};
+
+use vdisk_engine::{Request, Sink};
+
+use crate::reply::{Encoder, OutMsg};
+use crate::stream::Stream;
+
+pub const MAX_INFLIGHT_BYTES: usize = 64 << 20;
+
+pub struct Outbox {
+    state: Mutex<State>,
+    changed: Condvar,
+    stream: Stream,
+    pub encoder: Encoder,
+    batching: bool,
+}
+
+#[derive(Default)]
+struct State {
+    /// Replies waiting for the writer thread; the first may be partly sent.
+    queue: Vec<OutMsg>,
+    /// Bytes of `queue[0]` already sent.
+    sent: usize,
+    /// Someone is sending right now.
+    sending: bool,
+    inflight: usize,
+    inflight_bytes: usize,
+    /// The writer thread is blocked on `changed`.
+    writer_waiting: bool,
+    /// The reader is blocked on `changed`, over its in-flight budget.
+    reader_waiting: bool,
+    reader_done: bool,
+    /// The client is gone: replies are dropped.
+    broken: bool,
+}
+
+impl Sink for Outbox {
+    fn complete(&self, done: Vec<Request>) {
+        let msgs = done.into_iter().map(|r| self.encoder.encode(r)).collect();
+        self.deliver(msgs);
+    }
+}
+
+impl Outbox {
+    pub fn new(stream: Stream, encoder: Encoder, batching: bool) -> Self {
+        Outbox { state: Mutex::new(State::default()), changed: Condvar::new(), stream, encoder, batching }
+    }
+
+    /// Wakes whoever has something to do now; a futex call only when owed.
+    fn notify(&self, st: &State) {
+        let writer_has_work = !st.sending && (!st.queue.is_empty() || (st.reader_done && st.inflight == 0));
+        if st.reader_waiting || (st.writer_waiting && writer_has_work) {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Sends `msgs` now if the socket is free and takes them; else queues them for the writer.
+    pub fn deliver(&self, msgs: Vec<OutMsg>) {
+        if msgs.is_empty() {
+            return;
+        }
+        let mut st = self.state.lock().unwrap();
+        if st.broken {
+            self.release(&mut st, &msgs);
+            return;
+        }
+        if st.sending || !st.queue.is_empty() || !self.batching {
+            st.queue.extend(msgs);
+            self.notify(&st);
+            return;
+        }
+        st.sending = true;
+        drop(st);
+        let r = send(&self.stream, &msgs, 0, false);
+        let mut st = self.state.lock().unwrap();
+        st.sending = false;
+        match r {
+            Ok(Sent::All) => self.release(&mut st, &msgs),
+            Ok(Sent::Partly { done, skip }) => {
+                self.release(&mut st, &msgs[..done]);
+                // The writer finishes the rest, before anything queued meanwhile.
+                let mut rest: Vec<OutMsg> = msgs.into_iter().skip(done).collect();
+                rest.append(&mut st.queue);
+                st.queue = rest;
+                st.sent = skip;
+            }
+            Err(e) => {
+                self.fail(&mut st, e);
+                self.release(&mut st, &msgs);
+            }
+        }
+        self.notify(&st);
+    }
+
+    fn fail(&self, st: &mut State, e: io::Error) {
+        if !st.broken {
+            log::info!("{}: cannot send replies ({e}); dropping the connection", self.stream.peer());
+            st.broken = true;
+            self.stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn release(&self, st: &mut State, msgs: &[OutMsg]) {
+        st.inflight -= msgs.len();
+        st.inflight_bytes -= msgs.iter().map(|m| m.cost).sum::<usize>();
+    }
+
+    /// Adds a request to the in-flight count. Without `wait`, refuses (false)
+    /// when over budget; with it, blocks until replies drain.
+    pub fn charge(&self, cost: usize, wait: bool) -> bool {
+        let mut st = self.state.lock().unwrap();
+        while st.inflight > 0 && st.inflight_bytes + cost > MAX_INFLIGHT_BYTES {
+            if !wait {
+                return false;
+            }
+            st.reader_waiting = true;
+            st = self.changed.wait(st).unwrap();
+            st.reader_waiting = false;
+        }
+        st.inflight += 1;
+        st.inflight_bytes += cost;
+        true
+    }
+
+    /// The reader is done: once nothing is in flight, the writer stops.
+    pub fn reader_done(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.reader_done = true;
+        self.notify(&st);
+    }
+
+    /// The writer thread: sends what is queued, blocking as needed, until the
+    /// reader is done and every request has been answered (or dropped).
+    pub fn write_queued(&self) {
+        let mut st = self.state.lock().unwrap();
+        loop {
+            if st.queue.is_empty() || st.sending {
+                if st.reader_done && st.inflight == 0 && !st.sending {
+                    return;
+                }
+                st.writer_waiting = true;
+                st = self.changed.wait(st).unwrap();
+                st.writer_waiting = false;
+                continue;
+            }
+            let msgs = std::mem::take(&mut st.queue);
+            let skip = std::mem::take(&mut st.sent);
+            if st.broken {
+                self.release(&mut st, &msgs);
+                continue;
+            }
+            st.sending = true;
+            drop(st);
+            let r = if self.batching {
+                send(&self.stream, &msgs, skip, true).map(|_| ())
+            } else {
+                (0..msgs.len())
+                    .try_for_each(|i| send(&self.stream, &msgs[i..=i], if i == 0 { skip } else { 0 }, true).map(|_| ()))
+            };
+            st = self.state.lock().unwrap();
+            st.sending = false;
+            if let Err(e) = r {
+                self.fail(&mut st, e);
+            }
+            self.release(&mut st, &msgs);
+            self.notify(&st);
+        }
+    }
+}
+
+enum Sent {
+    All,
+    /// `done` messages went whole, and `skip` bytes of the next one.
+    Partly {
+        done: usize,
+        skip: usize,
+    },
+}
+
+/// Sends `msgs` (skipping `skip` bytes of the first) with vectored `sendmsg`.
+/// Blocking: until all is sent. Non-blocking: until the socket is full.
+fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool) -> io::Result<Sent> {
+    let mut slices: Vec<&[u8]> = Vec::with_capacity(msgs.len() * 2);
+    let mut ends = Vec::with_capacity(msgs.len());
+    let mut total = 0usize;
+    for m in msgs {
+        for s in m.slices() {
+            total += s.len();
+            slices.push(s);
+        }
+        ends.push(total);
+    }
+    let mut at = skip;
+    while at < total {
+        match stream.send_from(&slices, at, blocking) {
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && !blocking => {
+                let done = ends.iter().take_while(|&&end| end <= at).count();
+                let start = if done == 0 { 0 } else { ends[done - 1] };
+                return Ok(Sent::Partly { done, skip: at - start });
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Sent::All)
+}
