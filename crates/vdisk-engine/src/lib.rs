@@ -13,6 +13,7 @@
 //! every write completed before the FLUSH was submitted, on any connection, is
 //! durable when the FLUSH completes.
 
+mod buf;
 mod plan;
 mod queue;
 mod request;
@@ -26,6 +27,7 @@ use std::thread::JoinHandle;
 
 use vdisk_image::{Image, Result};
 
+pub use buf::{Buf, ALIGN};
 pub use request::{Flags, Op, Request, Sink};
 
 use queue::Queue;
@@ -121,7 +123,7 @@ impl Device {
     fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
         let consumers = if kind == EngineKind::Uring { config.rings } else { config.workers }.max(1);
         let queue = Arc::new(Queue::new(consumers));
-        let inline = if !config.inline {
+        let inline = if !config.inline || !image.direct_files().is_empty() {
             Inline::Never
         } else if image.files().iter().all(sys::in_memory) {
             Inline::All

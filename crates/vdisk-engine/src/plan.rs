@@ -9,12 +9,14 @@ use std::sync::Arc;
 use vdisk_image::{Error, ErrorKind, Extent, Image, Result};
 
 use crate::sys::{self, Segment, IOV_MAX};
+use crate::ALIGN;
 use crate::{Op, Request};
 
 /// One contiguous piece of a read or write, in one file.
 struct Piece {
     write: bool,
     dsync: bool,
+    direct: bool,
     file: usize,
     offset: u64,
     job: usize,
@@ -25,6 +27,8 @@ struct Piece {
 pub(crate) struct Run {
     pub write: bool,
     pub dsync: bool,
+    /// Goes to the image's O_DIRECT file (everything about it is aligned).
+    pub direct: bool,
     pub file: usize,
     pub offset: u64,
     pub segs: Vec<Segment>,
@@ -78,7 +82,7 @@ impl Planner {
             if write {
                 return Err(Error::invalid("write buffer does not match its length"));
             }
-            req.buf.resize(req.len as usize, 0);
+            req.buf.resize(req.len as usize);
         }
         self.extents.clear();
         if write {
@@ -87,14 +91,17 @@ impl Planner {
             self.image.map_read(req.offset, req.len, &mut self.extents)?;
         }
         let dsync = write && (self.sync || req.flags.fua);
+        let can_direct = !self.image.direct_files().is_empty();
         let mut at = 0usize;
         for ext in &self.extents {
             let len = ext.len() as usize;
             let region = &mut req.buf[at..at + len];
+            let aligned = |v: usize| v.is_multiple_of(ALIGN);
             match *ext {
                 Extent::Data { file, offset, .. } => pieces.push(Piece {
                     write,
                     dsync,
+                    direct: can_direct && aligned(offset as usize) && aligned(len) && aligned(region.as_ptr() as usize),
                     file,
                     offset,
                     job: key,
@@ -110,14 +117,14 @@ impl Planner {
 
     fn merge(&self, mut pieces: Vec<Piece>) -> Vec<Run> {
         if self.coalesce {
-            pieces.sort_by_key(|p| (p.write, p.dsync, p.file, p.offset));
+            pieces.sort_by_key(|p| (p.write, p.dsync, p.direct, p.file, p.offset));
         }
         let mut runs: Vec<Run> = Vec::new();
         for p in pieces {
             if let Some(r) = runs.last_mut() {
                 let next = r.offset + r.len() as u64;
                 if self.coalesce
-                    && (r.write, r.dsync, r.file, next) == (p.write, p.dsync, p.file, p.offset)
+                    && (r.write, r.dsync, r.direct, r.file, next) == (p.write, p.dsync, p.direct, p.file, p.offset)
                     && r.segs.len() < IOV_MAX
                 {
                     r.segs.push(p.seg);
@@ -128,6 +135,7 @@ impl Planner {
             runs.push(Run {
                 write: p.write,
                 dsync: p.dsync,
+                direct: p.direct,
                 file: p.file,
                 offset: p.offset,
                 segs: vec![p.seg],
@@ -144,7 +152,7 @@ impl Planner {
 
     /// Performs part of a run (segments starting at `offset`) with blocking calls.
     pub fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
-        let file = &self.image.files()[run.file];
+        let file = self.file_of(run);
         // The segments point into buffers of requests the engine owns until it
         // completes them, and no two overlap: `Segment`'s promise holds.
         let r = if run.write {
@@ -158,9 +166,18 @@ impl Planner {
     /// Tries a read run from the page cache only. False when any of it would
     /// have to wait for the device (or the file system cannot tell).
     pub fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
-        let file = &self.image.files()[run.file];
+        let file = self.file_of(run);
         // Same promise as `perform_segs`.
         Ok(sys::preadv_nowait(file, &run.segs, run.offset)? == run.len())
+    }
+
+    /// The file a run goes to: the O_DIRECT twin for a direct run.
+    pub fn file_of(&self, run: &Run) -> &File {
+        if run.direct {
+            &self.image.direct_files()[run.file]
+        } else {
+            &self.image.files()[run.file]
+        }
     }
 
     pub fn run_error(&self, run: &Run, e: std::io::Error) -> Error {
@@ -263,7 +280,7 @@ fn zero_range(file: &File, offset: u64, len: u64, no_hole: bool, fast: bool) -> 
         Err(e) => return Err(e),
     }
     const CHUNK: u64 = 1 << 20;
-    let mut zeros = vec![0u8; CHUNK.min(len) as usize];
+    let mut zeros = crate::Buf::zeroed(CHUNK.min(len) as usize);
     let mut at = 0;
     while at < len {
         let n = CHUNK.min(len - at) as usize;

@@ -4,6 +4,8 @@
 
 use vdisk_image::{Allocation, Error};
 
+use crate::Buf;
+
 /// The operations every export maps its own commands onto.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -41,7 +43,7 @@ pub struct Request {
     pub len: u64,
     pub flags: Flags,
     /// Read: filled by the engine (must be `len` bytes). Write: the data.
-    pub buf: Vec<u8>,
+    pub buf: Buf,
     /// BlockStatus: the runs found, at most `max_status` of them.
     pub status: Vec<Allocation>,
     pub max_status: usize,
@@ -59,7 +61,7 @@ impl Request {
             offset,
             len,
             flags: Flags::default(),
-            buf: Vec::new(),
+            buf: Buf::new(),
             status: Vec::new(),
             max_status: 0,
             tag,

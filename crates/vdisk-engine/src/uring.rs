@@ -25,15 +25,17 @@ use crate::queue::{deliver, Job, Queue, Waker};
 use crate::sys::Segment;
 use crate::Op;
 
-/// Builds an SQE on file number `$file` of the image: the registered index when
-/// files are registered, the plain fd otherwise.
+/// Builds an SQE on file number `$file` of the image (its O_DIRECT twin when
+/// `$direct`): the registered index when files are registered, else the fd.
 macro_rules! on_file {
-    ($w:expr, $file:expr, |$f:ident| $build:expr) => {
+    ($w:expr, $file:expr, $direct:expr, |$f:ident| $build:expr) => {
         if $w.ring.fixed_files {
-            let $f = types::Fixed($file as u32);
+            let twin = if $direct { $w.planner.image.files().len() } else { 0 };
+            let $f = types::Fixed(($file + twin) as u32);
             $build
         } else {
-            let $f = types::Fd($w.planner.image.files()[$file].as_raw_fd());
+            let files = if $direct { $w.planner.image.direct_files() } else { $w.planner.image.files() };
+            let $f = types::Fd(files[$file].as_raw_fd());
             $build
         }
     };
@@ -154,7 +156,9 @@ impl RingWorker {
             builder.setup_sqpoll(1000);
         }
         let ring = builder.setup_cqsize(cfg.entries * 4).build(cfg.entries)?;
-        let fds: Vec<i32> = planner.image.files().iter().map(|f| f.as_raw_fd()).collect();
+        // Registered as the buffered files, then their O_DIRECT twins.
+        let image = &planner.image;
+        let fds: Vec<i32> = image.files().iter().chain(image.direct_files()).map(|f| f.as_raw_fd()).collect();
         let fixed_files = ring.submitter().register_files(&fds).is_ok();
         // SAFETY: eventfd returns a new fd that nobody else owns, or -1 (checked).
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
@@ -249,14 +253,14 @@ impl RingWorker {
             }
             let iov: Vec<libc::iovec> =
                 run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
-            let fd = run.file;
+            let (fd, direct) = (run.file, run.direct);
             let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
             let op = self.ops.insert(OpKind::Data { run, iov, jobs });
             let entry = if write {
                 let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-                on_file!(self, fd, |f| opcode::Writev::new(f, ptr, n).offset(offset).rw_flags(flags).build())
+                on_file!(self, fd, direct, |f| opcode::Writev::new(f, ptr, n).offset(offset).rw_flags(flags).build())
             } else {
-                on_file!(self, fd, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
+                on_file!(self, fd, direct, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
             };
             // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
             // in `jobs`; both stay until this op's completion is reaped.
@@ -269,9 +273,10 @@ impl RingWorker {
                 slot.pending += files;
                 for file in 0..files {
                     let op = self.ops.insert(OpKind::Fsync { job: k });
-                    let entry =
-                        on_file!(self, file, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
-                            .user_data(op as u64);
+                    let entry = on_file!(self, file, false, |f| opcode::Fsync::new(f)
+                        .flags(types::FsyncFlags::DATASYNC)
+                        .build())
+                    .user_data(op as u64);
                     // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
                     unsafe { self.ring.push(&entry)? };
                 }

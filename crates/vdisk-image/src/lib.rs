@@ -61,6 +61,13 @@ pub trait Image: Send + Sync {
     /// The files that [`Extent::Data`] refers to. File 0 receives all writes.
     fn files(&self) -> &[File];
 
+    /// The same files opened with O_DIRECT, index for index, when the image was
+    /// opened for direct I/O; empty otherwise. The engine uses them for requests
+    /// whose offset, length and memory are aligned, and `files()` for the rest.
+    fn direct_files(&self) -> &[File] {
+        &[]
+    }
+
     /// The path of file number `file`, for messages.
     fn file_path(&self, file: usize) -> &Path;
 

@@ -12,6 +12,8 @@ use crate::{Allocation, Error, ErrorKind, Extent, Image, Result};
 pub struct RawImage {
     path: PathBuf,
     files: [File; 1],
+    /// The O_DIRECT twin of `files`, when opened for direct I/O.
+    direct: Vec<File>,
     size: u64,
     read_only: bool,
 }
@@ -40,7 +42,7 @@ impl RawImage {
         let size = file
             .seek(io::SeekFrom::End(0))
             .map_err(|e| Error::io(e, format!("cannot find the size of {}", path.display())))?;
-        Ok(RawImage { path: path.to_owned(), files: [file], size, read_only })
+        Ok(RawImage { path: path.to_owned(), files: [file], direct: Vec::new(), size, read_only })
     }
 
     /// Creates a new sparse raw image of `size` bytes. Refuses to replace an
@@ -68,6 +70,27 @@ impl RawImage {
             let _ = std::fs::remove_file(path);
         }
         result
+    }
+
+    /// Also opens the file with O_DIRECT, so aligned I/O bypasses the host page
+    /// cache (qemu's cache=none). Fails with a clear message where the file
+    /// system cannot do direct I/O (tmpfs, for one).
+    pub fn with_direct_io(mut self) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!self.read_only)
+            .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
+            .open(&self.path)
+            .map_err(|e| {
+                let why = if e.raw_os_error() == Some(libc::EINVAL) {
+                    "its file system does not support O_DIRECT; serve it without --direct".to_owned()
+                } else {
+                    e.to_string()
+                };
+                Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", self.path.display()))
+            })?;
+        self.direct = vec![file];
+        Ok(self)
     }
 
     pub fn path(&self) -> &Path {
@@ -115,6 +138,10 @@ impl Image for RawImage {
 
     fn files(&self) -> &[File] {
         &self.files
+    }
+
+    fn direct_files(&self) -> &[File] {
+        &self.direct
     }
 
     fn file_path(&self, _file: usize) -> &Path {

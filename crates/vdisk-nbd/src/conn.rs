@@ -14,7 +14,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use vdisk_engine::{Device, Flags, Op, Request, Sink};
+use vdisk_engine::{Buf, Device, Flags, Op, Request, Sink};
 
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
@@ -97,6 +97,20 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     result
 }
 
+/// Reads until `buf` is full or the stream ends; returns the bytes read.
+fn read_full(stream: &mut Stream, buf: &mut [u8]) -> io::Result<usize> {
+    let mut at = 0;
+    while at < buf.len() {
+        match stream.read(&mut buf[at..]) {
+            Ok(0) => break,
+            Ok(n) => at += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(at)
+}
+
 struct Reader<'a> {
     stream: Stream,
     device: &'a Device,
@@ -160,19 +174,20 @@ impl Reader<'_> {
                 start += REQUEST_HEADER;
                 let verdict = validate(&h, self.neg, size, read_only);
                 // The payload: from the buffer, or straight off the socket when large.
-                let mut data = Vec::new();
+                let mut data = Buf::new();
                 let from_buf = payload.min(avail);
                 if verdict.is_ok() && payload > 0 {
-                    data.reserve_exact(payload);
+                    data.reserve_total(payload);
                     data.extend_from_slice(&rbuf[start..start + from_buf]);
                 }
                 start += from_buf;
                 if payload > from_buf {
-                    let rest = (payload - from_buf) as u64;
+                    let rest = payload - from_buf;
                     let got = if verdict.is_ok() {
-                        (&mut self.stream).take(rest).read_to_end(&mut data)? as u64
+                        data.resize(payload);
+                        read_full(&mut self.stream, &mut data[from_buf..])?
                     } else {
-                        io::copy(&mut (&mut self.stream).take(rest), &mut io::sink())?
+                        io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize
                     };
                     if got < rest {
                         stop = true;

@@ -1,7 +1,7 @@
 //! Reply encoding: a completed request becomes the bytes of its NBD reply, as
 //! header bytes plus slices of the request's own buffer (no copy of the data).
 
-use vdisk_engine::{Op, Request};
+use vdisk_engine::{Buf, Op, Request};
 use vdisk_image::{Allocation, Error, ErrorKind};
 
 use crate::proto::*;
@@ -16,7 +16,7 @@ pub const MAX_EXTENTS: usize = 2048;
 /// One reply: header bytes and payload bytes, sent as `parts` in order.
 pub struct OutMsg {
     pub head: Vec<u8>,
-    pub data: Vec<u8>,
+    pub data: Buf,
     pub parts: Vec<Part>,
     /// What was charged against the connection's in-flight bound.
     pub cost: usize,
@@ -31,7 +31,7 @@ pub enum Part {
 impl OutMsg {
     pub fn header_only(head: Vec<u8>, cost: usize) -> OutMsg {
         let n = head.len();
-        OutMsg { head, data: Vec::new(), parts: vec![Part::Head(0, n)], cost }
+        OutMsg { head, data: Buf::new(), parts: vec![Part::Head(0, n)], cost }
     }
 
     pub fn slices(&self) -> impl Iterator<Item = &[u8]> {
@@ -191,14 +191,14 @@ mod tests {
     #[test]
     fn structured_reads_send_zero_granules_as_holes() {
         let mut req = Request::new(Op::Read, 4096, 3 * HOLE_GRANULE as u64, 5);
-        req.buf = vec![0u8; 3 * HOLE_GRANULE];
+        req.buf = Buf::zeroed(3 * HOLE_GRANULE);
         req.buf[HOLE_GRANULE + 7] = 1;
         let m = encode_structured_read(req, 0);
         // hole, data, hole: three chunks, two header-only.
         let kinds: Vec<&str> = m.parts.iter().map(|p| if matches!(p, Part::Head(..)) { "h" } else { "d" }).collect();
         assert_eq!(kinds, ["h", "h", "d", "h"]);
         let mut whole = Request::new(Op::Read, 0, 4096, 5);
-        whole.buf = vec![0u8; 4096];
+        whole.buf = Buf::zeroed(4096);
         assert_eq!(encode_structured_read(whole, 0).parts.len(), 1);
     }
 

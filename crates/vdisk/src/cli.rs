@@ -114,6 +114,10 @@ pub struct ServeArgs {
     /// cannot wait for a device — in-memory files, page-cache hits — runs inline).
     #[arg(long)]
     pub no_inline: bool,
+    /// Bypass the host page cache (O_DIRECT, like qemu's cache=none) for aligned
+    /// requests; unaligned ones still go through the cache. Not on tmpfs.
+    #[arg(long)]
+    pub direct: bool,
     /// Make every write durable before its reply (writes still run in parallel).
     #[arg(long)]
     pub sync: bool,

@@ -42,7 +42,10 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     let options = ServerOptions { batching: a.batch > 1 };
     let mut exports = Vec::new();
     for path in &paths {
-        let image = RawImage::open(path, a.readonly)?;
+        let mut image = RawImage::open(path, a.readonly)?;
+        if a.direct {
+            image = image.with_direct_io().map_err(|e| Failure::usage(e.to_string()))?;
+        }
         let name = export_name(path);
         if exports.iter().any(|e: &Export| e.name == name) {
             return Err(Failure::usage(format!(
@@ -86,7 +89,7 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
 
     for e in &exports {
         let mode = if e.device.read_only() { "read-only" } else { "read-write" };
-        let sync = if a.sync { ", sync" } else { "" };
+        let sync = format!("{}{}", if a.sync { ", sync" } else { "" }, if a.direct { ", O_DIRECT" } else { "" });
         let engine = match e.device.kind() {
             EngineKind::Uring => format!("io_uring engine, {} ring(s)", a.rings),
             EngineKind::Threads => format!("thread engine, {} workers", a.workers),
