@@ -75,6 +75,7 @@ impl Outbox {
         let mut st = self.state.lock().unwrap();
         if st.broken {
             self.release(&mut st, &msgs);
+            self.notify(&st);
             return;
         }
         if st.sending || !st.queue.is_empty() || !self.batching {

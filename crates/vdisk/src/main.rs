@@ -11,10 +11,22 @@ mod size;
 
 use std::process::ExitCode;
 
+use clap::error::ErrorKind;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
+        Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+        Err(e) => {
+            // One line, as for every other mistake on the command line.
+            let text = e.render().to_string();
+            let para: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+            eprintln!("vdisk: {} (see --help)", para.join(" ").trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
     logger::init(cli.verbose, cli.quiet);
     let result = match cli.command {
         cli::Command::Create(a) => create::run(a),

@@ -43,6 +43,12 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     let mut exports = Vec::new();
     for path in &paths {
         let mut image = RawImage::open(path, a.readonly)?;
+        if image.size() == 0 {
+            return Err(Failure::usage(format!(
+                "{} is empty: a disk needs a size (make one with `vdisk create IMAGE --size 10G`)",
+                path.display()
+            )));
+        }
         if a.direct {
             image = image.with_direct_io().map_err(|e| Failure::usage(e.to_string()))?;
         }
