@@ -248,3 +248,71 @@ fn direct_io_serves_aligned_and_unaligned_requests() {
         assert_eq!(rig.rx.recv().unwrap().buf, pattern(1, 65536)[4096..8192].to_vec());
     }
 }
+
+/// An image whose reads hang until released: a stalled backing store.
+struct Stalled {
+    inner: RawImage,
+    gate: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Image for Stalled {
+    fn format(&self) -> &'static str {
+        "stalled"
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn files(&self) -> &[std::fs::File] {
+        self.inner.files()
+    }
+    fn file_path(&self, file: usize) -> &std::path::Path {
+        self.inner.file_path(file)
+    }
+    fn map_read(&self, offset: u64, len: u64, out: &mut Vec<vdisk_image::Extent>) -> vdisk_image::Result<()> {
+        let (open, cv) = &*self.gate;
+        drop(cv.wait_while(open.lock().unwrap(), |open| !*open).unwrap());
+        self.inner.map_read(offset, len, out)
+    }
+    fn map_write(&self, offset: u64, len: u64, out: &mut Vec<vdisk_image::Extent>) -> vdisk_image::Result<()> {
+        self.inner.map_write(offset, len, out)
+    }
+    fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<vdisk_image::Allocation>,
+    ) -> vdisk_image::Result<()> {
+        self.inner.allocation(offset, len, max, out)
+    }
+}
+
+#[test]
+fn a_stalled_device_never_blocks_another() {
+    for (name, cfg) in configs() {
+        let busy = Rig::new(&format!("busy-{name}"), 1 << 20, false, &cfg);
+        let stalled_rig = Rig::new(&format!("stalled-{name}"), 1 << 20, false, &cfg);
+        let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let path = stalled_rig.dev.image().file_path(0).to_owned();
+        let image = Stalled { inner: RawImage::open(&path, false).unwrap(), gate: gate.clone() };
+        let stalled = Device::start("stalled", Arc::new(image), &cfg).unwrap();
+        // Every worker or ring of the stalled device is stuck in a read.
+        let reads: Vec<Request> = (0..64).map(|i| Request::new(Op::Read, i * 4096, 4096, i)).collect();
+        stalled.submit(reads, &stalled_rig.sink);
+        // The other device still serves a thousand requests.
+        for round in 0..100 {
+            let batch: Vec<Request> = (0..10).map(|i| write(i * 4096, vec![round as u8; 4096], i)).collect();
+            assert!(busy.run(batch).iter().all(|r| r.error.is_none()), "{name}");
+        }
+        assert!(stalled_rig.rx.try_recv().is_err(), "{name}: the stalled reads cannot have finished");
+        *gate.0.lock().unwrap() = true;
+        gate.1.notify_all();
+        for _ in 0..64 {
+            assert!(stalled_rig.rx.recv().unwrap().error.is_none());
+        }
+        stalled.shutdown().unwrap();
+    }
+}
