@@ -86,6 +86,7 @@ impl Planner {
         }
         self.extents.clear();
         if write {
+            self.image.prepare_write(req.offset, req.len)?;
             self.image.map_write(req.offset, req.len, &mut self.extents)?;
         } else {
             self.image.map_read(req.offset, req.len, &mut self.extents)?;
@@ -208,6 +209,7 @@ impl Planner {
         if self.image.read_only() {
             return Err(read_only());
         }
+        self.image.prepare_write(req.offset, req.len)?;
         self.extents.clear();
         self.image.map_write(req.offset, req.len, &mut self.extents)?;
         for ext in &self.extents {
@@ -226,10 +228,22 @@ impl Planner {
             }
             zero_range(file, offset, len, req.flags.no_hole, req.flags.fast_zero).map_err(at)?;
         }
-        if self.sync || req.flags.fua {
+        let durable = self.sync || req.flags.fua;
+        if durable {
             self.sync_files()?;
         }
-        Ok(())
+        self.image.write_done(req.offset, req.len, durable)
+    }
+
+    /// Tells the image a write reached its files (see [`Image::write_done`]);
+    /// a failure there fails the request.
+    pub fn write_done(&self, req: &mut Request) {
+        if req.op == Op::Write && req.error.is_none() {
+            let durable = self.sync || req.flags.fua;
+            if let Err(e) = self.image.write_done(req.offset, req.len, durable) {
+                req.error = Some(e);
+            }
+        }
     }
 
     fn cache(&mut self, req: &Request) -> Result<()> {

@@ -46,6 +46,9 @@ pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
             }
         }
     }
+    for req in reqs.iter_mut() {
+        planner.write_done(req);
+    }
     let mut flush = false;
     for req in reqs.iter_mut() {
         if !planner.perform_other(req) && req.op == Op::Flush {

@@ -343,6 +343,7 @@ impl RingWorker {
         let slot = self.jobs.get_mut(k);
         slot.pending -= 1;
         if slot.pending == 0 {
+            self.planner.write_done(&mut slot.job.0);
             if slot.job.0.op == Op::Flush && slot.job.0.error.is_none() {
                 if let Err(e) = self.planner.image.sync_metadata() {
                     slot.job.0.error = Some(e);

@@ -79,6 +79,22 @@ pub trait Image: Send + Sync {
     /// to. For TRIM and WRITE_ZEROES the same extents are punched or zeroed.
     fn map_write(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()>;
 
+    /// Called before a write, TRIM or WRITE_ZEROES is mapped. An image whose
+    /// allocation unit is bigger than a byte makes the untouched bytes of each
+    /// partly covered unit valid in its own storage here (a COW overlay copies
+    /// the rest of a partly written sector up from its backing file).
+    fn prepare_write(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called once a write, TRIM or WRITE_ZEROES has reached the files, before
+    /// it is acknowledged: the image may now point at the new data (a COW
+    /// overlay sets its bitmap bits in memory). With `durable` (FUA, sync
+    /// mode), the metadata for this range must be durable before returning.
+    fn write_done(&self, _offset: u64, _len: u64, _durable: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// Appends the allocation state of `len` bytes at `offset`, in order, at most
     /// `max` runs (the last one may end early: the caller asks again from there).
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()>;
