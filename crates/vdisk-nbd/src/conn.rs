@@ -38,15 +38,17 @@ struct Valid {
 fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only: bool) -> Result<Valid, u32> {
     let (op, allowed) = match h.kind {
         CMD_READ => (Op::Read, CMD_FLAG_DF),
-        CMD_WRITE => (Op::Write, CMD_FLAG_FUA),
+        CMD_WRITE => (Op::Write, 0),
         CMD_FLUSH => (Op::Flush, 0),
-        CMD_TRIM => (Op::Trim, CMD_FLAG_FUA),
-        CMD_WRITE_ZEROES => (Op::WriteZeroes, CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO),
+        CMD_TRIM => (Op::Trim, 0),
+        CMD_WRITE_ZEROES => (Op::WriteZeroes, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO),
         CMD_CACHE => (Op::Cache, 0),
         CMD_BLOCK_STATUS => (Op::BlockStatus, CMD_FLAG_REQ_ONE),
         _ => return Err(EINVAL),
     };
-    if h.flags & !allowed != 0 {
+    // FUA is valid on every command once SEND_FUA is advertised (it is, always);
+    // where nothing is written it means nothing.
+    if h.flags & !(allowed | CMD_FLAG_FUA) != 0 {
         return Err(EINVAL);
     }
     if h.flags & CMD_FLAG_DF != 0 && !neg.structured {
