@@ -1,14 +1,74 @@
-//! `Buf`: a request's data buffer, aligned for O_DIRECT. It behaves like a
-//! `Vec<u8>` for what the exports need (build, fill, slice) but its memory
-//! always starts on a 4 KiB boundary, so the engine can hand it to the kernel
-//! for direct I/O without a bounce copy.
+//! `Buf`: a request's data buffer, aligned for O_DIRECT and pooled. It behaves
+//! like a `Vec<u8>` for what the exports need (build, fill, slice) but its
+//! memory always starts on a 4 KiB boundary, so the engine can hand it to the
+//! kernel for direct I/O without a bounce copy.
+//!
+//! Allocations come in power-of-two classes from 4 KiB to 32 MiB and return to
+//! a process-wide pool when dropped (up to [`POOL_LIMIT`] bytes in all), so a
+//! steady stream of requests allocates nothing and large buffers are not
+//! mapped and unmapped (and page-faulted in) per request.
 
 use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// The alignment of every buffer: enough for O_DIRECT on any common device.
 pub const ALIGN: usize = 4096;
+/// Most bytes the pool keeps for reuse.
+pub const POOL_LIMIT: usize = 128 << 20;
+const MIN_CLASS: u32 = 12;
+const MAX_CLASS: u32 = 25;
+const CLASSES: usize = (MAX_CLASS - MIN_CLASS + 1) as usize;
+
+/// Free buffers by size class. Pointers in here are owned by the pool.
+struct Pool {
+    free: [Mutex<Vec<usize>>; CLASSES],
+    bytes: AtomicUsize,
+}
+
+static POOL: Pool = Pool { free: [const { Mutex::new(Vec::new()) }; CLASSES], bytes: AtomicUsize::new(0) };
+
+/// The class (allocation size) that holds `len` bytes, if pooled.
+fn class_of(len: usize) -> Option<(usize, usize)> {
+    let size = len.max(ALIGN).next_power_of_two();
+    let class = size.trailing_zeros();
+    (class <= MAX_CLASS).then(|| ((class - MIN_CLASS) as usize, size))
+}
+
+/// An allocation of at least `len` bytes, initialised (zeroed when new, stale
+/// bytes of an earlier request when reused), and its capacity.
+fn obtain(len: usize) -> (NonNull<u8>, usize) {
+    let (cap, pooled) = match class_of(len) {
+        Some((class, size)) => (size, POOL.free[class].lock().unwrap().pop()),
+        None => (len, None),
+    };
+    if let Some(p) = pooled {
+        POOL.bytes.fetch_sub(cap, Ordering::Relaxed);
+        // SAFETY: only non-null pointers from `give_back` are in the pool.
+        return (unsafe { NonNull::new_unchecked(p as *mut u8) }, cap);
+    }
+    let layout = Buf::layout(cap);
+    // SAFETY: the layout has a non-zero size and a valid alignment.
+    let p = unsafe { alloc::alloc_zeroed(layout) };
+    (NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout)), cap)
+}
+
+/// Returns an allocation to the pool, or frees it when the pool is full or the size is not a class.
+fn give_back(ptr: NonNull<u8>, cap: usize) {
+    if let Some((class, size)) = class_of(cap) {
+        if size == cap && POOL.bytes.fetch_add(cap, Ordering::Relaxed) + cap <= POOL_LIMIT {
+            POOL.free[class].lock().unwrap().push(ptr.as_ptr() as usize);
+            return;
+        }
+        if size == cap {
+            POOL.bytes.fetch_sub(cap, Ordering::Relaxed);
+        }
+    }
+    // SAFETY: allocated by `obtain` with this layout, and given back exactly once.
+    unsafe { alloc::dealloc(ptr.as_ptr(), Buf::layout(cap)) };
+}
 
 pub struct Buf {
     ptr: NonNull<u8>,
@@ -28,9 +88,19 @@ impl Buf {
 
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Buf {
-        let mut b = Buf::new();
-        b.resize(len);
+        let mut b = Buf::for_io(len);
+        b.fill(0);
         b
+    }
+
+    /// `len` bytes whose contents are unspecified (possibly an earlier
+    /// request's data): for buffers the I/O will fill completely.
+    pub fn for_io(len: usize) -> Buf {
+        if len == 0 {
+            return Buf::new();
+        }
+        let (ptr, cap) = obtain(len);
+        Buf { ptr, len, cap }
     }
 
     pub fn from_slice(data: &[u8]) -> Buf {
@@ -48,19 +118,14 @@ impl Buf {
         if cap <= self.cap {
             return;
         }
-        // SAFETY: the layout has a non-zero size (cap > self.cap >= 0) and a valid alignment.
-        let new = unsafe { alloc::alloc_zeroed(Self::layout(cap)) };
-        let Some(new) = NonNull::new(new) else { alloc::handle_alloc_error(Self::layout(cap)) };
+        let (new, new_cap) = obtain(cap);
         if self.cap > 0 {
-            // SAFETY: both regions are valid for `len` bytes and distinct allocations;
-            // the old one was allocated with this layout and is freed exactly once.
-            unsafe {
-                std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), new.as_ptr(), self.len);
-                alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap));
-            }
+            // SAFETY: both regions are valid for `len` bytes and are distinct allocations.
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), new.as_ptr(), self.len) };
+            give_back(self.ptr, self.cap);
         }
         self.ptr = new;
-        self.cap = cap;
+        self.cap = new_cap;
     }
 
     /// Sets the length; new bytes are zero.
@@ -97,8 +162,7 @@ impl Default for Buf {
 impl Drop for Buf {
     fn drop(&mut self) {
         if self.cap > 0 {
-            // SAFETY: allocated with this layout, freed once.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) };
+            give_back(self.ptr, self.cap);
         }
     }
 }
@@ -155,5 +219,17 @@ mod tests {
         let e = Buf::new();
         assert!(e.is_empty());
         assert_eq!(Buf::from_slice(b"abc"), b"abc".to_vec());
+    }
+
+    #[test]
+    fn buffers_are_reused_from_the_pool() {
+        let a = Buf::for_io(100_000);
+        drop(a);
+        // Same class (128 KiB): normally the buffer just dropped.
+        let b = Buf::for_io(120_000);
+        assert!(b.is_aligned());
+        assert_eq!(b.len(), 120_000);
+        let z = Buf::zeroed(120_000);
+        assert!(z.iter().all(|&x| x == 0), "zeroed() zeroes a reused buffer");
     }
 }

@@ -82,7 +82,8 @@ impl Planner {
             if write {
                 return Err(Error::invalid("write buffer does not match its length"));
             }
-            req.buf.resize(req.len as usize);
+            // The read fills every byte: a pooled buffer needs no zeroing.
+            req.buf = crate::Buf::for_io(req.len as usize);
         }
         self.extents.clear();
         if write {

@@ -192,14 +192,6 @@ impl RingWorker {
         let mut new = Vec::with_capacity(self.batch);
         loop {
             let mut open = self.queue.try_take(self.batch, &mut new);
-            if new.is_empty() && open {
-                // Going idle: say so, then look once more so no push is missed.
-                self.waker.idle.store(true, Ordering::SeqCst);
-                open = self.queue.try_take(self.batch, &mut new);
-                if !new.is_empty() {
-                    self.waker.idle.store(false, Ordering::SeqCst);
-                }
-            }
             if !new.is_empty() {
                 self.start(&mut new)?;
             }
@@ -207,9 +199,22 @@ impl RingWorker {
             if !open && self.jobs.live == 0 {
                 break;
             }
-            if !new.is_empty() || self.waker.idle.load(Ordering::SeqCst) || self.ops.live > 0 {
-                self.ring.ring.submit_and_wait(1)?;
+            // About to sleep in the kernel: say so, then look once more so no
+            // push is missed. While we sleep a push wakes us through the
+            // eventfd, so new requests never wait behind slow ones in the ring.
+            while open {
+                // Set before each look: a push after a look that found nothing sees it.
+                self.waker.idle.store(true, Ordering::SeqCst);
+                open = self.queue.try_take(self.batch, &mut new);
+                if new.is_empty() {
+                    break;
+                }
+                self.start(&mut new)?;
+                deliver(&mut self.done);
             }
+            // One call submits the whole batch and waits for the first completion.
+            self.ring.ring.submit_and_wait(1)?;
+            self.waker.idle.store(false, Ordering::SeqCst);
             self.reap()?;
         }
         // Take the wake read back before the ring and its buffer go.

@@ -179,14 +179,14 @@ impl Reader<'_> {
                 let mut data = Buf::new();
                 let from_buf = payload.min(avail);
                 if verdict.is_ok() && payload > 0 {
-                    data.reserve_total(payload);
-                    data.extend_from_slice(&rbuf[start..start + from_buf]);
+                    // Every byte is about to be overwritten: a pooled buffer needs no zeroing.
+                    data = Buf::for_io(payload);
+                    data[..from_buf].copy_from_slice(&rbuf[start..start + from_buf]);
                 }
                 start += from_buf;
                 if payload > from_buf {
                     let rest = payload - from_buf;
                     let got = if verdict.is_ok() {
-                        data.resize(payload);
                         read_full(&mut self.stream, &mut data[from_buf..])?
                     } else {
                         io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize

@@ -50,16 +50,22 @@ impl Listener {
     }
 
     fn accept(&self) -> io::Result<Stream> {
-        match self {
-            Listener::Unix(l, _) => l.accept().map(|(s, _)| Stream::Unix(s)),
+        let stream = match self {
+            Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
             Listener::Tcp(l) => {
                 let (s, _) = l.accept()?;
                 let _ = s.set_nodelay(true);
-                Ok(Stream::Tcp(s))
+                Stream::Tcp(s)
             }
-        }
+        };
+        stream.set_buffer_sizes(SOCKET_BUFFER);
+        Ok(stream)
     }
 }
+
+/// Socket buffer size asked for: room for several large requests and replies
+/// per wake-up (the kernel caps it at net.core.[rw]mem_max).
+const SOCKET_BUFFER: usize = 4 << 20;
 
 /// How long a client may take over its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);

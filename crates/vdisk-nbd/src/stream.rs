@@ -68,6 +68,23 @@ impl Stream {
         Ok(n as usize)
     }
 
+    /// Asks for `bytes` of send and receive buffer; a refusal is harmless.
+    pub fn set_buffer_sizes(&self, bytes: usize) {
+        let v = bytes as libc::c_int;
+        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: setsockopt reads a c_int from a valid pointer for the given length.
+            unsafe {
+                libc::setsockopt(
+                    self.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&v as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+        }
+    }
+
     pub fn peer(&self) -> String {
         match self {
             Stream::Unix(_) => "unix client".to_owned(),
