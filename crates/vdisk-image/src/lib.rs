@@ -6,12 +6,14 @@
 //! does not move data itself and it knows nothing of threads, rings or wire
 //! protocols. The engine performs the extents.
 
+pub mod cow;
 mod error;
 pub mod raw;
 
 use std::fs::File;
 use std::path::Path;
 
+pub use cow::CowImage;
 pub use error::{Error, ErrorKind, Result};
 pub use raw::RawImage;
 

@@ -165,7 +165,13 @@ impl Image for RawImage {
 
 /// Walks SEEK_DATA/SEEK_HOLE from `offset`. A file system without them reports
 /// everything as data, which is always a correct answer.
-fn seek_allocation(file: &File, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> io::Result<()> {
+pub(crate) fn seek_allocation(
+    file: &File,
+    offset: u64,
+    len: u64,
+    max: usize,
+    out: &mut Vec<Allocation>,
+) -> io::Result<()> {
     let fd = file.as_raw_fd();
     let end = offset + len;
     let mut pos = offset;

@@ -1,0 +1,274 @@
+//! Opening and creating overlays: the header and bitmap read and checked,
+//! the backing file found (relative paths from the overlay's directory),
+//! checked against the header and locked, as UML does before it trusts one.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
+use super::{parse_header, CowImage, CowMap, Header, OverlayOptions, MAX_HEADER_LEN};
+use crate::{Error, ErrorKind, Result};
+
+pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
+    Error::io(e, format!("{what} {}", path.display()))
+}
+
+/// Takes a BSD lock on `file` or says who holds it.
+fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
+    // SAFETY: flock only reads its integer arguments; the fd is open.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("{} is in use by another process (a running `vdisk serve` or `vdisk commit`?)", path.display()),
+        ));
+    }
+    Err(at(path, e, "cannot lock"))
+}
+
+/// Size of a regular file or block device (whose metadata says 0).
+fn file_size(mut file: &File, path: &Path) -> Result<u64> {
+    file.seek(io::SeekFrom::End(0)).map_err(|e| at(path, e, "cannot find the size of"))
+}
+
+/// Where a backing path written in `overlay`'s header points: relative paths
+/// are taken from the overlay's directory, not the current one.
+pub fn resolve_backing(overlay: &Path, written: &Path) -> PathBuf {
+    if written.is_absolute() {
+        return written.to_owned();
+    }
+    match overlay.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.join(written),
+        _ => written.to_owned(),
+    }
+}
+
+/// The mtime UML records: seconds, truncated to 32 bits.
+pub(super) fn mtime32(meta: &std::fs::Metadata) -> u32 {
+    meta.mtime() as u32
+}
+
+impl CowImage {
+    /// Opens an overlay and its backing file (read-only, shared lock). The
+    /// overlay is locked exclusively unless `read_only`. Refuses a backing
+    /// file whose size differs from the header's, or whose mtime does (unless
+    /// `ignore_mtime`), naming both files and the way out.
+    pub fn open(path: &Path, read_only: bool, backing: Option<&Path>, ignore_mtime: bool) -> Result<Self> {
+        Self::open_with(
+            path,
+            &OverlayOptions { read_only, backing: backing.map(Path::to_owned), ignore_mtime, backing_writable: false },
+        )
+    }
+
+    pub fn open_with(path: &Path, o: &OverlayOptions) -> Result<Self> {
+        let meta = std::fs::metadata(path).map_err(|e| at(path, e, "cannot open overlay"))?;
+        if meta.is_dir() {
+            return Err(Error::invalid(format!("{} is a directory, not a COW overlay", path.display())));
+        }
+        let read_only = o.read_only || o.backing_writable;
+        let overlay = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| at(path, e, "cannot open overlay"))?;
+        lock(&overlay, path, !read_only)?;
+        let (header, map) = read_metadata(&overlay, path)?;
+
+        let written = header.backing_path();
+        let backing = match &o.backing {
+            Some(b) => b.clone(),
+            None => resolve_backing(path, written),
+        };
+        let named = if o.backing.is_some() {
+            format!(
+                "{} (given with --backing; the header of {} names {})",
+                backing.display(),
+                path.display(),
+                written.display()
+            )
+        } else if backing.as_path() != written {
+            format!(
+                "{} (the header of {} names {}, relative to the overlay)",
+                backing.display(),
+                path.display(),
+                written.display()
+            )
+        } else {
+            format!("{} (named in the header of {})", backing.display(), path.display())
+        };
+        let bmeta = std::fs::metadata(&backing).map_err(|e| {
+            let hint = if o.backing.is_some() { "" } else { "; if it moved, name it with --backing PATH" };
+            Error::io(e, format!("backing file {named} cannot be opened{hint}"))
+        })?;
+        if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
+            return Err(Error::invalid(format!("backing file {named} is not a regular file or block device")));
+        }
+        if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
+            return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
+        }
+        let bfile = OpenOptions::new()
+            .read(true)
+            .write(o.backing_writable)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&backing)
+            .map_err(|e| Error::io(e, format!("cannot open backing file {named}")))?;
+        lock(&bfile, &backing, o.backing_writable)?;
+        let bsize = file_size(&bfile, &backing)?;
+        if bsize != header.size {
+            return Err(Error::invalid(format!(
+                "backing file {} is {bsize} bytes but overlay {} was made over {} bytes: it is not the file \
+                 the overlay was made over (name the right one with --backing PATH)",
+                backing.display(),
+                path.display(),
+                header.size
+            )));
+        }
+        if mtime32(&bmeta) != header.mtime && !o.ignore_mtime {
+            return Err(Error::invalid(format!(
+                "backing file {} was modified after overlay {} was made (mtime {} vs {} in the header); \
+                 if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH",
+                backing.display(),
+                path.display(),
+                mtime32(&bmeta),
+                header.mtime
+            )));
+        }
+        Ok(CowImage {
+            overlay: path.to_owned(),
+            backing,
+            data_offset: header.data_offset(),
+            sector: header.sector_size as u64,
+            header,
+            files: [overlay, bfile],
+            direct: Vec::new(),
+            read_only,
+            backing_writable: o.backing_writable,
+            map,
+            copy_locks: std::array::from_fn(|_| Mutex::new(())),
+            rounds_done: Mutex::new(0),
+            rounds_started: AtomicU64::new(0),
+        })
+    }
+
+    /// Creates a new, empty overlay over `backing`: the header records the
+    /// backing file's absolute path, size and mtime (as uml_mkcow does); the
+    /// bitmap and data area are sparse. Refuses to replace an existing file.
+    pub fn create(overlay: &Path, backing: &Path) -> Result<()> {
+        let bmeta = std::fs::metadata(backing).map_err(|e| at(backing, e, "cannot open backing file"))?;
+        if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
+            return Err(Error::invalid(format!(
+                "backing file {} is not a regular file or block device",
+                backing.display()
+            )));
+        }
+        let bfile = File::open(backing).map_err(|e| at(backing, e, "cannot open backing file"))?;
+        let size = file_size(&bfile, backing)?;
+        if size == 0 {
+            return Err(Error::invalid(format!("backing file {} is empty: a disk needs a size", backing.display())));
+        }
+        let absolute = absolutize(backing)?;
+        let header = Header::new(&absolute, size, mtime32(&bmeta))?;
+        let file = OpenOptions::new().write(true).create_new(true).open(overlay).map_err(|e| {
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                Error::invalid(format!("{} already exists; remove it first or pick another name", overlay.display()))
+            } else {
+                at(overlay, e, "cannot create")
+            }
+        })?;
+        let result = (|| {
+            file.write_all_at(&header.to_bytes(), 0).map_err(|e| at(overlay, e, "cannot write the header of"))?;
+            file.set_len(header.data_offset() + size).map_err(|e| at(overlay, e, "cannot size"))?;
+            file.sync_all().map_err(|e| at(overlay, e, "cannot sync"))
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(overlay);
+        }
+        result
+    }
+
+    /// Also opens both files with O_DIRECT, for aligned requests.
+    pub fn with_direct_io(mut self) -> Result<Self> {
+        let open = |path: &Path, write: bool| {
+            OpenOptions::new()
+                .read(true)
+                .write(write)
+                .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
+                .open(path)
+                .map_err(|e| {
+                    let why = if e.raw_os_error() == Some(libc::EINVAL) {
+                        "its file system does not support O_DIRECT; serve it without --direct".to_owned()
+                    } else {
+                        e.to_string()
+                    };
+                    Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", path.display()))
+                })
+        };
+        self.direct = vec![open(&self.overlay, !self.read_only)?, open(&self.backing, false)?];
+        Ok(self)
+    }
+}
+
+/// The absolute path of `p` as uml_mkcow records it: its directory resolved,
+/// its own name kept.
+fn absolutize(p: &Path) -> Result<PathBuf> {
+    let name = p.file_name().ok_or_else(|| Error::invalid(format!("{} names no file", p.display())))?;
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    let dir = dir.canonicalize().map_err(|e| at(&dir, e, "cannot resolve"))?;
+    Ok(dir.join(name))
+}
+
+/// Reads the header and bitmap of an open overlay, checking the file is long
+/// enough to hold them.
+pub(super) fn read_metadata(file: &File, path: &Path) -> Result<(Header, CowMap)> {
+    let mut buf = vec![0u8; MAX_HEADER_LEN];
+    let n = read_full(file, &mut buf, 0).map_err(|e| at(path, e, "cannot read the header of"))?;
+    let header =
+        parse_header(&buf[..n]).map_err(|e| Error::new(e.kind(), format!("{}: {}", path.display(), e.message())))?;
+    let len = file_size(file, path)?;
+    let need = header.bitmap_offset() + header.bitmap_len();
+    if len < need {
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!(
+                "{}: the file is {len} bytes, too short for the bitmap of a {}-byte disk \
+                 ({} bytes at offset {}): a truncated overlay",
+                path.display(),
+                header.size,
+                header.bitmap_len(),
+                header.bitmap_offset()
+            ),
+        ));
+    }
+    let mut bits = vec![0u8; header.bitmap_len() as usize];
+    file.read_exact_at(&mut bits, header.bitmap_offset()).map_err(|e| at(path, e, "cannot read the bitmap of"))?;
+    let map = CowMap::from_bytes(&bits, header.sectors());
+    Ok((header, map))
+}
+
+/// Reads until `buf` is full or the file ends; the rest of `buf` is zeroed.
+/// Returns the bytes read.
+pub(super) fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read_at(&mut buf[n..], offset + n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    buf[n..].fill(0);
+    Ok(n)
+}
