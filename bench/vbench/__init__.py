@@ -1,0 +1,9 @@
+"""vbench: the pieces of bench/run.py, the vdisk benchmark suite.
+
+common    paths, logging, shell helpers, the cleanup stack, CPU pinning, the images
+servers   starting and stopping vdisk, qemu-nbd and nbdkit; CPU time and peak RSS; the vdisk binary
+fio       the fio job matrix, running fio and parsing its JSON (section "fio")
+ablations vdisk knobs and system calls per request (section "ablations")
+loopdev   nbdfuse + loop device experiments: dd, mkfs, find|cat, dbench, aio-stress (section "loop")
+report    docs/benchmarks.md and docs/benchmarks.png from the results
+"""

@@ -1,0 +1,170 @@
+"""fio: the job matrix (JOBS), one fio run with json+ output parsed into throughput and
+p50/p99 latency, one table cell (a server started fresh, fio against it, repeated
+--repeat times, median kept), and section "fio": every job against every server and
+direct fio, on the tmpfs image and on the disk image.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import time
+
+from .common import IMAGE_SIZE, MiB, PIN, RAW, ROOT, fill_image, last_line, log, slug
+from .servers import StartError
+
+
+class FioError(Exception):
+    pass
+
+
+def percentiles_us(job):
+    """p50/p99 completion latency over reads and writes together, from json+ bins."""
+    bins = {}
+    for d in ("read", "write"):
+        if job[d]["total_ios"] > 0:
+            for k, v in job[d]["clat_ns"].get("bins", {}).items():
+                bins[int(k)] = bins.get(int(k), 0) + v
+    total = sum(bins.values())
+    if total:
+        out, acc, want = [], 0, [0.50 * total, 0.99 * total]
+        for ns in sorted(bins):
+            acc += bins[ns]
+            while want and acc >= want[0]:
+                out.append(ns / 1000)
+                want.pop(0)
+        return out[0], out[1]
+    for d in ("read", "write"):  # no bins: fio's own percentiles of the busier side
+        if job[d]["total_ios"] > 0:
+            p = job[d]["clat_ns"].get("percentile", {})
+            return p.get("50.000000", 0) / 1000, p.get("99.000000", 0) / 1000
+    return None, None
+
+
+def run_fio(name, args, timeout):
+    path = RAW / f"{name}.json"
+    cmd = PIN["fio"] + ["fio", "--output-format=json+", f"--output={path}", f"--name={name}"] + args
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise FioError(f"fio timed out after {timeout:.0f} s")
+    try:
+        data = json.loads(path.read_text())
+        job = data["jobs"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        raise FioError(f"fio exit {r.returncode}: {last_line(r.stdout)}")
+    if r.returncode != 0 or job.get("error"):
+        raise FioError(f"fio error {job.get('error')}: {last_line(r.stdout)}")
+    rd, wr = job["read"], job["write"]
+    p50, p99 = percentiles_us(job)
+    return {
+        "iops": rd["iops"] + wr["iops"],
+        "mibs": (rd["bw_bytes"] + wr["bw_bytes"]) / MiB,
+        "p50_us": p50,
+        "p99_us": p99,
+        "total_ios": rd["total_ios"] + wr["total_ios"],
+        "raw": str(path.relative_to(ROOT)),
+        "cmd": "fio " + shlex.join(cmd[len(PIN["fio"]) + 3:]),
+    }
+
+
+# fio matrix jobs: (id, title, fio options, metric)
+JOBS = [
+    ("randread-4k-qd1", "4K randread QD1", dict(rw="randread", bs="4k", iodepth=1), "iops"),
+    ("randread-4k-qd32", "4K randread QD32", dict(rw="randread", bs="4k", iodepth=32), "iops"),
+    ("randread-4k-qd32x4", "4K randread QD32 ×4 conns", dict(rw="randread", bs="4k", iodepth=32, numjobs=4), "iops"),
+    ("randwrite-4k-qd32", "4K randwrite QD32", dict(rw="randwrite", bs="4k", iodepth=32), "iops"),
+    ("randrw-4k-qd16", "4K randrw 70/30 QD16", dict(rw="randrw", rwmixread=70, bs="4k", iodepth=16), "iops"),
+    ("read-1m-qd8", "1M seq read QD8", dict(rw="read", bs="1m", iodepth=8), "mibs"),
+    ("write-1m-qd8", "1M seq write QD8", dict(rw="write", bs="1m", iodepth=8), "mibs"),
+]
+JOB = {j[0]: j for j in JOBS}
+
+
+def fio_job_args(opts, runtime, ramp):
+    a = [f"--{k}={v}" for k, v in opts.items()]
+    if "numjobs" not in opts:
+        a.append("--numjobs=1")
+    a += ["--group_reporting", "--time_based", f"--runtime={runtime}", "--norandommap", "--randrepeat=0"]
+    if ramp:
+        a.append(f"--ramp_time={ramp}")
+    return a
+
+
+def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=None):
+    """One fio cell, repeated, median by throughput."""
+    runtime = runtime or b.runtime
+    ramp = b.ramp if ramp is None else ramp
+    key = (label, medium)
+    if key in b.failed_start:
+        return {"error": f"failed: {b.failed_start[key]}"}
+    runs = []
+    for i in range(b.repeat):
+        rname = f"{name}.{i}" if b.repeat > 1 else name
+        b.prep(medium)
+        args = fio_job_args(opts, runtime, ramp)
+        timeout = runtime + ramp + 90
+        try:
+            if kind == "direct":
+                direct = 1 if medium == "disk" else 0
+                r = run_fio(rname, args + ["--ioengine=io_uring", f"--filename={b.images[medium]}",
+                                           f"--direct={direct}"], timeout)
+                r["rss_mib"] = None
+            else:
+                srv = b.server(label, kind, medium, extra)
+                try:
+                    srv.start()
+                except StartError as e:
+                    b.failed_start[key] = str(e)
+                    log(f"  {label} ({medium}) failed to start: {e}")
+                    return {"error": f"failed: {e}"}
+                try:
+                    c0, t0 = srv.cpu_seconds(), time.monotonic()
+                    r = run_fio(rname, args + ["--ioengine=nbd", f"--uri={b.uri(medium, srv.sock)}"], timeout)
+                    c1, t1 = srv.cpu_seconds(), time.monotonic()
+                finally:
+                    srv.stop()
+                r["rss_mib"] = srv.rss_mib
+                r["cpu_pct"] = 100 * (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None else None
+                r["server_cmd"] = shlex.join(srv.argv)
+        except FioError as e:
+            log(f"  {name}: {e}")
+            return {"error": f"failed: {e}"}
+        runs.append(r)
+    runs.sort(key=lambda r: r[metric])
+    best = dict(runs[len(runs) // 2])
+    best["repeats"] = [r[metric] for r in runs]
+    best["rss_mib"] = max((r["rss_mib"] for r in runs if r.get("rss_mib")), default=None)
+    v = best[metric]
+    log(f"  {label:<28} {medium:<5} {name.split('.')[0]:<40} "
+        f"{v:>10.0f} {'IOPS' if metric == 'iops' else 'MiB/s'}  p50 {best['p50_us']:.0f} µs  p99 {best['p99_us']:.0f} µs")
+    return best
+
+
+MATRIX_TARGETS = [  # label, kind, extra args (on disk, vdisk also gets --direct: Bench.server_argv)
+    ("vdisk uring", "vdisk", ("--engine", "uring")),
+    ("vdisk threads", "vdisk", ("--engine", "threads")),
+    ("qemu-nbd", "qemu-nbd", ()),
+    ("nbdkit", "nbdkit", ()),
+    ("direct", "direct", ()),
+]
+PEERS = ("qemu-nbd", "nbdkit")
+
+
+def section_fio(b, res):
+    res.update({"cells": {}, "media": ["tmpfs", "disk"]})
+    for medium in res["media"]:
+        log(f"fio matrix on {medium}: filling {b.images[medium]}")
+        fill_image(b.images[medium], IMAGE_SIZE, medium == "disk")
+        for jid, _title, opts, metric in JOBS:
+            for label, kind, extra in MATRIX_TARGETS:
+                name = f"fio-{medium}-{jid}-{slug(label)}"
+                r = cell(b, name, label, kind, medium, extra, opts, metric)
+                r["metric"] = metric
+                res["cells"][f"{medium}|{jid}|{label}"] = r
+    return res

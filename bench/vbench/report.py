@@ -1,0 +1,370 @@
+"""The report: docs/benchmarks.md (header with machine and command, one table per
+section, peak RSS per server) and docs/benchmarks.png (the tmpfs fio matrix normalised
+to the best peer), both from the results dict alone so --render-only can redo them.
+"""
+
+import os
+import platform
+import shlex
+from pathlib import Path
+
+from .ablations import ABL_JOBS, ABLATIONS
+from .common import last_line, log, sh
+from .fio import JOBS, MATRIX_TARGETS, PEERS
+from .loopdev import LOOP_TARGETS
+
+
+def machine_info():
+    mem = "?"
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+    cpu = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    u = platform.uname()
+
+    def ver(cmd):
+        try:
+            return last_line(sh(cmd, check=False, timeout=10).stdout.splitlines()[0] if cmd else "")
+        except Exception:  # noqa: BLE001
+            return "?"
+    return {
+        "nproc": os.cpu_count(), "memory": mem, "kernel": f"{u.system} {u.release} ({u.version})",
+        "uname_r": u.release, "cpu": cpu, "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+        "tools": {
+            "fio": ver(["fio", "--version"]),
+            "qemu-nbd": ver(["qemu-nbd", "--version"]),
+            "nbdkit": ver(["nbdkit", "--version"]),
+            "libnbd (nbdfuse)": ver(["nbdfuse", "--version"]),
+            "dbench": "dbench " + (sh(["dpkg-query", "-W", "-f=${Version}", "dbench"], check=False).stdout.strip() or "?"),
+        },
+    }
+
+
+def cell_err(c):
+    """An error for a table cell: one line, no pipes, not too long."""
+    e = str(c.get("error", "?")).replace("|", "/").replace("\n", " ")
+    return e if len(e) <= 120 else e[:117] + "…"
+
+
+def fmt_num(v):
+    if v is None:
+        return "—"
+    if v >= 100:
+        return f"{v:,.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def fmt_mib(v):
+    return "—" if v is None else f"{v:.1f}"
+
+
+def fmt_pct(v):
+    return "—" if v is None else f"{v:.0f}"
+
+
+def fmt_ratio(v):
+    return "—" if v is None else f"{v:.2f}×"
+
+
+def best_peer(values):
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def val(cell, metric):
+    return None if (cell is None or "error" in cell) else cell.get(metric)
+
+
+DISK_MODE = {
+    "vdisk uring": "O_DIRECT (--direct)", "vdisk threads": "O_DIRECT (--direct)", "qemu-nbd": "O_DIRECT (--cache=none)",
+    "nbdkit": "page cache‡", "direct": "O_DIRECT (--direct=1)",
+}
+TMPFS_MODE = {
+    "vdisk uring": "page cache", "vdisk threads": "page cache", "qemu-nbd": "--cache=writeback",
+    "nbdkit": "page cache", "direct": "--direct=0",
+}
+
+
+def vdisk_paged(medium, label, c):
+    """A vdisk row on disk measured before the matrix ran vdisk with --direct (older results)."""
+    cmd = c.get("server_cmd")
+    return medium == "disk" and label.startswith("vdisk") and bool(cmd) and "--direct" not in shlex.split(cmd)
+
+
+def vdisk_direct(results):
+    """Whether any vdisk row of the disk matrix ran with --direct."""
+    cells = results.get("fio", {}).get("cells", {})
+    return any(k.startswith("disk|") and "--direct" in shlex.split(c.get("server_cmd", ""))
+               for k, c in cells.items())
+
+
+def md_fio(res, meta):
+    out = []
+    cells = res["cells"]
+    for medium in res["media"]:
+        title = "tmpfs (/dev/shm)" if medium == "tmpfs" else "disk (ext4 on virtio, /var/tmp)"
+        out.append(f"### 1{'a' if medium == 'tmpfs' else 'b'}. fio over NBD — {title}\n")
+        mode = TMPFS_MODE if medium == "tmpfs" else DISK_MODE
+        paged = False  # a vdisk row through the page cache (results from before --direct)
+        out.append("| job | server | I/O mode | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | peak RSS MiB | "
+                   "vs best peer | vs direct |")
+        out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for jid, title_j, _opts, metric in JOBS:
+            get = lambda lab: val(cells.get(f"{medium}|{jid}|{lab}"), metric)  # noqa: E731
+            peer = best_peer([get(p) for p in PEERS])
+            direct = get("direct")
+            unit = "IOPS" if metric == "iops" else "MiB/s"
+            for label, _k, _e in MATRIX_TARGETS:
+                c = cells.get(f"{medium}|{jid}|{label}", {"error": "not run"})
+                m = "page cache†" if vdisk_paged(medium, label, c) else mode[label]
+                paged = paged or m == "page cache†"
+                if "error" in c:
+                    out.append(f"| {title_j} | {label} | {m} | {cell_err(c)} | | | | | | |")
+                    continue
+                v = c[metric]
+                out.append(f"| {title_j} | {label} | {m} | {fmt_num(v)} {unit} | {fmt_num(c['p50_us'])} | "
+                           f"{fmt_num(c['p99_us'])} | {fmt_pct(c.get('cpu_pct'))} | {fmt_mib(c.get('rss_mib'))} | {fmt_ratio(ratio(v, peer))} | "
+                           f"{fmt_ratio(ratio(v, direct)) if label != 'direct' else '1.00×'} |")
+        out.append("")
+        if medium == "disk" and paged:  # results from before vdisk had --direct
+            out.append("† vdisk has no O_DIRECT mode yet: on disk it serves through the host page cache, "
+                       "so its numbers are not like-for-like with qemu-nbd's O_DIRECT ones (its writes land in "
+                       "the page cache; its reads warm it during the job). "
+                       "‡ nbdkit 1.32's file plugin has no O_DIRECT mode either (`cache=none` evicts pages with "
+                       "fadvise, it does not bypass the cache), so it runs with its default. "
+                       "The image is fsynced and its page cache dropped (`POSIX_FADV_DONTNEED`) before every job.\n")
+        elif medium == "disk":
+            out.append("vdisk runs with `--direct` (O_DIRECT for aligned requests, and every request here is "
+                       "4K-aligned), like qemu-nbd `--cache=none` and direct fio `--direct=1`. "
+                       "‡ nbdkit 1.32's file plugin has no O_DIRECT mode (`cache=none` evicts pages with "
+                       "fadvise, it does not bypass the cache), so it runs with its default and serves through "
+                       "the host page cache: its numbers are not like-for-like with the O_DIRECT rows (its writes "
+                       "land in the page cache; its reads warm it during the job). "
+                       "The image is fsynced and its page cache dropped (`POSIX_FADV_DONTNEED`) before every job.\n")
+        else:
+            out.append("tmpfs has no O_DIRECT: every server and direct fio go through the (shmem) page cache. "
+                       "Server CPU % is the server's user+system time over the job's wall time (100 = one core; "
+                       "fio has the rest of the 2). QD1 is bimodal on this 2-vCPU VM: a request handed to a thread "
+                       "on the other vCPU costs a wake-up IPI (~50 µs), on the same vCPU ~7 µs, so QD1 rows move "
+                       "by up to 7× with where the scheduler happens to put fio and the server; `--pin same|split` "
+                       "fixes the placement.\n")
+    return out
+
+
+def md_ablations(res, meta):
+    out = ["### 3. Ablations (vdisk knobs, tmpfs image)\n"]
+    rows = res["rows"]
+    peer = {j: best_peer([val(rows.get(p, {}).get(j), "iops") for p in PEERS]) for j in ABL_JOBS}
+    out.append("| config | randread 4K QD32 IOPS | p50 µs | p99 µs | CPU % | vs best peer | randwrite 4K QD32 IOPS | "
+               "p50 µs | p99 µs | CPU % | vs best peer | syscalls / request | peak RSS MiB |")
+    out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, _k, _e in ABLATIONS:
+        row = rows.get(label)
+        if row is None:
+            continue
+        cols = [label]
+        rss = []
+        for j in ABL_JOBS:
+            c = row[j]
+            if "error" in c:
+                cols += [cell_err(c), "", "", "", ""]
+                continue
+            cols += [fmt_num(c["iops"]), fmt_num(c["p50_us"]), fmt_num(c["p99_us"]), fmt_pct(c.get("cpu_pct")),
+                     fmt_ratio(ratio(c["iops"], peer[j]))]
+            if c.get("rss_mib"):
+                rss.append(c["rss_mib"])
+        s = row["syscalls"]
+        cols.append(cell_err(s) if "error" in s else f"{s['per_request']:.2f}")
+        cols.append(fmt_mib(max(rss)) if rss else "—")
+        out.append("| " + " | ".join(cols) + " |")
+    methods = {r["syscalls"].get("method") for r in rows.values() if "method" in r["syscalls"]}
+    how = ("`perf stat -e raw_syscalls:sys_enter` around the server (every thread, from start to stop)"
+           if methods == {"perf"} else "`strace -c -f -p PID` attached to the server")
+    out.append("")
+    out.append(f"Syscalls / request: the 4K randread QD32 job run for {meta.get('syscall_seconds', 3)} s "
+               f"(no ramp) with {how}; total system calls divided by the requests fio completed. "
+               "Handshake and start-up calls are included (a few hundred, under 0.01 per request).\n")
+    return out
+
+
+LOOP_ROWS = [  # key, title, metric, unit, higher is better
+    ("dd", "dd read whole disk, bs=1M", "mibs", "MiB/s", True),
+    ("mkfs", "mkfs.ext4 -E lazy_itable_init=0,lazy_journal_init=0", "seconds", "s", False),
+    ("mkfs_nodiscard", "same + nodiscard (zeroes by WRITE_ZEROES)", "seconds", "s", False),
+    ("populate", "populate 2000 files in 100 dirs, + sync", "seconds", "s", False),
+    ("find_cat", "find -type f -exec cat {} +, cold cache", "seconds", "s", False),
+    ("dbench", "dbench 2 clients", "mbs", "MB/s", True),
+    ("aio_read", "8K O_DIRECT seq read, 8 threads", "iops", "IOPS", True),
+    ("aio_randread", "8K O_DIRECT rand read, 8 threads", "iops", "IOPS", True),
+    ("aio_write", "8K O_DIRECT seq write, 8 threads", "iops", "IOPS", True),
+    ("aio_randwrite", "8K O_DIRECT rand write, 8 threads", "iops", "IOPS", True),
+]
+
+
+def md_loop(res, meta):
+    out = ["### 2. Through a loop device (nbdfuse → losetup --direct-io=on), tmpfs image\n"]
+    servers = res["servers"]
+    out.append("| experiment | server | result | p50 µs | p99 µs | peak RSS MiB | vs best peer |")
+    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for key, title, metric, unit, higher in LOOP_ROWS:
+        def get(lab):
+            s = servers.get(lab, {})
+            return None if "error" in s else val(s.get(key), metric)
+        peers = [get(p) for p in PEERS if get(p) is not None]
+        peer = (max(peers) if higher else min(peers)) if peers else None
+        for label, _k, _e in LOOP_TARGETS:
+            s = servers.get(label, {"error": "not run"})
+            c = s if "error" in s else s.get(key, {"error": "not run"})
+            if "error" in c:
+                out.append(f"| {title} | {label} | {cell_err(c)} | | | | |")
+                continue
+            v = c[metric]
+            r = ratio(v, peer) if higher else ratio(peer, v)
+            p50 = fmt_num(c.get("p50_us")) if "p50_us" in c else ""
+            p99 = fmt_num(c.get("p99_us")) if "p99_us" in c else ""
+            extra = f" (max lat {c['max_latency_ms']:.0f} ms)" if key == "dbench" else ""
+            out.append(f"| {title} | {label} | {fmt_num(v)} {unit}{extra} | {p50} | {p99} | "
+                       f"{fmt_mib(s.get('rss_mib'))} | {fmt_ratio(r)} |")
+    out.append("")
+    notes = []
+    for label, s in servers.items():
+        lp = s.get("_loop") if isinstance(s, dict) else None
+        if lp and not lp["dio"]:
+            notes.append(f"{label}: the loop device did not take direct I/O (dio=0).")
+    out.append("vs best peer: > 1 means vdisk (or that row's server) is faster than the better of qemu-nbd and "
+               "nbdkit (for times: best peer's time / this time). nbdfuse opens 4 connections (every server "
+               "advertises multi-conn). The image is refilled with data before each server. mkfs.ext4 writes "
+               "little data: it discards the whole device (BLKDISCARD → NBD TRIM) and, with nodiscard, zeroes "
+               "the inode tables and journal with `fallocate(FALLOC_FL_ZERO_RANGE)`, which loop and FUSE pass "
+               "on as NBD WRITE_ZEROES; both rows time those few large requests (the filesystem used afterwards "
+               "is the nodiscard one). "
+               "The 8K jobs use `fio --ioengine=psync --direct=1 --bs=8k --numjobs=8`, each thread on its own "
+               "eighth of the device (aio-stress's four patterns). " + " ".join(notes) + "\n")
+    return out
+
+
+def md_rss(results):
+    """Section 4: the peak of each server over all its runs."""
+    peak = {}
+
+    def add(label, v):
+        if v:
+            peak[label] = max(peak.get(label, 0), v)
+    if "fio" in results:
+        for k, c in results["fio"]["cells"].items():
+            medium, _j, label = k.split("|")
+            if label != "direct":
+                add(f"{label} ({medium})", c.get("rss_mib"))
+    if "ablations" in results:
+        for label, row in results["ablations"]["rows"].items():
+            for j in ABL_JOBS:
+                add(f"{label} (tmpfs)", row[j].get("rss_mib"))
+    if "loop" in results:
+        for label, s in results["loop"]["servers"].items():
+            add(f"{label} (loop experiments)", s.get("rss_mib"))
+    if not peak:
+        return []
+    out = ["### 4. Peak RSS per server (largest VmHWM over all its runs)\n",
+           "| server | peak RSS MiB |", "| --- | ---: |"]
+    for label, v in peak.items():
+        out.append(f"| {label} | {fmt_mib(v)} |")
+    out.append("\nEach server is started fresh for every job; VmHWM is read from /proc/PID/status just before "
+               "it is sent SIGTERM.\n")
+    return out
+
+
+def render(results, meta, md_path, png_path):
+    m = meta["machine"]
+    lines = [
+        "# vdisk benchmarks",
+        "",
+        "Generated by `bench/run.py` — do not edit by hand; rerun it (see bench/README.md).",
+        "",
+        f"- **Command:** `{meta['command']}` ({meta['mode']}; {meta['runtime']} s per fio job after a 1 s ramp, "
+        f"median of {meta['repeat']} run(s) per job; CPU placement: "
+        f"{ {'none': 'scheduler', 'split': 'servers on CPU 1, fio on CPU 0', 'same': 'all on CPU 0'}[meta.get('pin', 'none')] })",
+        f"- **Date:** {meta['date']} — took {meta['elapsed_min']:.1f} min",
+        f"- **Machine:** {m['nproc']} CPUs ({m['cpu']}), {m['memory']} memory, kernel {m['kernel']}, "
+        f"`uname -r` {m['uname_r']}; load average at start {' '.join(m['loadavg_start'])}",
+        f"- **vdisk:** {meta['vdisk']}",
+        "- **Peers:** " + "; ".join(f"{k}: {v}" for k, v in m["tools"].items()),
+        "- **Images:** 2 GiB raw, filled with data first (no holes), tmpfs in /dev/shm and ext4 in /var/tmp; "
+        "export name = file stem; every server on a unix socket, fio through its nbd engine (libnbd).",
+        "- **Servers:** `vdisk serve IMG --engine uring|threads` "
+        f"({'+ `--direct` on disk; ' if vdisk_direct(results) else ''}defaults otherwise); "
+        "`qemu-nbd -t -f raw --aio=io_uring --cache=writeback|none --shared=8`; "
+        "`nbdkit -f file IMG` (16 threads by default); direct = `fio --ioengine=io_uring` on the image file.",
+        "",
+        "vs best peer = this row / max(qemu-nbd, nbdkit) for the same job (so the best peer reads 1.00×); "
+        "vs direct = this row / fio io_uring on the file. Two cores run both the server and fio, so "
+        "everything here is CPU-bound: ratios carry over better than absolute numbers.",
+        "",
+    ]
+    if png_path and png_path.exists() and "fio" in results:
+        lines += [f"![fio matrix on tmpfs, normalised to the best peer]({png_path.name})", ""]
+    for sec, fn in (("fio", md_fio), ("loop", md_loop), ("ablations", md_ablations)):
+        if sec in results:
+            r = results[sec]
+            sm = r.get("_meta", {})
+            lines += fn(r, sm)
+            if sm.get("date") and sm.get("date") != meta["date"]:
+                lines += [f"_This section is from an earlier run: `{sm.get('command')}` on {sm.get('date')}._", ""]
+    if meta.get("interrupted"):
+        lines[4:4] = ["- **Interrupted:** the run was stopped early; rows that say \"not run\" were not measured."]
+    lines += md_rss(results)
+    md_path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def plot(results, png_path, meta):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing (pip install matplotlib): no PNG")
+        return False
+    cells = results["fio"]["cells"]
+    labels = [t[0] for t in MATRIX_TARGETS]
+    colors = {"vdisk uring": "#1f77b4", "vdisk threads": "#6baed6", "qemu-nbd": "#ff7f0e",
+              "nbdkit": "#2ca02c", "direct": "#969696"}
+    cap = 3.0
+    fig, ax = plt.subplots(figsize=(12, 5.5), dpi=110)
+    width = 0.16
+    for i, label in enumerate(labels):
+        xs, hs = [], []
+        for x, (jid, _t, _o, metric) in enumerate(JOBS):
+            peer = best_peer([val(cells.get(f"tmpfs|{jid}|{p}"), metric) for p in PEERS])
+            v = val(cells.get(f"tmpfs|{jid}|{label}"), metric)
+            r = ratio(v, peer)
+            xpos = x + (i - (len(labels) - 1) / 2) * width
+            if r is None:
+                ax.text(xpos, 0.03, "✗", ha="center", va="bottom", fontsize=8, color="red")
+                continue
+            xs.append(xpos)
+            hs.append(min(r, cap))
+            if r > cap:
+                ax.text(xpos, cap, f"{r:.1f}", ha="center", va="bottom", fontsize=7)
+        ax.bar(xs, hs, width, label=label, color=colors[label])
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(JOBS)))
+    ax.set_xticklabels([t[1] for t in JOBS], fontsize=8)
+    ax.set_ylim(0, cap + 0.3)
+    ax.set_ylabel("throughput / best of qemu-nbd, nbdkit")
+    m = meta["machine"]
+    ax.set_title(f"fio over NBD (unix socket), 2 GiB tmpfs image — {meta['mode']}, {m['nproc']} CPUs, "
+                 f"{meta['date'][:10]}", fontsize=10)
+    ax.legend(fontsize=8, ncol=5, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return True
