@@ -48,7 +48,7 @@ impl Rig {
         let dev = Device::start(tag, image, config).unwrap();
         assert_eq!(dev.kind(), config.kind, "{tag}: the engine asked for runs here");
         let (tx, rx) = mpsc::channel();
-        Rig { dev: Arc::new(dev), sink: Arc::new(Collect(Mutex::new(tx))), rx, dir: dir }
+        Rig { dev: Arc::new(dev), sink: Arc::new(Collect(Mutex::new(tx))), rx, dir }
     }
 
     /// Submits a batch through `submit_inline` and returns all completions in tag order.
@@ -241,7 +241,7 @@ fn direct_io_serves_aligned_and_unaligned_requests() {
         assert_eq!(image.direct_files().len(), 1);
         let dev = Arc::new(Device::start(name, Arc::new(image), &cfg).unwrap());
         let (tx, rx) = mpsc::channel();
-        let rig = Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, dir: dir };
+        let rig = Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, dir };
         // Aligned (direct) and unaligned (through the cache) writes, then reads of both kinds.
         let done = rig.run(vec![write(0, pattern(1, 65536), 0), write(65536 + 100, pattern(2, 5000), 1)]);
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");
