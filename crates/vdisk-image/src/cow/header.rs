@@ -118,13 +118,10 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header> {
     match version {
         3 => {}
         1 | 2 => {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "COW version {version} overlays are not supported, only version 3 \
+            return Err(corrupt(format!(
+                "COW version {version} overlays are not supported, only version 3 \
                      (merge it with `uml_moo OVERLAY NEW.img` and make a new overlay over the result)"
-                ),
-            ))
+            )))
         }
         v => return Err(corrupt(format!("unknown COW version {v} (only version 3 is supported)"))),
     }

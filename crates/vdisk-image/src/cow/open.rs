@@ -17,21 +17,35 @@ pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
     Error::io(e, format!("{what} {}", path.display()))
 }
 
-/// Takes a BSD lock on `file` or says who holds it.
+/// Takes a BSD lock on `file` or says the file is in use. A process that just
+/// exited may hold its locks a moment longer (io_uring releases registered
+/// files after the process is gone), so a held lock is retried for a second.
 fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
     let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
-    // SAFETY: flock only reads its integer arguments; the fd is open.
-    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
-        return Ok(());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        // SAFETY: flock only reads its integer arguments; the fd is open.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            Some(libc::EWOULDBLOCK) => {
+                return Err(Error::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "{} is in use by another process (a running `vdisk serve` or `vdisk commit`?)",
+                        path.display()
+                    ),
+                ))
+            }
+            _ => return Err(at(path, e, "cannot lock")),
+        }
     }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        return Err(Error::new(
-            ErrorKind::InvalidInput,
-            format!("{} is in use by another process (a running `vdisk serve` or `vdisk commit`?)", path.display()),
-        ));
-    }
-    Err(at(path, e, "cannot lock"))
 }
 
 /// Size of a regular file or block device (whose metadata says 0).
