@@ -17,6 +17,9 @@ use crate::size::parse_size;
   vdisk serve disk.img --listen             ...and on TCP 127.0.0.1:10809
   qemu-img info 'nbd+unix:///disk?socket=/run/user/0/vdisk.sock'
   vdisk info disk.img --json
+  vdisk create --backing base.img vm1.cow   make a copy-on-write overlay over base.img
+  vdisk serve vm1.cow vm2.cow               two overlays over one base, exports \"vm1\" and \"vm2\"
+  vdisk commit vm1.cow --into merged.img    write the merged disk to a new raw image
 
 Run `vdisk COMMAND --help` for the options of each command."
 )]
@@ -33,10 +36,23 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Create a new disk image (raw, sparse unless --preallocate).
+    /// Create a new disk image (raw, sparse unless --preallocate), or with
+    /// --backing a copy-on-write overlay (UML COW v3) over a base image.
     Create(CreateArgs),
-    /// Show an image's format, virtual size and allocated bytes.
+    /// Show an image's format, virtual size and allocated bytes (for an
+    /// overlay: its backing file and the sectors it holds).
     Info(InfoArgs),
+    /// Merge a COW overlay into its backing file (like `uml_moo -d`), or with
+    /// --into into a new raw image (like `uml_moo OVERLAY NEW`).
+    #[command(after_help = "Merging into the backing file changes it: every other overlay made over it
+becomes invalid, and the overlay's own header no longer matches its mtime (serve
+it with --ignore-backing-mtime, or remove it). A backing file or overlay that a
+`vdisk serve` has open is refused.
+
+Examples:
+  vdisk commit vm1.cow                       write vm1.cow's sectors into its base
+  vdisk commit vm1.cow --into vm1-full.img   leave the base alone, write a new image")]
+    Commit(CommitArgs),
     /// Serve images as NBD exports until SIGINT or SIGTERM.
     #[command(after_help = "Each IMAGE becomes an export named after its file stem (disk.img → \"disk\");
 the empty export name selects the first image, so `nbd+unix:///?socket=PATH` just works.
@@ -50,6 +66,8 @@ Examples:
   vdisk serve disk.img
   vdisk serve a.img b.img --socket /tmp/nbd.sock --readonly
   vdisk serve disk.img --listen 0.0.0.0:10809 --workers 32
+  vdisk serve vm1.cow vm2.cow               COW overlays (their base opens read-only)
+  vdisk serve vm1.cow --backing /new/place/base.img
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(ServeArgs),
 }
@@ -59,11 +77,50 @@ pub struct CreateArgs {
     /// Path of the new image; an existing file is never overwritten.
     pub image: PathBuf,
     /// Virtual size: bytes, or with a K, M, G or T suffix (binary units), e.g. 10G.
-    #[arg(long, short, value_parser = parse_size)]
-    pub size: u64,
+    /// Required unless --backing is given (an overlay takes its size from BASE).
+    #[arg(long, short, value_parser = parse_size, conflicts_with = "backing")]
+    pub size: Option<u64>,
     /// Reserve every block now (with a progress bar) instead of leaving the file sparse.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "backing")]
     pub preallocate: bool,
+    /// Make IMAGE a copy-on-write overlay (UML COW v3, as uml_mkcow makes) over
+    /// BASE: it records BASE's absolute path, size and mtime; BASE is never written.
+    #[arg(long, value_name = "BASE")]
+    pub backing: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct CommitArgs {
+    /// The COW overlay to merge.
+    pub overlay: PathBuf,
+    /// Write the merged disk to NEW, a new sparse raw image, and leave the backing file alone.
+    #[arg(long, value_name = "NEW")]
+    pub into: Option<PathBuf>,
+    #[command(flatten)]
+    pub backing: BackingArgs,
+}
+
+/// How to find a COW overlay's backing file.
+#[derive(Args, Clone, Default)]
+pub struct BackingArgs {
+    /// The backing file of the COW overlay(s), instead of the path in the header
+    /// (for a base that moved). Its size must still match the header.
+    #[arg(long, value_name = "PATH")]
+    pub backing: Option<PathBuf>,
+    /// Accept a backing file whose modification time differs from the one the
+    /// overlay recorded (only if you know its data did not change).
+    #[arg(long)]
+    pub ignore_backing_mtime: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FormatArg {
+    /// A COW overlay if the file starts with the COW magic, raw otherwise.
+    Auto,
+    /// Raw, whatever the file starts with (use it for images a guest writes to).
+    Raw,
+    /// A UML COW v3 overlay.
+    Cow,
 }
 
 #[derive(Args)]
@@ -121,4 +178,10 @@ pub struct ServeArgs {
     /// Make every write durable before its reply (writes still run in parallel).
     #[arg(long)]
     pub sync: bool,
+    /// Image format. Auto-detection trusts the first bytes of the file: serve
+    /// raw images a guest can write with --format raw.
+    #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
+    pub format: FormatArg,
+    #[command(flatten)]
+    pub backing: BackingArgs,
 }

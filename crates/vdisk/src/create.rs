@@ -1,24 +1,40 @@
 //! `vdisk create`.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use vdisk_image::RawImage;
+use vdisk_image::{CowImage, Image, RawImage};
 
 use crate::cli::CreateArgs;
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: CreateArgs) -> Result<(), Failure> {
+    if let Some(base) = &a.backing {
+        CowImage::create(&a.image, base)?;
+        let image = CowImage::open(&a.image, true, None, false)?;
+        println!(
+            "created {} (cow overlay over {}, {})",
+            a.image.display(),
+            image.backing_path().display(),
+            human(image.size())
+        );
+        return Ok(());
+    }
+    let Some(size) = a.size else {
+        return Err(Failure::usage(
+            "vdisk create needs --size (e.g. --size 10G), or --backing BASE for an overlay (see --help)",
+        ));
+    };
     if a.preallocate {
-        let bar = ProgressBar::new(a.size).with_style(
+        let bar = ProgressBar::new(size).with_style(
             ProgressStyle::with_template("preallocating {bar:40} {bytes}/{total_bytes} ({eta})")
                 .expect("a valid template"),
         );
-        RawImage::create(&a.image, a.size, Some(&|done| bar.set_position(done)))?;
+        RawImage::create(&a.image, size, Some(&|done| bar.set_position(done)))?;
         bar.finish_and_clear();
     } else {
-        RawImage::create(&a.image, a.size, None)?;
+        RawImage::create(&a.image, size, None)?;
     }
     let how = if a.preallocate { "preallocated" } else { "sparse" };
-    println!("created {} ({}, raw, {how})", a.image.display(), human(a.size));
+    println!("created {} ({}, raw, {how})", a.image.display(), human(size));
     Ok(())
 }

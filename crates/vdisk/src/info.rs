@@ -2,16 +2,19 @@
 
 use std::os::unix::fs::MetadataExt;
 
-use vdisk_image::{Image, RawImage};
+use vdisk_image::{cow, Image, RawImage};
 
 use crate::cli::InfoArgs;
+use crate::formats::is_cow;
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: InfoArgs) -> Result<(), Failure> {
+    if is_cow(&a.image) {
+        return cow_info(&a);
+    }
     let image = RawImage::open(&a.image, true)?;
-    let meta = std::fs::metadata(&a.image).map_err(|e| Failure::runtime(format!("{}: {e}", a.image.display())))?;
-    let allocated = meta.blocks() * 512;
+    let allocated = allocated(&a)?;
     if a.json {
         let v = serde_json::json!({
             "path": a.image.display().to_string(),
@@ -26,5 +29,72 @@ pub fn run(a: InfoArgs) -> Result<(), Failure> {
         println!("virtual size: {} ({} bytes)", human(image.size()), image.size());
         println!("allocated:    {} ({} bytes)", human(allocated), allocated);
     }
+    Ok(())
+}
+
+/// Bytes the file occupies on disk.
+fn allocated(a: &InfoArgs) -> Result<u64, Failure> {
+    let meta = std::fs::metadata(&a.image).map_err(|e| Failure::runtime(format!("{}: {e}", a.image.display())))?;
+    Ok(meta.blocks() * 512)
+}
+
+/// An overlay: read without locking (it may be being served) and without
+/// needing its backing file (whose state is reported instead).
+fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
+    let i = cow::inspect(&a.image)?;
+    let h = &i.header;
+    let allocated = allocated(a)?;
+    let in_overlay = (i.sectors_allocated * h.sector_size as u64).min(h.size);
+    let written = h.backing_path().display().to_string();
+    let resolved = i.backing_resolved.display().to_string();
+    if a.json {
+        let v = serde_json::json!({
+            "path": a.image.display().to_string(),
+            "format": "cow",
+            "cow-version": 3,
+            "virtual-size": h.size,
+            "allocated": allocated,
+            "backing-file": written,
+            "backing-file-resolved": resolved,
+            "backing-ok": i.backing_problem.is_none(),
+            "backing-problem": i.backing_problem,
+            "backing-mtime": h.mtime,
+            "sector-size": h.sector_size,
+            "alignment": h.alignment,
+            "bitmap-offset": h.bitmap_offset(),
+            "bitmap-length": h.bitmap_len(),
+            "data-offset": h.data_offset(),
+            "sectors": h.sectors(),
+            "sectors-allocated": i.sectors_allocated,
+            "overlay-bytes": in_overlay,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        return Ok(());
+    }
+    println!("image:        {}", a.image.display());
+    println!("format:       cow (UML COW v3)");
+    println!("virtual size: {} ({} bytes)", human(h.size), h.size);
+    println!("backing file: {written}");
+    if resolved != written {
+        println!("  resolves to {resolved}");
+    }
+    match &i.backing_problem {
+        None => println!("  ok: size and mtime match the header"),
+        Some(p) => println!("  problem: {p}"),
+    }
+    println!("sector size:  {} bytes, alignment {}", h.sector_size, h.alignment);
+    println!(
+        "bitmap:       {} bytes at offset {}; data at offset {}",
+        h.bitmap_len(),
+        h.bitmap_offset(),
+        h.data_offset()
+    );
+    println!(
+        "in overlay:   {} of {} sectors ({}) as of the last flush",
+        i.sectors_allocated,
+        h.sectors(),
+        human(in_overlay)
+    );
+    println!("allocated:    {} ({} bytes)", human(allocated), allocated);
     Ok(())
 }

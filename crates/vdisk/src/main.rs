@@ -3,7 +3,9 @@
 //! them cleanly. A user mistake is one line on stderr and exit code 2.
 
 mod cli;
+mod commit;
 mod create;
+mod formats;
 mod info;
 mod logger;
 mod serve;
@@ -32,6 +34,7 @@ fn main() -> ExitCode {
         cli::Command::Create(a) => create::run(a),
         cli::Command::Info(a) => info::run(a),
         cli::Command::Serve(a) => serve::run(a),
+        cli::Command::Commit(a) => commit::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vdisk_engine::{Device, EngineConfig, EngineKind};
-use vdisk_image::{Image, RawImage};
+use vdisk_image::RawImage;
 use vdisk_nbd::{Export, Listener, Server, ServerOptions};
 
 use crate::cli::{EngineArg, ServeArgs};
-use crate::size::human;
+use crate::formats::{self, Opened};
 use crate::Failure;
 
 const DEMO_SIZE: u64 = 1 << 30;
@@ -42,15 +42,12 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     let options = ServerOptions { batching: a.batch > 1 };
     let mut exports = Vec::new();
     for path in &paths {
-        let mut image = RawImage::open(path, a.readonly)?;
+        let Opened { image, description } = formats::open(path, a.format, a.readonly, a.direct, &a.backing)?;
         if image.size() == 0 {
             return Err(Failure::usage(format!(
                 "{} is empty: a disk needs a size (make one with `vdisk create IMAGE --size 10G`)",
                 path.display()
             )));
-        }
-        if a.direct {
-            image = image.with_direct_io().map_err(|e| Failure::usage(e.to_string()))?;
         }
         let name = export_name(path);
         if exports.iter().any(|e: &Export| e.name == name) {
@@ -59,8 +56,6 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
                 path.display()
             )));
         }
-        let description = format!("{} ({}, {})", path.display(), image.format(), human(image.size()));
-        let image: Arc<dyn Image> = Arc::new(image);
         let device = Device::start(&name, image, &config)
             .map_err(|e| Failure::runtime(format!("cannot start workers for {}: {e}", path.display())))?;
         exports.push(Export { name, description, device: Arc::new(device) });
