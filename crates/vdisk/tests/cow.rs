@@ -1,0 +1,622 @@
+//! COW overlays (UML COW v3) end to end: made by `uml_mkcow` or `vdisk
+//! create --backing`, served by the real binary, written by real clients
+//! (qemu-io, nbdsh, nbdcopy, a libnbd writer in Python), merged by `uml_moo`
+//! and `vdisk commit`, and a server killed with SIGKILL mid-workload. Every
+//! result is compared with a model the test keeps. A missing tool fails.
+
+mod common;
+
+use common::{run, vdisk, vdisk_bin, Server, TempDir};
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const ENGINES: [&str; 2] = ["uring", "threads"];
+
+fn output(cmd: &str, args: &[&str]) -> Output {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? scripts/install-test-deps.sh installs it)"))
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `qemu-io -f raw URI -c CMD...`: must succeed and report no failure.
+fn qemu_io(uri: &str, cmds: &[String]) {
+    let mut args = vec!["-f", "raw", uri];
+    for c in cmds {
+        args.extend_from_slice(&["-c", c]);
+    }
+    let out = output("qemu-io", &args);
+    let all = text(&out);
+    assert!(out.status.success(), "qemu-io failed:\n{all}");
+    assert!(!all.to_lowercase().contains("failed"), "qemu-io reported a failure:\n{all}");
+}
+
+/// `nbdsh -u URI -c SCRIPT` with the system Python (which has the libnbd bindings).
+fn nbdsh(uri: &str, script: &str) {
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let out = Command::new("nbdsh")
+        .env("PATH", path)
+        .args(["-u", uri, "-c", script])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run nbdsh: {e} (is libnbd-bin installed?)"));
+    assert!(out.status.success(), "nbdsh failed:\n{}\nscript:\n{script}", text(&out));
+}
+
+fn read_file(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+fn assert_same(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length differs");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: first difference at offset {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
+    }
+}
+
+/// Backing data: pseudo-random, with zero stretches (every fifth 64 KiB chunk).
+fn base_data(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = vec![0u8; len];
+    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
+        if i % 5 == 2 {
+            continue;
+        }
+        for b in chunk.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = (x >> 24) as u8;
+        }
+    }
+    v
+}
+
+/// Reads a whole export into memory with nbdcopy.
+fn read_export(dir: &TempDir, uri: &str, name: &str) -> Vec<u8> {
+    let out = dir.path(name);
+    let _ = std::fs::remove_file(&out);
+    run("nbdcopy", &["--connections=4", uri, s(&out)]);
+    let data = read_file(&out);
+    std::fs::remove_file(&out).unwrap();
+    data
+}
+
+/// What a list of client operations does, applied to the model and turned
+/// into qemu-io commands.
+enum Op {
+    Write(usize, usize, u8),
+    /// FUA write.
+    WriteFua(usize, usize, u8),
+    /// WRITE_ZEROES that must stay allocated (qemu-io `write -z`).
+    Zero(usize, usize),
+    /// WRITE_ZEROES that may punch (qemu-io `write -z -u`).
+    ZeroUnmap(usize, usize),
+    /// TRIM: on an overlay it reads back as zeros, whatever the backing file holds.
+    Discard(usize, usize),
+}
+
+fn apply(ops: &[Op], model: &mut [u8]) -> Vec<String> {
+    let mut cmds = Vec::new();
+    for op in ops {
+        let (cmd, off, len, fill) = match *op {
+            Op::Write(o, l, p) => (format!("write -P {p:#x} {o} {l}"), o, l, p),
+            Op::WriteFua(o, l, p) => (format!("write -f -P {p:#x} {o} {l}"), o, l, p),
+            Op::Zero(o, l) => (format!("write -z {o} {l}"), o, l, 0),
+            Op::ZeroUnmap(o, l) => (format!("write -z -u {o} {l}"), o, l, 0),
+            Op::Discard(o, l) => (format!("discard {o} {l}"), o, l, 0),
+        };
+        model[off..off + len].fill(fill);
+        cmds.push(cmd);
+    }
+    // Read every range back through the server, in the final state.
+    for op in ops {
+        let (Op::Write(o, l, _) | Op::WriteFua(o, l, _) | Op::Zero(o, l) | Op::ZeroUnmap(o, l) | Op::Discard(o, l)) =
+            *op;
+        let p = model[o];
+        if model[o..o + l].iter().all(|&b| b == p) {
+            cmds.push(format!("read -P {p:#x} {o} {l}"));
+        }
+    }
+    cmds.push("flush".into());
+    cmds
+}
+
+/// Odd offsets, partial sectors at both ends, zeroes and discards over
+/// backing data, FUA, the last sector, overwrites.
+fn client_ops() -> Vec<Op> {
+    vec![
+        Op::Write(513, 1000, 0xab),
+        Op::Write(4095, 2, 0x11),
+        Op::Write(MIB, 64 * KIB, 0x22),
+        Op::Write(MIB - 1, 3, 0x33),
+        Op::Zero(2 * MIB, MIB),
+        Op::ZeroUnmap(3 * MIB + 100, 5000),
+        Op::Discard(4 * MIB, MIB),
+        Op::WriteFua(6 * MIB, 4096, 0x44),
+        Op::Write(6 * MIB + 100, 200, 0x66),
+        Op::Write(16 * MIB - 512, 512, 0x55),
+        Op::Write(7 * MIB + 7, 3 * MIB, 0x77),
+        Op::ZeroUnmap(8 * MIB + 1, 511),
+    ]
+}
+
+/// Writes a base image and returns its data.
+fn make_base(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let data = base_data(len, seed);
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
+#[test]
+fn uml_mkcow_overlay_written_through_vdisk_merges_with_uml_moo() {
+    for engine in ENGINES {
+        let dir = TempDir::new(&format!("cow-mkcow-{engine}"));
+        let base = dir.path("base.img");
+        let mut model = make_base(&base, 16 * MIB, 0x9e37_79b9_7f4a_7c15);
+        let overlay = dir.path("disk.cow");
+        run("uml_mkcow", &["-f", s(&overlay), s(&base)]);
+
+        let server = Server::start(&dir, &[s(&overlay), "--engine", engine]);
+        assert!(server.stdout.iter().any(|l| l.contains("cow over")), "{:?}", server.stdout);
+        let uri = server.uri("disk");
+        let cmds = apply(&client_ops(), &mut model);
+        qemu_io(&uri, &cmds);
+        // Byte-exact trims and zeroes (qemu may round discards to its alignment).
+        nbdsh(&uri, "h.trim(1000, 5 * 1024 * 1024 + 7)\nh.zero(100, 12 * 1024 * 1024 + 300)\nh.flush()");
+        model[5 * MIB + 7..5 * MIB + 1007].fill(0);
+        model[12 * MIB + 300..12 * MIB + 400].fill(0);
+        assert_same(&format!("export ({engine})"), &read_export(&dir, &uri, "out.raw"), &model);
+        server.stop();
+
+        assert_same(
+            &format!("base after serving ({engine})"),
+            &read_file(&base),
+            &base_data(16 * MIB, 0x9e37_79b9_7f4a_7c15),
+        );
+        let merged = dir.path("merged.img");
+        run("uml_moo", &[s(&overlay), s(&merged)]);
+        assert_same(&format!("uml_moo merge ({engine})"), &read_file(&merged), &model);
+
+        // A restarted server reads back what the first one left on disk.
+        let server = Server::start(&dir, &[s(&overlay), "--engine", engine, "--readonly"]);
+        assert_same(
+            &format!("export after restart ({engine})"),
+            &read_export(&dir, &server.uri("disk"), "again.raw"),
+            &model,
+        );
+        server.stop();
+    }
+}
+
+#[test]
+fn vdisk_overlay_is_what_uml_mkcow_makes_and_commit_equals_uml_moo() {
+    let dir = TempDir::new("cow-commit");
+    let base = dir.path("base.img");
+    let mut model = make_base(&base, 16 * MIB, 0x2545_f491_4f6c_dd1d);
+    let ours = dir.path("disk.cow");
+    let out = vdisk(&["create", "--backing", s(&base), s(&ours)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let theirs = dir.path("theirs.cow");
+    run("uml_mkcow", &["-f", s(&theirs), s(&base)]);
+    assert_same("vdisk create --backing vs uml_mkcow", &read_file(&ours), &read_file(&theirs));
+
+    let server = Server::start(&dir, &[s(&ours)]);
+    qemu_io(&server.uri("disk"), &apply(&client_ops(), &mut model));
+    server.stop();
+
+    let info: serde_json::Value =
+        serde_json::from_slice(&vdisk(&["info", "--json", s(&ours)]).stdout).expect("vdisk info --json");
+    assert_eq!(info["format"], "cow", "{info}");
+    assert_eq!(info["virtual-size"], 16 * MIB as u64, "{info}");
+    assert_eq!(info["backing-file"], s(&base.canonicalize().unwrap()), "{info}");
+    assert_eq!(info["backing-ok"], true, "{info}");
+    assert_eq!(info["data-offset"], 12288, "{info}");
+    let touched: std::collections::HashSet<usize> =
+        client_ops()
+            .iter()
+            .flat_map(|op| {
+                let (Op::Write(o, l, _)
+                | Op::WriteFua(o, l, _)
+                | Op::Zero(o, l)
+                | Op::ZeroUnmap(o, l)
+                | Op::Discard(o, l)) = *op;
+                o / 512..(o + l).div_ceil(512)
+            })
+            .collect();
+    assert_eq!(info["sectors-allocated"], touched.len(), "{info}");
+
+    // Non-destructive merges.
+    let by_moo = dir.path("moo.img");
+    run("uml_moo", &[s(&ours), s(&by_moo)]);
+    assert_same("uml_moo merge of a vdisk overlay", &read_file(&by_moo), &model);
+    let by_vdisk = dir.path("vdisk.img");
+    let out = vdisk(&["commit", s(&ours), "--into", s(&by_vdisk)]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same("vdisk commit --into", &read_file(&by_vdisk), &model);
+    let out = vdisk(&["commit", s(&ours), "--into", s(&by_vdisk)]);
+    assert_eq!(out.status.code(), Some(2), "an existing --into file is refused: {}", text(&out));
+
+    // In-place merges into two copies of the base (mtimes kept, so both tools accept them).
+    let (a, b) = (dir.path("base-a.img"), dir.path("base-b.img"));
+    run("cp", &["--preserve=timestamps", s(&base), s(&a)]);
+    run("cp", &["--preserve=timestamps", s(&base), s(&b)]);
+    run("uml_moo", &["-d", "-b", s(&a), s(&ours)]);
+    let out = vdisk(&["commit", s(&ours), "--backing", s(&b)]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same("vdisk commit in place vs uml_moo -d", &read_file(&b), &read_file(&a));
+    assert_same("vdisk commit in place", &read_file(&b), &model);
+    // The base it was made over changed nothing.
+    assert_same("original base", &read_file(&base), &base_data(16 * MIB, 0x2545_f491_4f6c_dd1d));
+}
+
+/// Runs `vdisk ARGS`, failing if it is still running after 20 s.
+fn vdisk_bounded(args: &[&str]) -> Output {
+    let mut child = Command::new(vdisk_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn vdisk");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("vdisk {args:?} was still running after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
+    child.stderr.take().unwrap().read_to_end(&mut err).unwrap();
+    Output { status, stdout: out, stderr: err }
+}
+
+/// Asserts exit 2 and one line on stderr that contains every one of `words`.
+fn assert_refused(args: &[&str], words: &[&str]) {
+    let out = vdisk_bounded(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "vdisk {args:?}: {}", text(&out));
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "vdisk {args:?}: want one line on stderr:\n{err}");
+    for w in words {
+        assert!(lines[0].contains(w), "vdisk {args:?}: {w:?} missing from: {}", lines[0]);
+    }
+}
+
+#[test]
+fn bad_overlays_are_refused_with_exit_2_naming_the_file() {
+    let dir = TempDir::new("cow-bad");
+    let base = dir.path("base.img");
+    make_base(&base, 4 * MIB, 7);
+    let good_path = dir.path("good.cow");
+    run("uml_mkcow", &["-f", s(&good_path), s(&base)]);
+    let good = read_file(&good_path);
+    let sock = dir.path("nbd.sock");
+    let variants: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("truncated.cow", good[..1000].to_vec(), "truncated"),
+        ("magic.cow", [&[0x4f, 0x4f, 0x4f, 0x4e][..], &good[4..]].concat(), "--format"),
+        ("v1.cow", [&good[..4], &[0, 0, 0, 1], &good[8..]].concat(), "version 1"),
+        ("v2.cow", [&good[..4], &[0, 0, 0, 2], &good[8..]].concat(), "version 2"),
+        ("short.cow", good[..8192 + 100].to_vec(), "too short for the bitmap"),
+        ("sector.cow", [&good[..20], &[0, 0, 0, 0], &good[24..]].concat(), "sector size 0"),
+    ];
+    for (name, bytes, word) in &variants {
+        let p = dir.path(name);
+        std::fs::write(&p, bytes).unwrap();
+        if *name == "magic.cow" {
+            // Not COW magic: auto-detection takes it as raw. Asked for as an overlay, it is refused.
+            assert_refused(&["serve", s(&p), "--format", "cow", "--socket", s(&sock)], &[s(&p), "not a COW overlay"]);
+            continue;
+        }
+        assert_refused(&["serve", s(&p), "--socket", s(&sock)], &[s(&p), word]);
+        assert_refused(&["info", s(&p)], &[s(&p), word]);
+        assert_refused(&["commit", s(&p), "--into", s(&dir.path("x.img"))], &[s(&p), word]);
+    }
+
+    // The backing file is gone, then back with another mtime, then another size.
+    let ov = s(&good_path);
+    let moved = dir.path("moved.img");
+    std::fs::rename(&base, &moved).unwrap();
+    assert_refused(&["serve", ov, "--socket", s(&sock)], &[ov, s(&base), "--backing"]);
+    assert_refused(&["commit", ov], &[ov, s(&base), "--backing"]);
+    run("touch", &["-d", "2001-01-01", s(&moved)]);
+    assert_refused(
+        &["serve", ov, "--backing", s(&moved), "--socket", s(&sock)],
+        &[ov, s(&moved), "--ignore-backing-mtime"],
+    );
+    let server = Server::start(&dir, &[ov, "--backing", s(&moved), "--ignore-backing-mtime"]);
+    server.stop();
+    std::fs::rename(&moved, &base).unwrap();
+    assert_refused(&["serve", ov, "--socket", s(&sock)], &[ov, s(&base), "modified after"]);
+    let f = std::fs::OpenOptions::new().append(true).open(&base).unwrap();
+    f.set_len(4 * MIB as u64 + 512).unwrap();
+    assert_refused(&["serve", ov, "--ignore-backing-mtime", "--socket", s(&sock)], &[ov, s(&base), "4194816 bytes"]);
+
+    // Mistakes on the command line.
+    assert_refused(&["create", s(&dir.path("n.img"))], &["--size"]);
+    assert_refused(&["create", "--backing", s(&dir.path("nope.img")), s(&dir.path("n.cow"))], &["nope.img"]);
+    assert_refused(&["create", "--backing", s(&base), ov], &["already exists"]);
+    let raw = dir.path("raw.img");
+    std::fs::write(&raw, vec![0u8; 65536]).unwrap();
+    assert_refused(&["serve", s(&raw), "--backing", s(&base), "--socket", s(&sock)], &[s(&raw), "COW overlays only"]);
+    assert_refused(&["commit", s(&raw)], &[s(&raw), "not a COW overlay"]);
+}
+
+#[test]
+fn many_overlays_over_one_base_served_at_once() {
+    const N: usize = 4;
+    let dir = TempDir::new("cow-many");
+    let base = dir.path("base.img");
+    let base_bytes = make_base(&base, 16 * MIB, 0xdead_beef);
+    let mtime = std::fs::metadata(&base).unwrap().modified().unwrap();
+    let mut args = Vec::new();
+    for i in 0..N {
+        let ov = dir.path(&format!("vm{i}.cow"));
+        let out = vdisk(&["create", "--backing", s(&base), s(&ov)]);
+        assert!(out.status.success(), "{}", text(&out));
+        args.push(s(&ov).to_owned());
+    }
+    args.extend(["--engine".to_owned(), "uring".to_owned()]);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let server = Server::start(&dir, &argv);
+    let any = format!("nbd+unix:///?socket={}", server.socket.display());
+    let list = run("nbdinfo", &["--list", &any]);
+    for i in 0..N {
+        assert!(list.contains(&format!("export=\"vm{i}\"")), "{list}");
+    }
+    // Each overlay gets its own data: half the disk, at a different place.
+    let models: Vec<Vec<u8>> = (0..N)
+        .map(|i| {
+            let mut m = base_bytes.clone();
+            let at = i * 2 * MIB + 333;
+            m[at..at + 8 * MIB].copy_from_slice(&base_data(8 * MIB, 100 + i as u64));
+            m
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        for (i, model) in models.iter().enumerate() {
+            let (uri, dir) = (server.uri(&format!("vm{i}")), &dir);
+            scope.spawn(move || {
+                let src = dir.path(&format!("src{i}.raw"));
+                std::fs::write(&src, model).unwrap();
+                run("nbdcopy", &["--connections=4", "--flush", s(&src), &uri]);
+                assert_same(&format!("vm{i}"), &read_export(dir, &uri, &format!("out{i}.raw")), model);
+            });
+        }
+    });
+    server.stop();
+    assert_same("base", &read_file(&base), &base_bytes);
+    assert_eq!(std::fs::metadata(&base).unwrap().modified().unwrap(), mtime, "the base was modified");
+    for (i, model) in models.iter().enumerate() {
+        let merged = dir.path(&format!("merged{i}.img"));
+        run("uml_moo", &[&args[i], s(&merged)]);
+        assert_same(&format!("uml_moo of vm{i}"), &read_file(&merged), model);
+    }
+}
+
+/// The writer: keeps up to 16 requests in flight on blocks of BS bytes (not
+/// sector-aligned, so neighbours share sectors), each block's generations in
+/// order, and records which generations were attempted and which were
+/// durable: acknowledged before a FLUSH that completed, or FUA (or every
+/// acknowledged write in sync mode). Runs until the server dies.
+const WRITER: &str = r#"
+import json, random, sys
+import nbd
+uri, seed, out, nblocks, bs, all_durable = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
+rnd = random.Random(seed)
+def content(b, g, n):
+    key = (b * 1000003 + g * 7919) & 0xffffffff
+    return bytes((((key + i * 2654435761) & 0xffffffff) >> 13) & 0xff for i in range(n))
+gens, attempted, acked, durable = {}, {}, {}, {}
+inflight, flushes, busy = {}, {}, set()
+err = None
+h = nbd.NBD()
+try:
+    h.connect_uri(uri)
+    open(out + ".ready", "w").close()
+    while True:
+        while h.aio_in_flight() < 16:
+            r = rnd.random()
+            if r < 0.04:
+                if len(flushes) < 2:
+                    flushes[h.aio_flush()] = dict(acked)
+                continue
+            b = rnd.randrange(nblocks)
+            if b in busy:
+                continue
+            g = gens.get(b, 0) + 1
+            gens[b] = g
+            fua = rnd.random() < 0.05
+            flags = nbd.CMD_FLAG_FUA if fua else 0
+            if r < 0.10:
+                kind, c = "z", h.aio_zero(bs, b * bs, flags=flags)
+            elif r < 0.14:
+                kind, c = "z", h.aio_trim(bs, b * bs, flags=flags)
+            else:
+                kind, c = "w", h.aio_pwrite(content(b, g, bs), b * bs, flags=flags)
+            attempted.setdefault(b, []).append([g, kind])
+            inflight[c] = (b, g, fua)
+            busy.add(b)
+        h.poll(-1)
+        for c in list(inflight):
+            if h.aio_command_completed(c):
+                b, g, fua = inflight.pop(c)
+                busy.discard(b)
+                acked[b] = g
+                if fua or all_durable:
+                    durable[b] = max(durable.get(b, 0), g)
+        for c in list(flushes):
+            if h.aio_command_completed(c):
+                for b, g in flushes.pop(c).items():
+                    durable[b] = max(durable.get(b, 0), g)
+except Exception as e:
+    err = repr(e)
+json.dump({"attempted": attempted, "durable": durable, "error": err}, open(out, "w"))
+"#;
+
+/// The bytes the writer writes for generation `g` of block `b` (see WRITER).
+fn generation(b: u64, g: u64, n: usize) -> Vec<u8> {
+    let key = b.wrapping_mul(1_000_003).wrapping_add(g.wrapping_mul(7919)) as u32;
+    (0..n).map(|i| (key.wrapping_add((i as u32).wrapping_mul(2_654_435_761)) >> 13) as u8).collect()
+}
+
+struct WriterLog {
+    attempted: HashMap<u64, Vec<(u64, bool)>>,
+    durable: HashMap<u64, u64>,
+    writes: usize,
+}
+
+fn parse_log(path: &Path) -> WriterLog {
+    let v: serde_json::Value = serde_json::from_slice(&read_file(path)).expect("writer log");
+    let mut attempted = HashMap::new();
+    let mut writes = 0;
+    for (b, list) in v["attempted"].as_object().unwrap() {
+        let gens: Vec<(u64, bool)> =
+            list.as_array().unwrap().iter().map(|e| (e[0].as_u64().unwrap(), e[1].as_str().unwrap() == "z")).collect();
+        writes += gens.len();
+        attempted.insert(b.parse().unwrap(), gens);
+    }
+    let durable =
+        v["durable"].as_object().unwrap().iter().map(|(b, g)| (b.parse().unwrap(), g.as_u64().unwrap())).collect();
+    WriterLog { attempted, durable, writes }
+}
+
+/// Every 512-byte piece of every block holds the prior content (only if no
+/// generation of the block was durable) or a generation written to it (at
+/// least the durable one).
+fn verify(what: &str, prior: &[u8], now: &[u8], log: &WriterLog, nblocks: u64, bs: usize) {
+    for b in 0..nblocks {
+        let start = b as usize * bs;
+        let gens = log.attempted.get(&b).map(Vec::as_slice).unwrap_or(&[]);
+        let floor = log.durable.get(&b).copied().unwrap_or(0);
+        let contents: Vec<(u64, Vec<u8>)> = gens
+            .iter()
+            .filter(|&&(g, _)| g >= floor)
+            .map(|&(g, zero)| (g, if zero { vec![0; bs] } else { generation(b, g, bs) }))
+            .collect();
+        let mut p = start;
+        while p < start + bs {
+            let q = ((p / 512 + 1) * 512).min(start + bs);
+            let got = &now[p..q];
+            let ok =
+                (floor == 0 && got == &prior[p..q]) || contents.iter().any(|(_, c)| got == &c[p - start..q - start]);
+            assert!(
+                ok,
+                "{what}: block {b} bytes [{p}, {q}) hold data never written there (durable generation {floor}, \
+                 attempted {gens:?}); got {:02x?}...",
+                &got[..8.min(got.len())]
+            );
+            p = q;
+        }
+    }
+    let tail = nblocks as usize * bs;
+    assert_same(&format!("{what}: past the blocks"), &now[tail..], &prior[tail..]);
+}
+
+/// A small deterministic generator for kill moments and writer seeds.
+fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+#[test]
+fn sigkill_keeps_every_flushed_write_and_invents_nothing() {
+    const BS: usize = 1000;
+    const SIZE: usize = 4 * MIB;
+    let nblocks = (SIZE / BS - 10) as u64;
+    let started = Instant::now();
+    let mut seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    eprintln!("crash test seed {seed:#x}");
+    for engine in ENGINES {
+        let dir = TempDir::new(&format!("cow-crash-{engine}"));
+        let base = dir.path("base.img");
+        let mut prior = make_base(&base, SIZE, 0x1234_5678);
+        let overlay = dir.path("crash.cow");
+        let out = vdisk(&["create", "--backing", s(&base), s(&overlay)]);
+        assert!(out.status.success(), "{}", text(&out));
+        for (round, sync) in [(0, false), (1, false), (2, true), (3, false)] {
+            let what = format!("{engine} round {round}{}", if sync { " (--sync)" } else { "" });
+            let mut args = vec![s(&overlay), "--engine", engine];
+            if sync {
+                args.push("--sync");
+            }
+            let mut server = Server::start(&dir, &args);
+            let log_path = dir.path(&format!("log{round}.json"));
+            let writer_seed = next(&mut seed).to_string();
+            let mut writer = Command::new("/usr/bin/python3")
+                .args([
+                    "-c",
+                    WRITER,
+                    &server.uri("crash"),
+                    &writer_seed,
+                    s(&log_path),
+                    &nblocks.to_string(),
+                    &BS.to_string(),
+                    if sync { "1" } else { "0" },
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("cannot run /usr/bin/python3 (python3-libnbd provides the nbd module)");
+            let ready = PathBuf::from(format!("{}.ready", log_path.display()));
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ready.exists() {
+                if let Some(st) = writer.try_wait().unwrap() {
+                    let mut err = String::new();
+                    writer.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+                    panic!("{what}: the writer exited ({st}) before connecting:\n{err}");
+                }
+                assert!(Instant::now() < deadline, "{what}: the writer did not connect");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_millis(150 + next(&mut seed) % 600));
+            server.child.kill().unwrap(); // SIGKILL
+            server.child.wait().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while writer.try_wait().unwrap().is_none() {
+                assert!(Instant::now() < deadline, "{what}: the writer did not notice the server died");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let log = parse_log(&log_path);
+            assert!(log.writes > 20, "{what}: only {} writes before the kill", log.writes);
+
+            let server = Server::start(&dir, &[s(&overlay), "--engine", engine]);
+            let now = read_export(&dir, &server.uri("crash"), "after.raw");
+            server.stop();
+            verify(&what, &prior, &now, &log, nblocks, BS);
+            eprintln!(
+                "{what}: {} writes, {} blocks with a durable generation, verified",
+                log.writes,
+                log.durable.len()
+            );
+            prior = now;
+        }
+        assert_same(&format!("{engine}: base"), &read_file(&base), &base_data(SIZE, 0x1234_5678));
+    }
+    eprintln!("crash test took {:?}", started.elapsed());
+}
