@@ -7,7 +7,7 @@
 //! buffer and iovec array the kernel may touch, until that operation's
 //! completion has been reaped. All `unsafe` submission is in [`Ring::push`].
 //!
-//! FLUSH is an `IORING_OP_FSYNC` (datasync) per file, not ordered against other
+//! FLUSH is an `IORING_OP_FSYNC` (datasync) of the written file, not ordered against other
 //! operations in the ring: it must cover only writes *completed* before it was
 //! submitted, and those are already in the page cache. The image's metadata is
 //! synced after the files' fsyncs complete. FUA and sync-mode writes carry
@@ -274,17 +274,14 @@ impl RingWorker {
         for &k in &keys {
             let slot = self.jobs.get_mut(k);
             if slot.job.0.op == Op::Flush {
-                let files = self.planner.image.files().len();
-                slot.pending += files;
-                for file in 0..files {
-                    let op = self.ops.insert(OpKind::Fsync { job: k });
-                    let entry = on_file!(self, file, false, |f| opcode::Fsync::new(f)
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build())
-                    .user_data(op as u64);
-                    // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
-                    unsafe { self.ring.push(&entry)? };
-                }
+                // File 0 is the only one writes reach.
+                slot.pending += 1;
+                let op = self.ops.insert(OpKind::Fsync { job: k });
+                let entry =
+                    on_file!(self, 0, false, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
+                        .user_data(op as u64);
+                // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
+                unsafe { self.ring.push(&entry)? };
             } else {
                 self.planner.perform_other(&mut slot.job.0);
             }

@@ -126,8 +126,8 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
             failed = Some(Failure::runtime(format!("flush of export {:?} failed at shutdown: {err}", e.name)));
         }
     }
-    if let Some(path) = &demo {
-        let _ = std::fs::remove_file(path);
+    if let Some(dir) = demo.as_ref().and_then(|p| p.parent()) {
+        let _ = std::fs::remove_dir_all(dir);
     }
     served.map_err(|e| Failure::runtime(format!("server failed: {e}")))?;
     log::info!("stopped cleanly");
@@ -183,9 +183,11 @@ fn parse_listen(s: &str) -> Result<SocketAddr, Failure> {
         .ok_or_else(|| Failure::usage(format!("--listen {s:?} is not HOST:PORT (e.g. 127.0.0.1:10809)")))
 }
 
-/// A fresh sparse demo image in the temp directory, removed at exit.
+/// A fresh sparse demo image, export "demo", in its own temp directory (removed at exit).
 fn demo_image() -> Result<PathBuf, Failure> {
-    let path = std::env::temp_dir().join(format!("vdisk-demo-{}.img", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("vdisk-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| Failure::runtime(format!("cannot create {}: {e}", dir.display())))?;
+    let path = dir.join("demo.img");
     let _ = std::fs::remove_file(&path);
     RawImage::create(&path, DEMO_SIZE, None)?;
     Ok(path)
