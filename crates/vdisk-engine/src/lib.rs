@@ -80,6 +80,9 @@ impl Default for EngineConfig {
     }
 }
 
+/// The largest read or write [`Device::submit_inline`] performs in the caller's thread.
+const INLINE_MAX: u64 = 128 << 10;
+
 /// What [`Device::submit_inline`] may finish in the caller's thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Inline {
@@ -210,15 +213,20 @@ impl Device {
         match self.inline {
             Inline::Never => self.submit(batch, sink),
             Inline::All => {
+                // Large transfers go to the engine: copying them inline would stall
+                // the caller (a connection's reader) while it could be receiving.
+                let (small, large): (Vec<Request>, Vec<Request>) =
+                    batch.into_iter().partition(|r| !matches!(r.op, Op::Read | Op::Write) || r.len <= INLINE_MAX);
                 let first = done.len();
-                done.extend(batch);
+                done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
                 threads::execute(&mut planner, &mut reqs);
+                self.submit(large, sink);
             }
             Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => self.submit(batch, sink),
             Inline::CachedReads => {
                 let (mut reads, mut rest): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| r.op == Op::Read);
+                    batch.into_iter().partition(|r| r.op == Op::Read && r.len <= INLINE_MAX);
                 let runs = planner.plan(reads.iter_mut().enumerate());
                 let mut missed = vec![false; reads.len()];
                 for run in &runs {

@@ -237,12 +237,27 @@ impl Planner {
     }
 
     /// Tells the image a write reached its files (see [`Image::write_done`]);
-    /// a failure there fails the request.
-    pub fn write_done(&self, req: &mut Request) {
-        if req.op == Op::Write && req.error.is_none() {
-            let durable = self.sync || req.flags.fua;
-            if let Err(e) = self.image.write_done(req.offset, req.len, durable) {
-                req.error = Some(e);
+    /// a failure there fails the request. Returns true when the write must be
+    /// durable (FUA, sync mode): its data already is (`RWF_DSYNC`), and the
+    /// caller makes the metadata durable once for the whole batch with
+    /// [`Planner::settle_metadata`] before any reply goes out.
+    pub fn write_done(&self, req: &mut Request) -> bool {
+        if req.op != Op::Write || req.error.is_some() {
+            return false;
+        }
+        if let Err(e) = self.image.write_done(req.offset, req.len, false) {
+            req.error = Some(e);
+            return false;
+        }
+        self.sync || req.flags.fua
+    }
+
+    /// One metadata sync for the durable writes of a batch; if it fails, they fail.
+    pub fn settle_metadata<'a>(&self, durable: impl Iterator<Item = &'a mut Request>) {
+        let r = self.image.sync_metadata();
+        if let Err(e) = r {
+            for req in durable {
+                req.error = Some(Error::new(e.kind(), e.to_string()));
             }
         }
     }

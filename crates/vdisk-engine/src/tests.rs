@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use vdisk_image::{ErrorKind, Image, RawImage};
+use vdisk_image::{CowImage, ErrorKind, Image, RawImage};
 
 use super::*;
 
@@ -35,16 +35,35 @@ impl Drop for Rig {
 
 impl Rig {
     fn new(tag: &str, size: u64, read_only: bool, config: &EngineConfig) -> Rig {
-        Self::new_in(&std::env::temp_dir(), tag, size, read_only, config)
+        Self::new_in(&std::env::temp_dir(), tag, size, read_only, config, Format::Raw)
     }
 
-    fn new_in(base: &std::path::Path, tag: &str, size: u64, read_only: bool, config: &EngineConfig) -> Rig {
+    fn new_as(tag: &str, size: u64, read_only: bool, config: &EngineConfig, format: Format) -> Rig {
+        Self::new_in(&std::env::temp_dir(), tag, size, read_only, config, format)
+    }
+
+    fn new_in(
+        base: &std::path::Path,
+        tag: &str,
+        size: u64,
+        read_only: bool,
+        config: &EngineConfig,
+        format: Format,
+    ) -> Rig {
         let dir = base.join(format!("vdisk-engine-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("disk.img");
         let _ = std::fs::remove_file(&path);
         RawImage::create(&path, size, None).unwrap();
-        let image: Arc<dyn Image> = Arc::new(RawImage::open(&path, read_only).unwrap());
+        let image: Arc<dyn Image> = match format {
+            Format::Raw => Arc::new(RawImage::open(&path, read_only).unwrap()),
+            Format::Cow => {
+                let overlay = dir.join("disk.cow");
+                let _ = std::fs::remove_file(&overlay);
+                CowImage::create(&overlay, &path).unwrap();
+                Arc::new(CowImage::open(&overlay, read_only, None, false).unwrap())
+            }
+        };
         let dev = Device::start(tag, image, config).unwrap();
         assert_eq!(dev.kind(), config.kind, "{tag}: the engine asked for runs here");
         let (tx, rx) = mpsc::channel();
@@ -83,6 +102,25 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| seed.wrapping_add((i / 512) as u8) ^ (i as u8)).collect()
 }
 
+/// The image formats every engine configuration is checked against.
+#[derive(Clone, Copy, Debug)]
+enum Format {
+    Raw,
+    /// A COW overlay over a sparse (all-zero) raw base.
+    Cow,
+}
+
+/// Every engine configuration crossed with every image format.
+fn cases() -> Vec<(String, EngineConfig, Format)> {
+    let mut out = Vec::new();
+    for format in [Format::Raw, Format::Cow] {
+        for (name, cfg) in configs() {
+            out.push((format!("{name}-{format:?}"), cfg, format));
+        }
+    }
+    out
+}
+
 fn configs() -> Vec<(&'static str, EngineConfig)> {
     vec![
         ("default", EngineConfig::default()),
@@ -97,8 +135,8 @@ fn configs() -> Vec<(&'static str, EngineConfig)> {
 
 #[test]
 fn reads_return_what_batched_writes_wrote() {
-    for (name, cfg) in configs() {
-        let rig = Rig::new(&format!("rw-{name}"), 4 << 20, false, &cfg);
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("rw-{name}"), 4 << 20, false, &cfg, format);
         // 64 adjacent 4 KiB writes in one batch: the coalescing path.
         let writes: Vec<Request> = (0..64).map(|i| write(i * 4096, pattern(i as u8, 4096), i)).collect();
         assert!(rig.run(writes).iter().all(|r| r.error.is_none()), "{name}");
@@ -124,8 +162,8 @@ fn reads_return_what_batched_writes_wrote() {
 
 #[test]
 fn trim_and_write_zeroes_read_back_as_zeros() {
-    for (name, cfg) in configs() {
-        let rig = Rig::new(&format!("zero-{name}"), 1 << 20, false, &cfg);
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("zero-{name}"), 1 << 20, false, &cfg, format);
         rig.run(vec![write(0, vec![0xab; 1 << 20], 0)]);
         let trim = Request::new(Op::Trim, 0, 65536, 0);
         let mut zero = Request::new(Op::WriteZeroes, 65536, 65536, 1);
@@ -148,13 +186,13 @@ fn trim_and_write_zeroes_read_back_as_zeros() {
 
 #[test]
 fn read_only_devices_refuse_writes() {
-    for (name, cfg) in configs() {
-        read_only_refuses(name, &cfg);
+    for (name, cfg, format) in cases() {
+        read_only_refuses(&name, &cfg, format);
     }
 }
 
-fn read_only_refuses(name: &str, cfg: &EngineConfig) {
-    let rig = Rig::new(&format!("ro-{name}"), 65536, true, cfg);
+fn read_only_refuses(name: &str, cfg: &EngineConfig, format: Format) {
+    let rig = Rig::new_as(&format!("ro-{name}"), 65536, true, cfg, format);
     let done =
         rig.run(vec![write(0, vec![1; 512], 0), Request::new(Op::Trim, 0, 512, 1), Request::new(Op::Read, 0, 512, 2)]);
     assert_eq!(done[0].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
@@ -164,8 +202,8 @@ fn read_only_refuses(name: &str, cfg: &EngineConfig) {
 
 #[test]
 fn shutdown_finishes_queued_requests() {
-    for (name, cfg) in configs() {
-        let rig = Rig::new(&format!("drain-{name}"), 1 << 20, false, &cfg);
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("drain-{name}"), 1 << 20, false, &cfg, format);
         let batch: Vec<Request> = (0..200).map(|i| write((i % 256) * 4096, vec![i as u8; 4096], i)).collect();
         rig.dev.submit(batch, &rig.sink);
         rig.dev.shutdown().unwrap();
@@ -175,8 +213,8 @@ fn shutdown_finishes_queued_requests() {
 
 #[test]
 fn many_batches_from_many_threads() {
-    for (name, cfg) in configs() {
-        let rig = Rig::new(&format!("mt-{name}"), 4 << 20, false, &cfg);
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("mt-{name}"), 4 << 20, false, &cfg, format);
         let threads: Vec<_> = (0..4u64)
             .map(|t| {
                 let (dev, sink) = (rig.dev.clone(), rig.sink.clone());
@@ -207,8 +245,8 @@ fn inline_submission_matches_queued_submission() {
         if !base.is_dir() {
             continue;
         }
-        for (name, cfg) in configs() {
-            let rig = Rig::new_in(&base, &format!("inline-{name}"), 1 << 20, false, &cfg);
+        for (name, cfg, format) in cases() {
+            let rig = Rig::new_in(&base, &format!("inline-{name}"), 1 << 20, false, &cfg, format);
             let writes: Vec<Request> = (0..32).map(|i| write(i * 8192, pattern(i as u8, 8192), i)).collect();
             assert!(rig.run_inline(writes).iter().all(|r| r.error.is_none()), "{name}");
             let mut mixed: Vec<Request> = (0..32).map(|i| Request::new(Op::Read, i * 8192, 8192, i)).collect();

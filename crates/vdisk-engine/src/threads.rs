@@ -46,8 +46,9 @@ pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
             }
         }
     }
-    for req in reqs.iter_mut() {
-        planner.write_done(req);
+    let durable: Vec<bool> = reqs.iter_mut().map(|r| planner.write_done(r)).collect();
+    if durable.contains(&true) {
+        planner.settle_metadata(reqs.iter_mut().zip(&durable).filter(|(_, &d)| d).map(|(r, _)| &mut **r));
     }
     let mut flush = false;
     for req in reqs.iter_mut() {

@@ -144,6 +144,8 @@ pub(crate) struct RingWorker {
     jobs: Slab<JobSlot>,
     ops: Slab<OpKind>,
     done: Vec<Job>,
+    /// Positions in `done` of durable writes whose metadata is not yet durable.
+    owed: Vec<usize>,
     batch: usize,
 }
 
@@ -177,6 +179,7 @@ impl RingWorker {
             jobs: Slab::new(),
             ops: Slab::new(),
             done: Vec::new(),
+            owed: Vec::new(),
             batch: batch.max(1),
         })
     }
@@ -316,6 +319,13 @@ impl RingWorker {
                 }
             }
         }
+        if !self.owed.is_empty() {
+            // One metadata sync for every durable write this reap finished.
+            let owed = std::mem::take(&mut self.owed);
+            let done = &mut self.done;
+            self.planner
+                .settle_metadata(done.iter_mut().enumerate().filter(|(i, _)| owed.contains(i)).map(|(_, j)| &mut j.0));
+        }
         Ok(())
     }
 
@@ -345,7 +355,9 @@ impl RingWorker {
         let slot = self.jobs.get_mut(k);
         slot.pending -= 1;
         if slot.pending == 0 {
-            self.planner.write_done(&mut slot.job.0);
+            if self.planner.write_done(&mut slot.job.0) {
+                self.owed.push(self.done.len());
+            }
             if slot.job.0.op == Op::Flush && slot.job.0.error.is_none() {
                 if let Err(e) = self.planner.image.sync_metadata() {
                     slot.job.0.error = Some(e);

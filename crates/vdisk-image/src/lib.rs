@@ -91,8 +91,10 @@ pub trait Image: Send + Sync {
 
     /// Called once a write, TRIM or WRITE_ZEROES has reached the files, before
     /// it is acknowledged: the image may now point at the new data (a COW
-    /// overlay sets its bitmap bits in memory). With `durable` (FUA, sync
-    /// mode), the metadata for this range must be durable before returning.
+    /// overlay sets its bitmap bits in memory). With `durable`, the metadata
+    /// for this range must be durable before returning. (For durable writes the
+    /// engine passes false and calls `sync_metadata` once for the whole batch
+    /// before replying, which gives the same guarantee for less.)
     fn write_done(&self, _offset: u64, _len: u64, _durable: bool) -> Result<()> {
         Ok(())
     }
