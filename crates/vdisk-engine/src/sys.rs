@@ -38,14 +38,18 @@ fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
     }
 }
 
-/// Reads the whole of `segs` from `offset`; bytes past the end of the file read as zeros.
-pub fn preadv_full(file: &File, segs: &[Segment], mut offset: u64) -> io::Result<()> {
+/// Runs one vectored call (`call(iovecs, count, offset)`, returning bytes or
+/// -1 with errno) until every byte of `segs` is done, retrying after EINTR and
+/// short transfers. Returns the iovecs left when a call moved no bytes (end of
+/// file), empty when all is done.
+fn vectored_full(
+    segs: &[Segment],
+    mut offset: u64,
+    mut call: impl FnMut(*const libc::iovec, i32, i64) -> isize,
+) -> io::Result<Vec<libc::iovec>> {
     let mut iov = iovecs(segs);
     while !iov.is_empty() {
-        let n = iov.len().min(IOV_MAX);
-        // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
-        // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
-        let r = unsafe { libc::preadv(file.as_raw_fd(), iov.as_ptr(), n as i32, offset as i64) };
+        let r = call(iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64);
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -54,38 +58,34 @@ pub fn preadv_full(file: &File, segs: &[Segment], mut offset: u64) -> io::Result
             return Err(e);
         }
         if r == 0 {
-            for v in &iov {
-                // SAFETY: as above; zero-filling the part past end of file.
-                unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
-            }
-            return Ok(());
+            break;
         }
         advance(&mut iov, r as usize);
         offset += r as u64;
+    }
+    Ok(iov)
+}
+
+/// Reads the whole of `segs` from `offset`; bytes past the end of the file read as zeros.
+pub fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()> {
+    // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
+    // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
+    let rest = vectored_full(segs, offset, |iov, n, at| unsafe { libc::preadv(file.as_raw_fd(), iov, n, at) })?;
+    for v in &rest {
+        // SAFETY: as above; zero-filling the part past the end of the file.
+        unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
     }
     Ok(())
 }
 
 /// Writes the whole of `segs` at `offset`; with `dsync` each call is durable on return.
-pub fn pwritev_full(file: &File, segs: &[Segment], mut offset: u64, dsync: bool) -> io::Result<()> {
-    let mut iov = iovecs(segs);
+pub fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> io::Result<()> {
     let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-    while !iov.is_empty() {
-        let n = iov.len().min(IOV_MAX);
-        // SAFETY: each iovec points at memory the caller's `Segment`s vouch for; the kernel only reads it.
-        let r = unsafe { libc::pwritev2(file.as_raw_fd(), iov.as_ptr(), n as i32, offset as i64, flags) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r == 0 {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, "the file took no bytes"));
-        }
-        advance(&mut iov, r as usize);
-        offset += r as u64;
+    // SAFETY: each iovec points at memory the caller's `Segment`s vouch for; the kernel only reads it.
+    let rest =
+        vectored_full(segs, offset, |iov, n, at| unsafe { libc::pwritev2(file.as_raw_fd(), iov, n, at, flags) })?;
+    if !rest.is_empty() {
+        return Err(io::Error::new(io::ErrorKind::WriteZero, "the file took no bytes"));
     }
     Ok(())
 }

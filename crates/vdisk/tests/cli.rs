@@ -2,12 +2,11 @@
 
 mod common;
 
-use common::{create_image, run, vdisk, vdisk_bin, Server, TempDir};
+use common::{create_image, json, run, vdisk, vdisk_bin, vdisk_bounded, Server, TempDir};
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 
@@ -26,38 +25,6 @@ fn assert_usage_error(args: &[&str], out: &Output) -> String {
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "vdisk {args:?}: want one line on stderr, got:\n{err}");
     lines[0].to_owned()
-}
-
-/// Runs `vdisk ARGS`, killing it (and failing) if it has not exited within
-/// 20 s: a `serve` that should have refused to start must not hang the test.
-fn vdisk_bounded(args: &[&str]) -> Output {
-    let mut child = Command::new(vdisk_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn vdisk");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("vdisk {args:?} was still running after 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
-    child.stderr.take().unwrap().read_to_end(&mut err).unwrap();
-    Output { status, stdout: out, stderr: err }
-}
-
-fn json(s: &str) -> serde_json::Value {
-    serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}):\n{s}"))
 }
 
 #[test]

@@ -3,68 +3,13 @@
 
 mod common;
 
-use common::{create_image, run, Server, TempDir};
+use common::{
+    assert_same, create_image, json, nbdsh, output, qemu_io, read_file, run, text, Server, TempDir, ENGINES, KIB, MIB,
+};
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-
-const KIB: usize = 1 << 10;
-const MIB: usize = 1 << 20;
-
-/// `vdisk serve --engine` values; the default engine serves every other test.
-const ENGINES: [&str; 2] = ["uring", "threads"];
-
-/// Runs `cmd ARGS` and returns its output whatever the exit status; a client
-/// that cannot be started fails the test.
-fn output(cmd: &str, args: &[&str]) -> Output {
-    Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? .ci/run installs it)"))
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "status: {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// `qemu-io -f raw URI -c CMD...`, asserting that it succeeds and that no
-/// command reports a failure (qemu-io prints "... failed" for both I/O errors
-/// and pattern mismatches). Returns stdout.
-fn qemu_io(uri: &str, cmds: &[&str]) -> String {
-    let mut args = vec!["-f", "raw", uri];
-    for c in cmds {
-        args.extend_from_slice(&["-c", c]);
-    }
-    let out = output("qemu-io", &args);
-    let all = text(&out);
-    assert!(out.status.success(), "qemu-io {args:?} failed:\n{all}");
-    assert!(!all.to_lowercase().contains("failed"), "qemu-io {args:?} reported a failure:\n{all}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `nbdsh -u URI -c SCRIPT`, asserting success. nbdsh runs whichever
-/// `python3` comes first in PATH; the libnbd bindings belong to the system
-/// Python, so /usr/bin goes first (a pyenv python3 would not find them).
-fn nbdsh(uri: &str, script: &str) -> String {
-    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
-    let out = Command::new("nbdsh")
-        .env("PATH", path)
-        .args(["-u", uri, "-c", script])
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run nbdsh: {e} (is libnbd-bin installed?)"));
-    assert!(out.status.success(), "nbdsh -u {uri} failed:\n{}\nscript:\n{script}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn json(s: &str) -> serde_json::Value {
-    serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}):\n{s}"))
-}
+use std::process::{Command, Stdio};
 
 /// Deterministic test data: pseudo-random 64 KiB chunks, with every fifth
 /// chunk zero, some chunks one repeated byte, and the last MiB zero.
@@ -96,19 +41,6 @@ fn write_at(path: &Path, offset: u64, data: &[u8]) {
     let f = OpenOptions::new().write(true).open(path).unwrap();
     f.write_all_at(data, offset).unwrap();
     f.sync_all().unwrap();
-}
-
-fn read_file(path: &Path) -> Vec<u8> {
-    std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-/// Asserts that two buffers are equal, naming the first differing offset
-/// instead of dumping megabytes.
-fn assert_same(what: &str, got: &[u8], want: &[u8]) {
-    assert_eq!(got.len(), want.len(), "{what}: length differs");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!("{what}: first difference at offset {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
-    }
 }
 
 /// Asserts that `data[range]` is all `byte`.

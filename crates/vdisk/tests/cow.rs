@@ -6,69 +6,17 @@
 
 mod common;
 
-use common::{run, vdisk, vdisk_bin, Server, TempDir};
+use common::{
+    assert_same, nbdsh, qemu_io, read_file, run, text, vdisk, vdisk_bounded, Server, TempDir, ENGINES, KIB, MIB,
+};
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const KIB: usize = 1 << 10;
-const MIB: usize = 1 << 20;
-const ENGINES: [&str; 2] = ["uring", "threads"];
-
-fn output(cmd: &str, args: &[&str]) -> Output {
-    Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? scripts/install-test-deps.sh installs it)"))
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "status: {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// `qemu-io -f raw URI -c CMD...`: must succeed and report no failure.
-fn qemu_io(uri: &str, cmds: &[String]) {
-    let mut args = vec!["-f", "raw", uri];
-    for c in cmds {
-        args.extend_from_slice(&["-c", c]);
-    }
-    let out = output("qemu-io", &args);
-    let all = text(&out);
-    assert!(out.status.success(), "qemu-io failed:\n{all}");
-    assert!(!all.to_lowercase().contains("failed"), "qemu-io reported a failure:\n{all}");
-}
-
-/// `nbdsh -u URI -c SCRIPT` with the system Python (which has the libnbd bindings).
-fn nbdsh(uri: &str, script: &str) {
-    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
-    let out = Command::new("nbdsh")
-        .env("PATH", path)
-        .args(["-u", uri, "-c", script])
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run nbdsh: {e} (is libnbd-bin installed?)"));
-    assert!(out.status.success(), "nbdsh failed:\n{}\nscript:\n{script}", text(&out));
-}
-
-fn read_file(path: &Path) -> Vec<u8> {
-    std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-fn assert_same(what: &str, got: &[u8], want: &[u8]) {
-    assert_eq!(got.len(), want.len(), "{what}: length differs");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        panic!("{what}: first difference at offset {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
-    }
 }
 
 /// Backing data: pseudo-random, with zero stretches (every fifth 64 KiB chunk).
@@ -265,33 +213,6 @@ fn vdisk_overlay_is_what_uml_mkcow_makes_and_commit_equals_uml_moo() {
     assert_same("vdisk commit in place", &read_file(&b), &model);
     // The base it was made over changed nothing.
     assert_same("original base", &read_file(&base), &base_data(16 * MIB, 0x2545_f491_4f6c_dd1d));
-}
-
-/// Runs `vdisk ARGS`, failing if it is still running after 20 s.
-fn vdisk_bounded(args: &[&str]) -> Output {
-    let mut child = Command::new(vdisk_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn vdisk");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("vdisk {args:?} was still running after 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
-    child.stderr.take().unwrap().read_to_end(&mut err).unwrap();
-    Output { status, stdout: out, stderr: err }
 }
 
 /// Asserts exit 2 and one line on stderr that contains every one of `words`.

@@ -2,6 +2,7 @@
 //! wait until it is ready, hand out URIs for real clients, stop it cleanly.
 #![allow(dead_code)]
 
+use std::io::Read;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -158,4 +159,101 @@ impl Drop for Server {
             let _ = self.child.wait();
         }
     }
+}
+
+/// Sizes, and the engines every client test runs against.
+pub const KIB: usize = 1 << 10;
+pub const MIB: usize = 1 << 20;
+pub const ENGINES: [&str; 2] = ["uring", "threads"];
+
+/// Runs `cmd ARGS` and returns its output whatever the exit status; a client
+/// that cannot be started fails the test.
+pub fn output(cmd: &str, args: &[&str]) -> Output {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? .ci/run installs it)"))
+}
+
+pub fn text(out: &Output) -> String {
+    format!(
+        "status: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// `qemu-io -f raw URI -c CMD...`, asserting that it succeeds and that no
+/// command reports a failure (qemu-io prints "... failed" for both I/O errors
+/// and pattern mismatches). Returns stdout.
+pub fn qemu_io<S: AsRef<str>>(uri: &str, cmds: &[S]) -> String {
+    let mut args = vec!["-f", "raw", uri];
+    for c in cmds {
+        args.extend_from_slice(&["-c", c.as_ref()]);
+    }
+    let out = output("qemu-io", &args);
+    let all = text(&out);
+    assert!(out.status.success(), "qemu-io {args:?} failed:\n{all}");
+    assert!(!all.to_lowercase().contains("failed"), "qemu-io {args:?} reported a failure:\n{all}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `nbdsh -u URI -c SCRIPT`, asserting success. nbdsh runs whichever
+/// `python3` comes first in PATH; the libnbd bindings belong to the system
+/// Python, so /usr/bin goes first (a pyenv python3 would not find them).
+pub fn nbdsh(uri: &str, script: &str) -> String {
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let out = Command::new("nbdsh")
+        .env("PATH", path)
+        .args(["-u", uri, "-c", script])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run nbdsh: {e} (is libnbd-bin installed?)"));
+    assert!(out.status.success(), "nbdsh -u {uri} failed:\n{}\nscript:\n{script}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn json(s: &str) -> serde_json::Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}):\n{s}"))
+}
+
+pub fn read_file(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+/// Asserts that two buffers are equal, naming the first differing offset
+/// instead of dumping megabytes.
+pub fn assert_same(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length differs");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!("{what}: first difference at offset {i}: got {:#04x}, want {:#04x}", got[i], want[i]);
+    }
+}
+
+/// Runs `vdisk ARGS`, killing it (and failing) if it has not exited within
+/// 20 s: a `serve` that should have refused to start must not hang the test.
+pub fn vdisk_bounded(args: &[&str]) -> Output {
+    let mut child = Command::new(vdisk_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn vdisk");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("vdisk {args:?} was still running after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
+    child.stderr.take().unwrap().read_to_end(&mut err).unwrap();
+    Output { status, stdout: out, stderr: err }
 }
