@@ -15,6 +15,9 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
   loop       the old experiments through nbdfuse + a loop device (--direct-io=on):
              dd read, mkfs.ext4, cold find+cat of 2000 files, dbench, and 8K O_DIRECT
              read/randread/write/randwrite with 8 threads.
+  overlay    copy-on-write overlays over a 2 GiB tmpfs base, a fresh one per job: vdisk
+             (uring, threads) on a UML COW v3 overlay, qemu-nbd on qcow2, nbdkit's cow
+             filter; 4K randread/randwrite QD32, 1M seq read/write QD8.
 
 Every server's peak RSS (VmHWM, read just before it is stopped) sits beside its rows.
 Writes docs/benchmarks.md and docs/benchmarks.png, raw fio JSON and server logs under
@@ -22,17 +25,17 @@ bench/out/ (gitignored), and bench/out/results.json. With --only, the sections n
 are taken from the previous bench/out/results.json, each marked with its own date.
 
 --quick: 2 s per fio job instead of 10 s (ramp 1 s either way), dbench 3 s instead
-of 10 s; about 7 minutes in all. The full run takes about 20 minutes.
+of 10 s; about 8 minutes in all. The full run takes about 23 minutes.
 python3 bench/run.py --help lists every option; bench/README.md explains the numbers.
 
-Needs: fio, qemu-nbd (qemu-utils), nbdkit, nbdfuse (libnbd-bin), dbench,
+Needs: fio, qemu-nbd and qemu-img (qemu-utils), nbdkit, nbdfuse (libnbd-bin), dbench,
 perf (linux-perf) or strace, losetup, mkfs.ext4; matplotlib for the PNG (pip install matplotlib).
 Every server, FUSE mount, loop device, socket and image it makes is removed again,
 also on failure or Ctrl-C; a server that cannot start turns its rows into
 "failed: reason".
 
 This file only parses the options and runs the sections; the work is in bench/vbench/
-(common, servers, fio, ablations, loopdev, report: see vbench/__init__.py).
+(common, servers, fio, ablations, loopdev, overlay, report: see vbench/__init__.py).
 """
 
 
@@ -55,6 +58,7 @@ from vbench.common import (DEFAULT_MD, DEFAULT_PNG, HAVE, LOGS, OUT, PIN, RAW, S
                            on_signal, run_cleanups)
 from vbench.fio import section_fio
 from vbench.loopdev import section_loop
+from vbench.overlay import section_overlay
 from vbench.report import machine_info, plot, render
 from vbench.servers import Bench, build_vdisk
 
@@ -63,7 +67,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Sections: " + ", ".join(SECTIONS))
-    p.add_argument("--quick", action="store_true", help="2 s fio jobs, 3 s dbench (about 7 min in all; full about 20)")
+    p.add_argument("--quick", action="store_true", help="2 s fio jobs, 3 s dbench (about 8 min in all; full about 23)")
     p.add_argument("--only", action="append", default=[],
                    help="run only these sections (comma-separated or repeated): " + ", ".join(SECTIONS))
     p.add_argument("--repeat", type=int, default=1, help="run each fio job N times, report the median (default 1)")
@@ -98,7 +102,7 @@ def main():
         return
     if os.geteuid() != 0:
         p.error("run as root (loop devices, mounts, drop_caches, perf)")
-    missing = [t for t in ("fio", "qemu-nbd", "nbdkit", "nbdfuse", "dbench", "losetup", "mkfs.ext4")
+    missing = [t for t in ("fio", "qemu-nbd", "qemu-img", "nbdkit", "nbdfuse", "dbench", "losetup", "mkfs.ext4")
                if not shutil.which(t)]
     if "fio" in missing:
         raise SystemExit("fio is required: apt-get install fio")
@@ -144,7 +148,8 @@ def main():
             log(f"== section {sec}")
             r = results[sec] = {"_meta": {"date": started, "command": command, "mode": meta["mode"],
                                           "syscall_seconds": args.syscall_seconds}}
-            {"fio": section_fio, "ablations": section_ablations, "loop": section_loop}[sec](b, r)
+            {"fio": section_fio, "ablations": section_ablations, "loop": section_loop,
+             "overlay": section_overlay}[sec](b, r)
             r["_meta"]["minutes"] = (time.monotonic() - ts) / 60
             log(f"== section {sec} took {(time.monotonic() - ts) / 60:.1f} min")
     except (KeyboardInterrupt, Interrupted) as e:

@@ -5,5 +5,6 @@ servers   starting and stopping vdisk, qemu-nbd and nbdkit; CPU time and peak RS
 fio       the fio job matrix, running fio and parsing its JSON (section "fio")
 ablations vdisk knobs and system calls per request (section "ablations")
 loopdev   nbdfuse + loop device experiments: dd, mkfs, find|cat, dbench, aio-stress (section "loop")
+overlay   copy-on-write overlays (COW v3, qcow2, nbdkit's cow filter) over a tmpfs base (section "overlay")
 report    docs/benchmarks.md and docs/benchmarks.png from the results
 """

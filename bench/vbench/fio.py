@@ -96,8 +96,9 @@ def fio_job_args(opts, runtime, ramp):
     return a
 
 
-def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=None):
-    """One fio cell, repeated, median by throughput."""
+def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=None, make_server=None):
+    """One fio cell, repeated, median by throughput. `make_server(label, kind, medium, extra)`
+    replaces `b.server` (section overlay: a server that makes its own fresh overlay)."""
     runtime = runtime or b.runtime
     ramp = b.ramp if ramp is None else ramp
     key = (label, medium)
@@ -116,7 +117,7 @@ def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=N
                                            f"--direct={direct}"], timeout)
                 r["rss_mib"] = None
             else:
-                srv = b.server(label, kind, medium, extra)
+                srv = (make_server or b.server)(label, kind, medium, extra)
                 try:
                     srv.start()
                 except StartError as e:
@@ -129,6 +130,7 @@ def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=N
                     c1, t1 = srv.cpu_seconds(), time.monotonic()
                 finally:
                     srv.stop()
+                r.update(srv.extra)
                 r["rss_mib"] = srv.rss_mib
                 r["cpu_pct"] = 100 * (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None else None
                 r["server_cmd"] = shlex.join(srv.argv)

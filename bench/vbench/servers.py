@@ -70,13 +70,15 @@ def pid_alive(pid):
 
 class Server:
     """One NBD server process on a unix socket. `perf_out`: run it under `perf stat`
-    counting every system call of every thread into that file."""
+    counting every system call of every thread into that file. `env`: variables added
+    to its environment. `extra`: what a subclass measured, merged into the row."""
 
-    def __init__(self, label, argv, sock, perf_out=None):
-        self.label, self.argv, self.sock, self.perf_out = label, argv, sock, perf_out
+    def __init__(self, label, argv, sock, perf_out=None, env=None):
+        self.label, self.argv, self.sock, self.perf_out, self.env = label, argv, sock, perf_out, env
         self.proc = None
         self.pid = None
         self.rss_mib = None
+        self.extra = {}
         self.logpath = LOGS / f"{slug(label)}.log"
 
     def start(self, timeout=20):
@@ -96,11 +98,13 @@ class Server:
             if not shutil.which(exe):
                 raise StartError(f"{exe} not installed")
         self.logf = open(self.logpath, "ab")
-        self.logf.write(f"\n### {time.strftime('%F %T')} {shlex.join(argv)}\n".encode())
+        envs = "".join(f"{k}={shlex.quote(v)} " for k, v in (self.env or {}).items())
+        self.logf.write(f"\n### {time.strftime('%F %T')} {envs}{shlex.join(argv)}\n".encode())
         self.logf.flush()
         log_from = self.logf.tell()
         self.proc = subprocess.Popen(argv, stdout=self.logf, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=pdeathsig)
+                                     stdin=subprocess.DEVNULL, preexec_fn=pdeathsig,
+                                     env={**os.environ, **self.env} if self.env else None)
         self._cleanup = on_cleanup(f"stop {self.label}", self.stop)
         try:
             wait_socket(self.sock, self.proc, timeout, self.logpath, log_from)
