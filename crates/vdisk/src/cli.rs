@@ -131,6 +131,14 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
+/// An octal permission mode such as 0600 or 660.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal permission mode such as 0600 or 0660"))
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineArg {
     Uring,
@@ -144,6 +152,9 @@ pub struct ServeArgs {
     /// Unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock).
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// Permissions of the unix socket, in octal: who may connect (default: the owner only).
+    #[arg(long, default_value = "0600", value_parser = parse_mode, value_name = "MODE")]
+    pub socket_mode: u32,
     /// Also (or only, without --socket) listen on TCP; HOST:PORT, :PORT or PORT. Default 127.0.0.1:10809.
     #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:10809", value_name = "HOST:PORT")]
     pub listen: Option<String>,

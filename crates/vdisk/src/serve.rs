@@ -70,7 +70,7 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         (None, Some(_)) => None,
     };
     if let Some(path) = &socket {
-        listeners.push(Listener::Unix(bind_unix(path)?, path.clone()));
+        listeners.push(Listener::Unix(bind_unix(path, a.socket_mode)?, path.clone()));
         let uri = format!("nbd+unix:///{first}?socket={}", path.display());
         banner.push(format!("vdisk: listening on unix socket {}", path.display()));
         banner.push(format!("  try: nbdinfo '{uri}'"));
@@ -148,7 +148,9 @@ fn default_socket() -> PathBuf {
 }
 
 /// Binds a unix socket, replacing a stale socket file but never a live one or another kind of file.
-fn bind_unix(path: &Path) -> Result<UnixListener, Failure> {
+/// The socket is created with `mode` from the start (through the umask), so
+/// there is no moment at which others could connect.
+fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, Failure> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
             return Err(Failure::usage(format!(
@@ -164,8 +166,13 @@ fn bind_unix(path: &Path) -> Result<UnixListener, Failure> {
         }
         let _ = std::fs::remove_file(path);
     }
-    UnixListener::bind(path)
-        .map_err(|e| Failure::usage(format!("cannot listen on unix socket {}: {e}", path.display())))
+    // SAFETY: umask only swaps the process's file-creation mask; nothing else
+    // creates files while the server starts.
+    let old = unsafe { libc::umask(!mode & 0o777) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old) };
+    bound.map_err(|e| Failure::usage(format!("cannot listen on unix socket {}: {e}", path.display())))
 }
 
 /// HOST:PORT, :PORT or PORT (host 127.0.0.1).

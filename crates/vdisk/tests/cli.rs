@@ -195,3 +195,21 @@ fn sigterm_with_a_client_connected() {
     let _ = client.kill();
     let _ = client.wait();
 }
+
+#[test]
+fn unix_socket_is_private_unless_asked() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("socket-mode");
+    let img = dir.path("d.img");
+    create_image(&img, "1M");
+    let mode = |server: &Server| std::fs::metadata(&server.socket).unwrap().permissions().mode() & 0o777;
+    let server = Server::start(&dir, &[img.to_str().unwrap()]);
+    assert_eq!(mode(&server), 0o600, "the default socket is the owner's only");
+    server.stop();
+    let server = Server::start(&dir, &[img.to_str().unwrap(), "--socket-mode", "0660"]);
+    assert_eq!(mode(&server), 0o660);
+    server.stop();
+    let args = ["serve", img.to_str().unwrap(), "--socket-mode", "999"];
+    let line = assert_usage_error(&args, &vdisk(&args));
+    assert!(line.contains("999"), "{line}");
+}
