@@ -78,11 +78,13 @@ pub struct ServerOptions {
     /// Submit everything one read brought as one batch and send all waiting
     /// replies with one write. Off only to measure what batching is worth.
     pub batching: bool,
+    /// Clients served at once; one more is disconnected right after accept.
+    pub max_connections: Option<usize>,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        ServerOptions { batching: true }
+        ServerOptions { batching: true, max_connections: None }
     }
 }
 
@@ -189,6 +191,12 @@ impl Server {
     }
 
     fn spawn_connection(self: &Arc<Self>, stream: Stream) {
+        if let Some(max) = self.options.max_connections {
+            if self.connections() >= max {
+                log::warn!("{}: refused: already {max} clients (--max-connections)", stream.peer());
+                return;
+            }
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let Ok(handle) = stream.try_clone() else { return };
         self.conns.lock().unwrap().insert(id, handle);

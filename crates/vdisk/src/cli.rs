@@ -152,6 +152,9 @@ pub struct ServeArgs {
     /// Unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock).
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// Clients served at once; more are disconnected as they connect.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: Option<u32>,
     /// Permissions of the unix socket, in octal: who may connect (default: the owner only).
     #[arg(long, default_value = "0600", value_parser = parse_mode, value_name = "MODE")]
     pub socket_mode: u32,

@@ -39,7 +39,7 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         inline: !a.no_inline,
         ..Default::default()
     };
-    let options = ServerOptions { batching: a.batch > 1 };
+    let options = ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize) };
     let mut exports = Vec::new();
     for path in &paths {
         let Opened { image, description } = formats::open(path, a.format, a.readonly, a.direct, &a.backing)?;

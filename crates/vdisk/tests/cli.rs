@@ -213,3 +213,33 @@ fn unix_socket_is_private_unless_asked() {
     let line = assert_usage_error(&args, &vdisk(&args));
     assert!(line.contains("999"), "{line}");
 }
+
+#[test]
+fn max_connections_turns_extra_clients_away() {
+    use std::os::unix::net::UnixStream;
+    let dir = TempDir::new("max-conn");
+    let img = dir.path("d.img");
+    create_image(&img, "1M");
+    let server = Server::start(&dir, &[img.to_str().unwrap(), "--max-connections", "1"]);
+    let greeting = |s: &mut UnixStream| {
+        let mut b = [0u8; 18];
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        s.read_exact(&mut b).is_ok() && &b[..8] == b"NBDMAGIC"
+    };
+    let mut first = UnixStream::connect(&server.socket).unwrap();
+    assert!(greeting(&mut first), "the first client is served");
+    let mut second = UnixStream::connect(&server.socket).unwrap();
+    assert!(!greeting(&mut second), "a second client is turned away");
+    drop(first);
+    // Once the first has gone, a new client is served again.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let mut again = UnixStream::connect(&server.socket).unwrap();
+        if greeting(&mut again) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no client served after the first left");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    server.stop();
+}
