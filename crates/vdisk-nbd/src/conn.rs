@@ -28,14 +28,14 @@ const READ_BUFFER: usize = 512 << 10;
 const DIRECT_PAYLOAD: usize = READ_BUFFER / 2;
 
 /// What the edge decided about one request.
-struct Valid {
-    op: Op,
-    flags: Flags,
+pub(crate) struct Valid {
+    pub(crate) op: Op,
+    pub(crate) flags: Flags,
 }
 
 /// Checks a request once, against the export and what was negotiated. The
 /// error is the errno the NBD spec names for the case.
-fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only: bool) -> Result<Valid, u32> {
+pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only: bool) -> Result<Valid, u32> {
     let (op, allowed) = match h.kind {
         CMD_READ => (Op::Read, CMD_FLAG_DF),
         CMD_WRITE => (Op::Write, 0),

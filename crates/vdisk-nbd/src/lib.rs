@@ -7,6 +7,8 @@
 //! what makes multi-conn safe (a FLUSH syncs the files all of them write).
 
 mod conn;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handshake;
 mod outbox;
 pub mod proto;

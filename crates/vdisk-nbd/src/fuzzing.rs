@@ -1,0 +1,294 @@
+//! Entry points for the fuzz targets in `fuzz/` (cargo-fuzz) and for the
+//! tests that replay their corpora. Not an API: it exists so the targets can
+//! reach the handshake and the edge validation without making `conn` public.
+//!
+//! The property every entry point checks is "no panic, whatever the bytes";
+//! a few invariants of the results are asserted on top of that.
+
+use std::io::{self, Read, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+use vdisk_engine::{Device, EngineConfig, EngineKind, Op};
+use vdisk_image::{Allocation, Extent, Image};
+
+use crate::handshake::{handshake, Negotiated};
+use crate::proto::*;
+use crate::reply::refusal;
+use crate::Export;
+
+/// An image that only has a size: the handshake asks nothing else of a device.
+struct SizeOnly {
+    size: u64,
+    read_only: bool,
+}
+
+impl Image for SizeOnly {
+    fn format(&self) -> &'static str {
+        "fuzz"
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+    fn files(&self) -> &[std::fs::File] {
+        &[]
+    }
+    fn file_path(&self, _file: usize) -> &Path {
+        Path::new("fuzz")
+    }
+    fn map_read(&self, _offset: u64, _len: u64, _out: &mut Vec<Extent>) -> vdisk_image::Result<()> {
+        Err(vdisk_image::Error::invalid("the fuzzing image holds no data"))
+    }
+    fn map_write(&self, _offset: u64, _len: u64, _out: &mut Vec<Extent>) -> vdisk_image::Result<()> {
+        Err(vdisk_image::Error::invalid("the fuzzing image holds no data"))
+    }
+    fn allocation(&self, _offset: u64, _len: u64, _max: usize, _out: &mut Vec<Allocation>) -> vdisk_image::Result<()> {
+        Err(vdisk_image::Error::invalid("the fuzzing image holds no data"))
+    }
+}
+
+/// Exports of the given (name, size, read-only) over images that hold no data.
+/// Each starts a device with one worker thread; build them once per process.
+pub fn exports(list: &[(&str, u64, bool)]) -> Vec<Export> {
+    let config = EngineConfig { kind: EngineKind::Threads, workers: 1, ..EngineConfig::default() };
+    list.iter()
+        .map(|&(name, size, read_only)| {
+            let image: Arc<dyn Image> = Arc::new(SizeOnly { size, read_only });
+            let device = Device::start(name, image, &config).expect("start a fuzzing device");
+            Export { name: name.to_owned(), description: format!("fuzz export {name}"), device: Arc::new(device) }
+        })
+        .collect()
+}
+
+/// The exports the targets use: a writable one, a read-only one, and a huge one.
+pub fn default_exports() -> Vec<Export> {
+    exports(&[("disk", 1 << 20, false), ("ro", 4096, true), ("big", u64::MAX / 2, false)])
+}
+
+/// A client made of bytes: reads come from the input, writes are counted and dropped.
+struct Scripted<'a> {
+    input: &'a [u8],
+    written: usize,
+}
+
+impl Read for Scripted<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.input.read(buf)
+    }
+}
+
+impl Write for Scripted<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.written += buf.len();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs the server's handshake with `input` as everything the client sends.
+/// The first byte, when present, says whether the server is shutting down
+/// (bit 0); the rest is the client's stream. Returns what was negotiated.
+pub fn handshake_input(input: &[u8], exports: &[Export]) -> Option<Negotiated> {
+    let (shutting, stream) = match input.split_first() {
+        Some((&b, rest)) => (b & 1 != 0, rest),
+        None => (false, input),
+    };
+    let mut s = Scripted { input: stream, written: 0 };
+    let neg = handshake(&mut s, exports, &|| shutting).ok()?;
+    assert!(neg.export < exports.len(), "negotiated export {} of {}", neg.export, exports.len());
+    if neg.allocation_context.is_some() {
+        assert!(neg.structured, "a meta context without structured replies");
+    }
+    Some(neg)
+}
+
+/// Parses `input` as a transmission-phase request stream the way the
+/// connection's reader does (header, then a WRITE's payload), runs each
+/// header through the edge validation and encodes the refusals. The first
+/// byte picks what was negotiated and the export: bit 0 structured replies,
+/// bit 1 base:allocation, bit 2 read-only, bits 3..5 the export size (a few
+/// fixed ones including 0 and u64::MAX). Returns the number of requests the
+/// edge accepted.
+pub fn requests_input(input: &[u8]) -> usize {
+    const SIZES: [u64; 8] = [0, 1, 512, 4096, 1 << 20, 1 << 40, u64::MAX - 4095, u64::MAX];
+    let Some((&sel, mut rest)) = input.split_first() else { return 0 };
+    let structured = sel & 1 != 0;
+    let neg =
+        Negotiated { export: 0, structured, allocation_context: (sel & 2 != 0).then_some(1), transmission_flags: 0 };
+    let read_only = sel & 4 != 0;
+    let size = SIZES[usize::from((sel >> 3) & 7)];
+    let mut accepted = 0;
+    while rest.len() >= REQUEST_HEADER {
+        let h = RequestHeader::parse(rest[..REQUEST_HEADER].try_into().unwrap());
+        rest = &rest[REQUEST_HEADER..];
+        if h.magic != REQUEST_MAGIC || h.kind == CMD_DISC {
+            break;
+        }
+        let payload = h.payload_len();
+        match crate::conn::validate(&h, &neg, size, read_only) {
+            Ok(v) => {
+                accepted += 1;
+                if v.op == Op::Flush {
+                    assert!(h.offset == 0 && h.len == 0, "a FLUSH with a range passed: {h:?}");
+                } else {
+                    let end = h.offset.checked_add(h.len as u64);
+                    assert!(h.len > 0 && end.is_some_and(|e| e <= size), "out of range passed: {h:?} size {size}");
+                }
+                if matches!(v.op, Op::Read | Op::Write) {
+                    assert!(h.len <= MAX_REQUEST, "an oversized request passed: {h:?}");
+                }
+                if matches!(v.op, Op::Write | Op::Trim | Op::WriteZeroes) {
+                    assert!(!read_only, "a write passed on a read-only export: {h:?}");
+                }
+                if v.op == Op::BlockStatus {
+                    assert!(neg.allocation_context.is_some(), "BLOCK_STATUS passed without a context: {h:?}");
+                }
+                // FUA on a FLUSH is allowed and means nothing (see conn::validate).
+                if v.op != Op::Flush {
+                    assert!(v.flags.fua == (h.flags & CMD_FLAG_FUA != 0), "FUA lost: {h:?}");
+                }
+            }
+            Err(errno) => {
+                let _ = refusal(structured, h.kind, h.cookie, errno);
+            }
+        }
+        if payload > rest.len() {
+            break; // the client left mid-payload
+        }
+        rest = &rest[payload..];
+    }
+    accepted
+}
+
+/// Parses `input` as a COW overlay header; on success checks that the
+/// header's own arithmetic holds and that it survives a write and re-read
+/// when it is in the layout this code writes.
+pub fn cow_header_input(input: &[u8]) {
+    use vdisk_image::cow::{parse_header, Layout};
+    let Ok(h) = parse_header(input) else { return };
+    assert!(h.size > 0);
+    let (bitmap, data) = (h.bitmap_offset(), h.data_offset());
+    assert!(bitmap + h.bitmap_len() <= data, "bitmap runs into the data: {h:?}");
+    let _ = h.sectors();
+    let _ = h.backing_path();
+    if h.layout == Layout::Packed {
+        let again = parse_header(&h.to_bytes()).expect("a written header parses");
+        assert_eq!(again, h, "a header changed across a write and a read");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Replays the fuzz corpora (`fuzz/corpus/TARGET/`) and a few thousand
+    //! mutations of them, so the no-panic property is checked by a plain
+    //! `cargo test` too.
+
+    use super::*;
+    use std::path::PathBuf;
+
+    fn corpus(target: &str) -> Vec<Vec<u8>> {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus").join(target);
+        let mut seeds: Vec<Vec<u8>> = std::fs::read_dir(&dir)
+            .map(|d| d.filter_map(|e| std::fs::read(e.ok()?.path()).ok()).collect())
+            .unwrap_or_default();
+        seeds.push(Vec::new());
+        seeds
+    }
+
+    /// xorshift64*: deterministic, no dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+    }
+
+    /// A seed with a few bytes flipped, replaced, cut or inserted.
+    fn mutate(rng: &mut Rng, seed: &[u8]) -> Vec<u8> {
+        let mut v = seed.to_vec();
+        for _ in 0..1 + rng.below(8) {
+            match rng.below(5) {
+                0 if !v.is_empty() => {
+                    let i = rng.below(v.len());
+                    v[i] ^= 1 << rng.below(8);
+                }
+                1 if !v.is_empty() => {
+                    let i = rng.below(v.len());
+                    v[i] = [0, 0xff, 0x7f, 0x80, rng.next() as u8][rng.below(5)];
+                }
+                2 if !v.is_empty() => {
+                    let at = rng.below(v.len());
+                    v.truncate(at);
+                }
+                3 => {
+                    let at = rng.below(v.len() + 1);
+                    v.insert(at, rng.next() as u8);
+                }
+                _ => v.extend((0..rng.below(32)).map(|_| rng.next() as u8)),
+            }
+        }
+        v
+    }
+
+    fn replay(target: &str, runs: usize, f: &mut dyn FnMut(&[u8])) {
+        let seeds = corpus(target);
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ target.len() as u64);
+        for s in &seeds {
+            f(s);
+        }
+        for _ in 0..runs {
+            let seed = &seeds[rng.below(seeds.len())];
+            f(&mutate(&mut rng, seed));
+        }
+    }
+
+    /// The seeds are the valid inputs they claim to be.
+    #[test]
+    fn seeds_are_valid() {
+        let exports = default_exports();
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+        let read = |t: &str, n: &str| std::fs::read(dir.join(t).join(n)).unwrap();
+        for n in ["go_default", "go_named_infos", "structured_meta_go", "list_info_go_ro", "export_name_zeroes"] {
+            assert!(handshake_input(&read("nbd_handshake", n), &exports).is_some(), "{n} negotiates nothing");
+        }
+        let neg = handshake_input(&read("nbd_handshake", "structured_meta_go"), &exports).unwrap();
+        assert!(neg.structured && neg.allocation_context == Some(1));
+        assert_eq!(handshake_input(&read("nbd_handshake", "list_info_go_ro"), &exports).unwrap().export, 1);
+        assert_eq!(requests_input(&read("nbd_requests", "read_write_flush")), 3);
+        assert_eq!(requests_input(&read("nbd_requests", "structured_status")), 4);
+        for n in ["uml_mkcow_relative", "uml_mkcow_absolute_odd_size"] {
+            vdisk_image::cow::parse_header(&read("cow_header", n)).unwrap();
+        }
+    }
+
+    #[test]
+    fn nbd_handshake_never_panics() {
+        let exports = default_exports();
+        replay("nbd_handshake", 5000, &mut |b| {
+            handshake_input(b, &exports);
+        });
+    }
+
+    #[test]
+    fn nbd_requests_never_panic() {
+        replay("nbd_requests", 5000, &mut |b| {
+            requests_input(b);
+        });
+    }
+
+    #[test]
+    fn cow_header_never_panics() {
+        replay("cow_header", 5000, &mut cow_header_input);
+    }
+}

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Writes the NBD seed corpora (corpus/nbd_handshake, corpus/nbd_requests).
+The cow_header seeds are made by uml_mkcow (see run.sh's header)."""
+import os, struct
+
+here = os.path.dirname(os.path.abspath(__file__))
+IHAVEOPT = 0x49484156454F5054
+REQ = 0x25609513
+
+
+def opt(o, data=b""):
+    return struct.pack(">QII", IHAVEOPT, o, len(data)) + data
+
+
+def s(x):
+    return struct.pack(">I", len(x)) + x
+
+
+def go(name, infos=(), o=7):
+    return opt(o, s(name) + struct.pack(">H", len(infos)) + b"".join(struct.pack(">H", i) for i in infos))
+
+
+def meta(o, name, queries):
+    return opt(o, s(name) + struct.pack(">I", len(queries)) + b"".join(s(q) for q in queries))
+
+
+def req(kind, offset=0, length=0, flags=0, cookie=1, payload=b""):
+    return struct.pack(">IHHQQI", REQ, flags, kind, cookie, offset, length) + payload
+
+
+flags = struct.pack(">I", 3)  # FIXED_NEWSTYLE | NO_ZEROES
+handshakes = {
+    "go_default": b"\0" + flags + go(b""),
+    "go_named_infos": b"\0" + flags + go(b"disk", (0, 1, 2, 3)),
+    "structured_meta_go": b"\0" + flags + opt(8) + meta(9, b"disk", [b"base:"]) + meta(10, b"disk", [b"base:allocation"]) + go(b"disk"),
+    "list_info_go_ro": b"\0" + flags + opt(3) + go(b"ro", (3,), o=6) + go(b"ro"),
+    "export_name_zeroes": b"\0" + struct.pack(">I", 1) + opt(1, b"big"),
+    "unknown_then_abort": b"\0" + flags + opt(99, b"xyz") + go(b"nope") + opt(2),
+    "shutting_down": b"\1" + flags + go(b"disk") + opt(2),
+}
+requests = {
+    "read_write_flush": b"\x20" + req(0, 0, 4096) + req(1, 4096, 8, 1, 2, b"abcdefgh") + req(3, cookie=3) + req(2),
+    "structured_status": b"\x23" + req(7, 0, 65536, 8) + req(0, 0, 512, 4) + req(6, 512, 512, 18) + req(4, 0, 4096),
+    "read_only_refusals": b"\x24" + req(1, 0, 1, 0, 1, b"x") + req(4, 0, 1) + req(5, 0, 4096) + req(0, 4095, 2),
+    "edges": b"\x38" + req(0, 2**64 - 4096, 4096) + req(0, 0, 2**32 - 1) + req(42, 0, 1) + req(3, 1, 0),
+}
+for d, seeds in (("nbd_handshake", handshakes), ("nbd_requests", requests)):
+    os.makedirs(os.path.join(here, "corpus", d), exist_ok=True)
+    for name, b in seeds.items():
+        with open(os.path.join(here, "corpus", d, name), "wb") as f:
+            f.write(b)
