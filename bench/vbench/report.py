@@ -75,6 +75,13 @@ def fmt_ratio(v):
     return "—" if v is None else f"{v:.2f}×"
 
 
+def measured(c, metric):
+    """The measured columns of a fio row: value with unit, p50, p99, server CPU, peak RSS."""
+    unit = "IOPS" if metric == "iops" else "MiB/s"
+    return (f"{fmt_num(c[metric])} {unit} | {fmt_num(c['p50_us'])} | {fmt_num(c['p99_us'])} | "
+            f"{fmt_pct(c.get('cpu_pct'))} | {fmt_mib(c.get('rss_mib'))}")
+
+
 def best_peer(values):
     vals = [v for v in values if v is not None]
     return max(vals) if vals else None
@@ -126,7 +133,6 @@ def md_fio(res, meta):
             get = lambda lab: val(cells.get(f"{medium}|{jid}|{lab}"), metric)  # noqa: E731
             peer = best_peer([get(p) for p in PEERS])
             direct = get("direct")
-            unit = "IOPS" if metric == "iops" else "MiB/s"
             for label, _k, _e in MATRIX_TARGETS:
                 c = cells.get(f"{medium}|{jid}|{label}", {"error": "not run"})
                 m = "page cache†" if vdisk_paged(medium, label, c) else mode[label]
@@ -135,8 +141,7 @@ def md_fio(res, meta):
                     out.append(f"| {title_j} | {label} | {m} | {cell_err(c)} | | | | | | |")
                     continue
                 v = c[metric]
-                out.append(f"| {title_j} | {label} | {m} | {fmt_num(v)} {unit} | {fmt_num(c['p50_us'])} | "
-                           f"{fmt_num(c['p99_us'])} | {fmt_pct(c.get('cpu_pct'))} | {fmt_mib(c.get('rss_mib'))} | {fmt_ratio(ratio(v, peer))} | "
+                out.append(f"| {title_j} | {label} | {m} | {measured(c, metric)} | {fmt_ratio(ratio(v, peer))} | "
                            f"{fmt_ratio(ratio(v, direct)) if label != 'direct' else '1.00×'} |")
         out.append("")
         if medium == "disk" and paged:  # results from before vdisk had --direct
@@ -269,7 +274,6 @@ def md_overlay(res, meta):
     for jid in res.get("jobs", OVERLAY_JOBS):
         _, title_j, _opts, metric = JOB[jid]
         peer = best_peer([val(cells.get(f"{jid}|{p}"), metric) for p in PEERS])
-        unit = "IOPS" if metric == "iops" else "MiB/s"
         for label, _k, _e in OVERLAY_TARGETS:
             c = cells.get(f"{jid}|{label}", {"error": "not run"})
             kind = OVERLAY_KIND[label]
@@ -277,8 +281,7 @@ def md_overlay(res, meta):
                 out.append(f"| {title_j} | {label} | {kind} | {cell_err(c)} | | | | | | |")
                 continue
             v = c[metric]
-            out.append(f"| {title_j} | {label} | {kind} | {fmt_num(v)} {unit} | {fmt_num(c['p50_us'])} | "
-                       f"{fmt_num(c['p99_us'])} | {fmt_pct(c.get('cpu_pct'))} | {fmt_mib(c.get('rss_mib'))} | "
+            out.append(f"| {title_j} | {label} | {kind} | {measured(c, metric)} | "
                        f"{fmt_mib(c.get('overlay_mib'))} | {fmt_ratio(ratio(v, peer))} |")
     out.append("")
     passes = []  # how many times over the 1M write job wrote the whole image (after its ramp)
