@@ -22,8 +22,9 @@ const DEMO_SIZE: u64 = 1 << 30;
 pub fn run(a: ServeArgs) -> Result<(), Failure> {
     // Signals go to one thread that waits for them; block them before any thread starts.
     let signals = block_signals();
-    let demo = if a.images.is_empty() { Some(demo_image()?) } else { None };
-    let paths: Vec<PathBuf> = demo.iter().cloned().chain(a.images.iter().cloned()).collect();
+    // Declared first, so dropped (and removed) last, on every way out of this function.
+    let demo = if a.images.is_empty() { Some(DemoImage::create()?) } else { None };
+    let paths: Vec<PathBuf> = demo.iter().map(|d| d.image.clone()).chain(a.images.iter().cloned()).collect();
 
     let config = EngineConfig {
         kind: match a.engine {
@@ -126,9 +127,6 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
             failed = Some(Failure::runtime(format!("flush of export {:?} failed at shutdown: {err}", e.name)));
         }
     }
-    if let Some(dir) = demo.as_ref().and_then(|p| p.parent()) {
-        let _ = std::fs::remove_dir_all(dir);
-    }
     served.map_err(|e| Failure::runtime(format!("server failed: {e}")))?;
     log::info!("stopped cleanly");
     failed.map_or(Ok(()), Err)
@@ -190,14 +188,28 @@ fn parse_listen(s: &str) -> Result<SocketAddr, Failure> {
         .ok_or_else(|| Failure::usage(format!("--listen {s:?} is not HOST:PORT (e.g. 127.0.0.1:10809)")))
 }
 
-/// A fresh sparse demo image, export "demo", in its own temp directory (removed at exit).
-fn demo_image() -> Result<PathBuf, Failure> {
-    let dir = std::env::temp_dir().join(format!("vdisk-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| Failure::runtime(format!("cannot create {}: {e}", dir.display())))?;
-    let path = dir.join("demo.img");
-    let _ = std::fs::remove_file(&path);
-    RawImage::create(&path, DEMO_SIZE, None)?;
-    Ok(path)
+/// A fresh sparse demo image, export "demo", in its own temp directory,
+/// removed when this is dropped.
+struct DemoImage {
+    dir: PathBuf,
+    image: PathBuf,
+}
+
+impl DemoImage {
+    fn create() -> Result<DemoImage, Failure> {
+        let dir = std::env::temp_dir().join(format!("vdisk-demo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| Failure::runtime(format!("cannot create {}: {e}", dir.display())))?;
+        let demo = DemoImage { image: dir.join("demo.img"), dir };
+        let _ = std::fs::remove_file(&demo.image);
+        RawImage::create(&demo.image, DEMO_SIZE, None)?;
+        Ok(demo)
+    }
+}
+
+impl Drop for DemoImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn block_signals() -> libc::sigset_t {
