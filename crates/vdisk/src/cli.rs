@@ -149,7 +149,8 @@ pub enum EngineArg {
 pub struct ServeArgs {
     /// Images to serve, one export each.
     pub images: Vec<PathBuf>,
-    /// Unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock).
+    /// NBD unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock;
+    /// none by default when --fuse or --vhost-user-blk is given).
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Clients served at once; more are disconnected as they connect.
@@ -161,6 +162,20 @@ pub struct ServeArgs {
     /// Also (or only, without --socket) listen on TCP; HOST:PORT, :PORT or PORT. Default 127.0.0.1:10809.
     #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:10809", value_name = "HOST:PORT")]
     pub listen: Option<String>,
+    /// Also serve the image as a regular file at PATH through FUSE (created if
+    /// missing; `losetup` turns it into a block device). Once per image, in order.
+    #[arg(long, value_name = "PATH")]
+    pub fuse: Vec<PathBuf>,
+    /// Use FUSE-over-io_uring for --fuse (Linux 6.14+, enable_uring=Y) instead of /dev/fuse reads.
+    #[arg(long, requires = "fuse")]
+    pub fuse_uring: bool,
+    /// Also serve the image to a VM as a vhost-user-blk backend on the unix socket
+    /// SOCKET. Once per image, in order.
+    #[arg(long, value_name = "SOCKET")]
+    pub vhost_user_blk: Vec<PathBuf>,
+    /// Virtqueues offered to the VM for --vhost-user-blk (default: one per CPU).
+    #[arg(long, value_name = "N", requires = "vhost_user_blk", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub num_queues: Option<u16>,
     /// Refuse every write, trim and zero.
     #[arg(long)]
     pub readonly: bool,

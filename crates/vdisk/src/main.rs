@@ -6,10 +6,12 @@ mod cli;
 mod commit;
 mod create;
 mod formats;
+mod fuse;
 mod info;
 mod logger;
 mod serve;
 mod size;
+mod vhost;
 
 use std::process::ExitCode;
 

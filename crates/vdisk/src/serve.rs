@@ -62,13 +62,31 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         exports.push(Export { name, description, device: Arc::new(device) });
     }
 
+    for (flag, n) in [("--fuse", a.fuse.len()), ("--vhost-user-blk", a.vhost_user_blk.len())] {
+        if n > exports.len() {
+            return Err(Failure::usage(format!(
+                "{n} {flag} paths but {} image(s): give {flag} at most once per image, in image order",
+                exports.len()
+            )));
+        }
+    }
     let mut listeners = Vec::new();
     let mut banner = Vec::new();
+    // Other exports of the same devices. Declared before anything that can fail
+    // below, so a failure stops (unmounts, closes) the ones already started.
+    let mut frontends = Frontends(Vec::new());
+    for (path, e) in a.fuse.iter().zip(&exports) {
+        frontends.0.push(crate::fuse::start(path, &e.device, a.fuse_uring, &mut banner)?);
+    }
+    for (socket, e) in a.vhost_user_blk.iter().zip(&exports) {
+        frontends.0.push(crate::vhost::start(socket, &e.device, a.num_queues, a.socket_mode, &mut banner)?);
+    }
     let first = exports[0].name.clone();
+    let others = !frontends.0.is_empty();
     let socket = match (&a.socket, &a.listen) {
         (Some(p), _) => Some(p.clone()),
-        (None, None) => Some(default_socket()),
-        (None, Some(_)) => None,
+        (None, None) if !others => Some(default_socket()),
+        (None, _) => None,
     };
     if let Some(path) = &socket {
         listeners.push(Listener::Unix(bind_unix(path, a.socket_mode)?, path.clone()));
@@ -109,19 +127,27 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
 
     let server =
         Server::new(exports, options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
+    let stop = Arc::new(Stop::default());
     {
-        let server = server.clone();
+        let (server, stop) = (server.clone(), stop.clone());
         std::thread::Builder::new()
             .name("signals".into())
-            .spawn(move || wait_for_signals(signals, &server))
+            .spawn(move || wait_for_signals(signals, &server, &stop))
             .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
     }
+    // Returns at once without listeners; the other exports run until the signal.
     let served = server.serve(listeners);
     if let Some(path) = &socket {
         let _ = std::fs::remove_file(path);
     }
-    // Every connection has finished: no request is in flight. Flush each device.
+    stop.wait();
     let mut failed = None;
+    for (i, f) in std::mem::take(&mut frontends.0).into_iter().enumerate().rev() {
+        if let Err(err) = f.stop() {
+            failed = Some(Failure::runtime(format!("stopping export {i}: {err}")));
+        }
+    }
+    // Every connection and export has finished: no request is in flight. Flush each device.
     for e in server.exports() {
         if let Err(err) = e.device.shutdown() {
             failed = Some(Failure::runtime(format!("flush of export {:?} failed at shutdown: {err}", e.name)));
@@ -225,8 +251,47 @@ fn block_signals() -> libc::sigset_t {
     }
 }
 
+/// An export beside NBD (FUSE, vhost-user-blk) over the same devices.
+pub trait Frontend {
+    /// Stops serving and releases what it holds (mount point, socket); requests
+    /// already taken are answered first.
+    fn stop(self: Box<Self>) -> Result<(), String>;
+}
+
+/// Started frontends; whatever is still here when dropped is stopped, last started first.
+struct Frontends(Vec<Box<dyn Frontend>>);
+
+impl Drop for Frontends {
+    fn drop(&mut self) {
+        while let Some(f) = self.0.pop() {
+            if let Err(e) = f.stop() {
+                log::warn!("{e}");
+            }
+        }
+    }
+}
+
+/// Set once by the signal thread; the main thread waits for it.
+#[derive(Default)]
+struct Stop {
+    stopped: std::sync::Mutex<bool>,
+    cond: std::sync::Condvar,
+}
+
+impl Stop {
+    fn trigger(&self) {
+        *self.stopped.lock().unwrap() = true;
+        self.cond.notify_all();
+    }
+
+    fn wait(&self) {
+        let stopped = self.stopped.lock().unwrap();
+        drop(self.cond.wait_while(stopped, |s| !*s).unwrap());
+    }
+}
+
 /// First signal: stop cleanly. Second: give up at once.
-fn wait_for_signals(set: libc::sigset_t, server: &Server) {
+fn wait_for_signals(set: libc::sigset_t, server: &Server, stop: &Stop) {
     let mut count = 0;
     loop {
         let mut sig = 0;
@@ -238,6 +303,7 @@ fn wait_for_signals(set: libc::sigset_t, server: &Server) {
         if count == 1 {
             eprintln!("vdisk: signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
             server.stop();
+            stop.trigger();
         } else {
             eprintln!("vdisk: second signal: quitting without waiting");
             std::process::exit(1);
