@@ -2,6 +2,7 @@
 # Builds the cargo-fuzz targets and runs each for a bounded time.
 #
 #   fuzz/run.sh [SECONDS] [TARGET...]     (default: 30 s each, every target)
+#   fuzz/run.sh keep [TARGET...]           fold what runs found into the kept corpus
 #
 # Exits non-zero when a target crashes (panics, overflows, leaks past
 # -rss_limit_mb, or times out on one input); libFuzzer's artifact is left in
@@ -14,8 +15,8 @@
 #
 # The committed seeds (fuzz/corpus/TARGET/) are read, never written: what the
 # fuzzer finds goes to $FUZZ_WORK/corpus/TARGET (default fuzz/work, ignored by
-# git), which a CI cache can keep between runs. To fold it into the seeds,
-# `cargo fuzz cmin TARGET` a copy and commit the few inputs worth keeping.
+# git), which a CI cache can keep between runs. `run.sh keep` merges into the
+# seeds only the inputs that reach new coverage (libFuzzer -merge=1); commit those.
 # The seeds come from make-seeds.py and, for cow_header, from uml_mkcow.
 set -euo pipefail
 
@@ -31,6 +32,15 @@ work=${FUZZ_WORK:-$here/work}
 export RUSTC_BOOTSTRAP=1
 
 cargo fuzz build -a
+
+if [ "$secs" = keep ]; then
+    for t in "${targets[@]}"; do
+        before=$(ls "$here/corpus/$t" | wc -l)
+        cargo fuzz run -a "$t" -- -merge=1 "$here/corpus/$t" "$work/corpus/$t" 2>/dev/null
+        echo "$t: kept corpus $before -> $(ls "$here/corpus/$t" | wc -l) inputs" >&2
+    done
+    exit 0
+fi
 
 failed=()
 for t in "${targets[@]}"; do

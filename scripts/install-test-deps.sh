@@ -14,3 +14,8 @@ fi
 for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo; do
     command -v "$tool" >/dev/null || { echo "missing $tool after install" >&2; exit 1; }
 done
+# The fuzz targets (fuzz/run.sh) are built by cargo-fuzz; a stable toolchain is enough.
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "installing: cargo-fuzz"
+    cargo install cargo-fuzz --locked --quiet
+fi
