@@ -2,6 +2,8 @@
 //! wait until it is ready, hand out URIs for real clients, stop it cleanly.
 #![allow(dead_code)]
 
+pub mod nbd;
+
 use std::io::Read;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
