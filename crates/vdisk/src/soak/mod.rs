@@ -123,7 +123,10 @@ pub fn run(a: SoakArgs) -> Result<(), Failure> {
         .map_err(|e| Failure::usage(format!("cannot create {}: {e} (pick another with --dir)", dir.display())))?;
     let engines: Vec<String> = a.engine.iter().map(|&e| engine_name(e).to_owned()).collect();
     if !a.json {
-        eprintln!("vdisk soak: seed {seed} (--seed {seed} replays the same choices), images in {}", dir.display());
+        eprintln!(
+            "vdisk soak: seed {seed} (--seed {seed} repeats the random choices; timing still varies), images in {}",
+            dir.display()
+        );
     }
     let mut json = serde_json::json!({ "seed": seed });
     let keep =
