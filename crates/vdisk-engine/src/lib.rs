@@ -14,6 +14,7 @@
 //! durable when the FLUSH completes.
 
 mod buf;
+mod faults;
 mod plan;
 mod queue;
 mod request;
@@ -103,6 +104,8 @@ pub struct Device {
     sync: bool,
     coalesce: bool,
     image: Arc<dyn Image>,
+    /// Injected failures (tests only; see `faults`).
+    faults: Option<Arc<faults::Faults>>,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -141,11 +144,13 @@ impl Device {
             sync: config.sync,
             coalesce: config.coalesce,
             image: image.clone(),
+            faults: faults::Faults::from_env(name),
             queue,
             workers: Mutex::new(Vec::new()),
         };
         for i in 0..consumers {
-            let planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
+            let mut planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
+            planner.faults = dev.faults.clone();
             let queue = dev.queue.clone();
             let handle = match kind {
                 EngineKind::Threads => {
@@ -210,6 +215,7 @@ impl Device {
     /// others, reads the page cache can serve in full.
     pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
         let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
+        planner.faults = self.faults.clone();
         match self.inline {
             Inline::Never => self.submit(batch, sink),
             Inline::All => {

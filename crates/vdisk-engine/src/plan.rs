@@ -46,12 +46,14 @@ pub(crate) struct Planner {
     pub image: Arc<dyn Image>,
     pub sync: bool,
     pub coalesce: bool,
+    /// Injected failures (tests only): `None` unless `VDISK_FAULTS` was set.
+    pub faults: Option<Arc<crate::faults::Faults>>,
     extents: Vec<Extent>,
 }
 
 impl Planner {
     pub fn new(image: Arc<dyn Image>, sync: bool, coalesce: bool) -> Self {
-        Planner { image, sync, coalesce, extents: Vec::new() }
+        Planner { image, sync, coalesce, faults: None, extents: Vec::new() }
     }
 
     /// Maps the reads and writes among `jobs` (keyed by the caller's index) to
@@ -77,6 +79,9 @@ impl Planner {
     fn map_one(&mut self, key: usize, req: &mut Request, write: bool, pieces: &mut Vec<Piece>) -> Result<()> {
         if write && self.image.read_only() {
             return Err(read_only());
+        }
+        if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, req.offset, req.len)) {
+            return Err(e);
         }
         if req.buf.len() as u64 != req.len {
             if write {

@@ -66,14 +66,16 @@ fn vectored_full(
     Ok(iov)
 }
 
-/// Reads the whole of `segs` from `offset`; bytes past the end of the file read as zeros.
+/// Reads the whole of `segs` from `offset`. The image maps reads only inside
+/// its files, so reaching the end of a file means it shrank under us (a
+/// backing file truncated while served): that is an error (EIO at the edge),
+/// never zeros the disk did not hold.
 pub fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()> {
     // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
     // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
     let rest = vectored_full(segs, offset, |iov, n, at| unsafe { libc::preadv(file.as_raw_fd(), iov, n, at) })?;
-    for v in &rest {
-        // SAFETY: as above; zero-filling the part past the end of the file.
-        unsafe { std::ptr::write_bytes(v.iov_base.cast::<u8>(), 0, v.iov_len) };
+    if !rest.is_empty() {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ends before the image does (truncated?)"));
     }
     Ok(())
 }

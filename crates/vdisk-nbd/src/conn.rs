@@ -94,6 +94,10 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     };
     let mut reader = Reader { stream, device: &device, neg: &neg, outbox: &outbox, batching, batch: Vec::new() };
     let result = reader.run();
+    // Requests already charged to the outbox must finish, even when the
+    // stream broke mid-payload: until they do, the writer (and this
+    // connection's threads and socket) would wait for them forever.
+    reader.submit();
     outbox.reader_done();
     let _ = writer.join();
     result

@@ -70,6 +70,7 @@ Examples:
   vdisk serve vm1.cow --backing /new/place/base.img
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(ServeArgs),
+    Soak(crate::soak::SoakArgs),
 }
 
 #[derive(Args)]

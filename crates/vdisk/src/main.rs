@@ -11,6 +11,7 @@ mod info;
 mod logger;
 mod serve;
 mod size;
+mod soak;
 mod vhost;
 
 use std::process::ExitCode;
@@ -37,6 +38,7 @@ fn main() -> ExitCode {
         cli::Command::Info(a) => info::run(a),
         cli::Command::Serve(a) => serve::run(a),
         cli::Command::Commit(a) => commit::run(a),
+        cli::Command::Soak(a) => soak::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,6 +2,8 @@
 //! wait until it is ready, hand out URIs for real clients, stop it cleanly.
 #![allow(dead_code)]
 
+pub mod nbd;
+
 use std::io::Read;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -75,18 +77,28 @@ pub struct Server {
 impl Server {
     /// Starts `vdisk serve ARGS --socket DIR/nbd.sock` and waits for "vdisk: ready".
     pub fn start(dir: &TempDir, args: &[&str]) -> Server {
+        Self::start_env(dir, args, &[])
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_env(dir: &TempDir, args: &[&str], env: &[(&str, &str)]) -> Server {
         let socket = dir.path("nbd.sock");
         let socket_arg = socket.to_str().unwrap().to_owned();
         let mut all: Vec<&str> = vec!["serve"];
         all.extend_from_slice(args);
         all.extend_from_slice(&["--socket", &socket_arg]);
-        Self::spawn(&all, socket)
+        Self::spawn_env(&all, socket, env)
     }
 
     /// Starts `vdisk ARGS` as given (the caller names the socket) and waits until ready.
     pub fn spawn(args: &[&str], socket: PathBuf) -> Server {
+        Self::spawn_env(args, socket, &[])
+    }
+
+    fn spawn_env(args: &[&str], socket: PathBuf, env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(vdisk_bin())
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -1,0 +1,347 @@
+//! Crash rounds: several connections write generation-tagged blocks with
+//! FLUSH and FUA mixed in, the server is killed with SIGKILL at a random
+//! moment, restarted, and the whole disk is read back and judged
+//! (`check::verify`). The record of what was acknowledged and what a
+//! completed FLUSH covered lives here, in the soak process, never in the
+//! server.
+//!
+//! What must survive: every write acknowledged before a FLUSH that
+//! completed, every acknowledged FUA write, every acknowledged write in
+//! `--sync` mode. On a raw image every acknowledged write survives a process
+//! crash (it is in the host page cache once acknowledged; the server holds
+//! no written data of its own), and the round checks that too. A COW
+//! overlay's unflushed writes may be lost (their bitmap bits may not have
+//! reached the file), never invented.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::check::{self, BlockLog};
+use super::client::{Cmd, Conn, FUA};
+use super::server::Served;
+use super::Rng;
+
+/// Blocks are 1000 bytes: not sector-aligned, so neighbours share sectors.
+const BS: usize = 1000;
+const DISK: usize = 4 << 20;
+const CONNECTIONS: usize = 4;
+const DEPTH: usize = 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Raw,
+    Cow,
+}
+
+/// One cell of the matrix: an image that lives through many rounds.
+struct Combo {
+    format: Format,
+    engine: String,
+    sync: bool,
+    dir: PathBuf,
+    image: PathBuf,
+    /// The COW overlay's backing file and its bytes (never to change).
+    base: Option<(PathBuf, Vec<u8>)>,
+    /// The disk as read after the last round.
+    prior: Vec<u8>,
+    /// Next generation per block, across rounds.
+    gens: Vec<u64>,
+}
+
+impl Combo {
+    fn name(&self) -> String {
+        format!("{:?}/{}{}", self.format, self.engine, if self.sync { "/sync" } else { "" }).to_lowercase()
+    }
+}
+
+#[derive(Default, Debug, Clone)]
+pub struct CrashReport {
+    pub rounds: usize,
+    pub writes_sent: u64,
+    pub writes_acked: u64,
+    pub flushes: u64,
+    /// Blocks that had to hold a particular generation after a round, summed over rounds.
+    pub checked_blocks: u64,
+    pub elapsed: Duration,
+}
+
+/// What the connections of one round share.
+struct Round {
+    salt: u64,
+    sync: bool,
+    gens: Vec<u64>,
+    busy: Vec<bool>,
+    logs: Vec<BlockLog>,
+    /// Last acknowledged generation per block.
+    acked: Vec<u64>,
+    /// Every acknowledgement of a write, in the order they arrived.
+    acks: Vec<(usize, u64)>,
+    /// `acks[..covered]` are durable: a FLUSH sent after them completed.
+    covered: usize,
+    sent: u64,
+    done: u64,
+    flushes: u64,
+}
+
+/// What one in-flight request was.
+enum Sent {
+    Write { block: usize, gen: u64, fua: bool },
+    Flush { upto: usize },
+}
+
+impl Round {
+    fn pick(&mut self, rng: &mut Rng) -> (Cmd, u16, Sent, u64) {
+        let r = rng.below(1000);
+        if r < 40 {
+            return (Cmd::Flush, 0, Sent::Flush { upto: self.acks.len() }, 0);
+        }
+        let nblocks = self.logs.len();
+        let mut block = rng.below(nblocks as u64) as usize;
+        while self.busy[block] {
+            block = rng.below(nblocks as u64) as usize;
+        }
+        self.busy[block] = true;
+        self.gens[block] += 1;
+        let gen = self.gens[block];
+        let cmd = match r {
+            40..=99 => Cmd::Zero,
+            100..=139 => Cmd::Trim,
+            _ => Cmd::Write,
+        };
+        let fua = rng.below(20) == 0;
+        self.logs[block].attempts.push((gen, cmd != Cmd::Write));
+        self.sent += 1;
+        (cmd, if fua { FUA } else { 0 }, Sent::Write { block, gen, fua }, (block * BS) as u64)
+    }
+
+    fn acknowledged(&mut self, sent: Sent) {
+        match sent {
+            Sent::Write { block, gen, fua } => {
+                self.busy[block] = false;
+                self.acked[block] = gen;
+                self.acks.push((block, gen));
+                self.done += 1;
+                if fua || self.sync {
+                    let f = &mut self.logs[block].floor;
+                    *f = (*f).max(gen);
+                }
+            }
+            Sent::Flush { upto } => {
+                self.flushes += 1;
+                for &(block, gen) in self.acks.get(self.covered..upto).unwrap_or(&[]) {
+                    let f = &mut self.logs[block].floor;
+                    *f = (*f).max(gen);
+                }
+                self.covered = self.covered.max(upto);
+            }
+        }
+    }
+}
+
+/// One connection's writer: keeps DEPTH requests in flight until the server
+/// goes away. Returns an error only for what a live server must never do
+/// (an error reply, a malformed reply).
+fn writer(socket: &Path, round: &Mutex<Round>, connected: &AtomicUsize, seed: u64) -> Result<(), String> {
+    let mut conn = Conn::connect(socket, "", Duration::from_secs(30)).map_err(|e| format!("connect: {e}"))?;
+    connected.fetch_add(1, Ordering::SeqCst);
+    let mut rng = Rng::new(seed);
+    let mut inflight: HashMap<u64, Sent> = HashMap::new();
+    let mut payload = vec![0u8; BS];
+    let salt = round.lock().unwrap().salt;
+    let gone = |e: std::io::Error| -> Result<(), String> {
+        if e.kind() == std::io::ErrorKind::InvalidData {
+            Err(format!("malformed reply: {e}"))
+        } else {
+            Ok(()) // The server was killed.
+        }
+    };
+    loop {
+        while conn.in_flight() < DEPTH {
+            let (cmd, flags, sent, offset) = round.lock().unwrap().pick(&mut rng);
+            let r = match (&sent, cmd) {
+                (Sent::Flush { .. }, _) => conn.send(Cmd::Flush, 0, 0, 0, &[]),
+                (Sent::Write { block, gen, .. }, Cmd::Write) => {
+                    check::content(salt, *block as u64, *gen, &mut payload);
+                    conn.send(cmd, flags, offset, BS as u32, &payload)
+                }
+                _ => conn.send(cmd, flags, offset, BS as u32, &[]),
+            };
+            match r {
+                Ok(cookie) => {
+                    inflight.insert(cookie, sent);
+                }
+                Err(e) => return gone(e),
+            }
+        }
+        let reply = match conn.recv() {
+            Ok(r) => r,
+            Err(e) => return gone(e),
+        };
+        let sent = inflight.remove(&reply.cookie).ok_or("reply to a request never sent")?;
+        if reply.error != 0 {
+            let what = match sent {
+                Sent::Flush { .. } => "FLUSH".to_owned(),
+                Sent::Write { block, gen, .. } => format!("write of block {block} generation {gen}"),
+            };
+            return Err(format!("{what} failed with NBD error {}", reply.error));
+        }
+        round.lock().unwrap().acknowledged(sent);
+    }
+}
+
+fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Result<Combo, String> {
+    let tag = format!("{format:?}-{engine}{}", if sync { "-sync" } else { "" }).to_lowercase();
+    let dir = root.join(tag);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut bytes = vec![0u8; DISK];
+    check::content(salt, u64::MAX, 0, &mut bytes);
+    let write = |p: &Path, b: &[u8]| std::fs::write(p, b).map_err(|e| format!("cannot write {}: {e}", p.display()));
+    let (image, base) = match format {
+        Format::Raw => {
+            let image = dir.join("crash.img");
+            write(&image, &bytes)?;
+            (image, None)
+        }
+        Format::Cow => {
+            let base = dir.join("base.img");
+            write(&base, &bytes)?;
+            let image = dir.join("crash.cow");
+            let _ = std::fs::remove_file(&image);
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            let out = std::process::Command::new(exe)
+                .args(["create", "--backing"])
+                .arg(&base)
+                .arg(&image)
+                .output()
+                .map_err(|e| format!("cannot run vdisk create: {e}"))?;
+            if !out.status.success() {
+                return Err(format!("vdisk create --backing failed: {}", String::from_utf8_lossy(&out.stderr)));
+            }
+            (image, Some((base, bytes.clone())))
+        }
+    };
+    let nblocks = DISK / BS - 10;
+    Ok(Combo { format, engine: engine.to_owned(), sync, dir, image, base, prior: bytes, gens: vec![0; nblocks] })
+}
+
+/// Runs one round on `combo`; returns what it checked.
+fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> Result<(), String> {
+    let mut args = vec!["--engine", c.engine.as_str(), "--format", if c.format == Format::Raw { "raw" } else { "cow" }];
+    if c.sync {
+        args.push("--sync");
+    }
+    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &args)?;
+    let nblocks = c.gens.len();
+    let state = Arc::new(Mutex::new(Round {
+        salt,
+        sync: c.sync,
+        gens: std::mem::take(&mut c.gens),
+        busy: vec![false; nblocks],
+        logs: vec![BlockLog::default(); nblocks],
+        acked: vec![0; nblocks],
+        acks: Vec::new(),
+        covered: 0,
+        sent: 0,
+        done: 0,
+        flushes: 0,
+    }));
+    let connected = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..CONNECTIONS)
+        .map(|i| {
+            let (socket, state, connected) = (server.socket.clone(), state.clone(), connected.clone());
+            let seed = rng.next() ^ i as u64;
+            std::thread::spawn(move || writer(&socket, &state, &connected, seed))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while connected.load(Ordering::SeqCst) < CONNECTIONS && threads.iter().any(|t| !t.is_finished()) {
+        if Instant::now() > deadline {
+            return Err(format!("the writers could not connect within 30 s{}", server.log_tail()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The kill comes a few milliseconds to 200 ms into the writing.
+    std::thread::sleep(Duration::from_micros(3_000 + rng.below(197_000)));
+    let tail = server.log_tail();
+    let alive = std::fs::metadata(format!("/proc/{}", server.pid())).is_ok();
+    server.kill();
+    for t in threads {
+        t.join().map_err(|_| "a writer thread panicked".to_owned())?.map_err(|e| format!("{e}{tail}"))?;
+    }
+    if !alive {
+        return Err(format!("the server died before it was killed{tail}"));
+    }
+    let mut st = Arc::try_unwrap(state).ok().expect("writers are done").into_inner().unwrap();
+    if c.format == Format::Raw {
+        // What was acknowledged is in the page cache, which a process crash leaves alone.
+        for (log, &acked) in st.logs.iter_mut().zip(&st.acked) {
+            log.floor = log.floor.max(acked);
+        }
+    }
+    c.gens = std::mem::take(&mut st.gens);
+
+    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
+    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
+        .and_then(|mut conn| conn.read_all(0, DISK as u64))
+        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
+    server.stop()?;
+    check::verify(salt, BS, &c.prior, &now, &st.logs)?;
+    if let Some((base, bytes)) = &c.base {
+        if std::fs::read(base).map_err(|e| e.to_string())? != *bytes {
+            return Err(format!("the backing file {} changed", base.display()));
+        }
+    }
+    c.prior = now;
+    report.writes_sent += st.sent;
+    report.writes_acked += st.done;
+    report.flushes += st.flushes;
+    report.checked_blocks += st.logs.iter().filter(|l| l.floor > 0).count() as u64;
+    Ok(())
+}
+
+/// Runs `rounds` crash rounds over every combination of `formats`, `engines`
+/// and sync mode (normal, `--sync`), one after the other, in `root`.
+pub fn run(
+    root: &Path,
+    rounds: usize,
+    formats: &[Format],
+    engines: &[String],
+    seed: u64,
+    progress: bool,
+) -> Result<CrashReport, String> {
+    let started = Instant::now();
+    let mut rng = Rng::new(seed);
+    let salt = rng.next();
+    let mut combos = Vec::new();
+    for &format in formats {
+        for engine in engines {
+            for sync in [false, true] {
+                combos.push(setup(root, format, engine, sync, salt)?);
+            }
+        }
+    }
+    let mut report = CrashReport::default();
+    for i in 0..rounds {
+        let n = combos.len();
+        let c = &mut combos[i % n];
+        round(c, salt, &mut rng, &mut report).map_err(|e| format!("crash round {i} ({}): {e}", c.name()))?;
+        report.rounds += 1;
+        if progress && (report.rounds % 50 == 0 || report.rounds == rounds) {
+            eprintln!(
+                "crash: {}/{rounds} rounds, {} writes acknowledged, {} flushes, all verified ({:.0?})",
+                report.rounds,
+                report.writes_acked,
+                report.flushes,
+                started.elapsed()
+            );
+        }
+    }
+    for c in combos {
+        let _ = std::fs::remove_dir_all(&c.dir);
+    }
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
