@@ -96,6 +96,7 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     let result = reader.run();
     outbox.reader_done();
     let _ = writer.join();
+    reader.stream.close();
     result
 }
 
