@@ -100,6 +100,7 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     reader.submit();
     outbox.reader_done();
     let _ = writer.join();
+    reader.stream.close();
     result
 }
 

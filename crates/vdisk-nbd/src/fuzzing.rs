@@ -90,16 +90,26 @@ impl Write for Scripted<'_> {
     }
 }
 
+impl crate::handshake::Transport for Scripted<'_> {
+    fn start_tls(&mut self, _: &crate::tls::Tls) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::Unsupported, "no TLS when fuzzing"))
+    }
+}
+
 /// Runs the server's handshake with `input` as everything the client sends.
 /// The first byte, when present, says whether the server is shutting down
-/// (bit 0); the rest is the client's stream. Returns what was negotiated.
+/// (bit 0) and whether listing and the default export are off (bit 1); the
+/// rest is the client's stream. Returns what was negotiated.
 pub fn handshake_input(input: &[u8], exports: &[Export]) -> Option<Negotiated> {
-    let (shutting, stream) = match input.split_first() {
-        Some((&b, rest)) => (b & 1 != 0, rest),
-        None => (false, input),
+    let (flags, stream) = match input.split_first() {
+        Some((&b, rest)) => (b, rest),
+        None => (0, input),
     };
+    let shutting = flags & 1 != 0;
+    let strict = flags & 2 != 0;
+    let policy = crate::Policy { tls: None, list: !strict, default_export: !strict };
     let mut s = Scripted { input: stream, written: 0 };
-    let neg = handshake(&mut s, exports, &|| shutting).ok()?;
+    let neg = handshake(&mut s, exports, &policy, &|| shutting).ok()?;
     assert!(neg.export < exports.len(), "negotiated export {} of {}", neg.export, exports.len());
     if neg.allocation_context.is_some() {
         assert!(neg.structured, "a meta context without structured replies");

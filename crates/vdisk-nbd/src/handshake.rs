@@ -1,11 +1,41 @@
 //! The fixed-newstyle handshake: option haggling until the client picks an
 //! export (OPT_GO / OPT_EXPORT_NAME) or leaves. Errors the client can recover
 //! from get an option error reply; a broken stream ends the connection.
+//!
+//! It also enforces the server's [`Policy`]: with TLS required, nothing but
+//! STARTTLS and ABORT is answered before TLS is up, so a plain client learns no
+//! export name and reaches no data; export listing and the default export ("")
+//! can be switched off.
 
 use std::io::{self, Read, Write};
+use std::sync::Arc;
 
 use crate::proto::*;
+use crate::tls::{Tls, TlsMode};
 use crate::Export;
+
+/// A client connection the handshake can run on: a byte stream that can be
+/// upgraded to TLS in place (after which every byte goes through TLS).
+pub trait Transport: Read + Write {
+    fn start_tls(&mut self, tls: &Tls) -> io::Result<()>;
+}
+
+/// What clients may do during the handshake.
+#[derive(Clone)]
+pub struct Policy {
+    /// TLS offered (or required); `None`: STARTTLS is refused (NBD_REP_ERR_POLICY).
+    pub tls: Option<Arc<Tls>>,
+    /// Answer NBD_OPT_LIST with the export names (off: NBD_REP_ERR_POLICY).
+    pub list: bool,
+    /// The empty export name selects the first export.
+    pub default_export: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy { tls: None, list: true, default_export: true }
+    }
+}
 
 /// The biggest option payload we accept; larger ones close the connection.
 const MAX_OPTION_LEN: u32 = 64 << 10;
@@ -60,12 +90,15 @@ struct Haggle<'a, S> {
     /// (export index, id) chosen by OPT_SET_META_CONTEXT.
     meta: Option<(usize, u32)>,
     shutting_down: &'a dyn Fn() -> bool,
+    policy: &'a Policy,
+    tls_up: bool,
 }
 
 /// Runs the handshake on `s`. On success the stream is positioned at the first request.
-pub fn handshake<S: Read + Write>(
+pub fn handshake<S: Transport>(
     s: &mut S,
     exports: &[Export],
+    policy: &Policy,
     shutting_down: &dyn Fn() -> bool,
 ) -> Result<Negotiated, HandshakeEnd> {
     let mut hello = Vec::with_capacity(18);
@@ -77,8 +110,16 @@ pub fn handshake<S: Read + Write>(
     if client & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(HandshakeEnd::Violation(format!("unknown client flags {client:#x}")));
     }
-    let mut h =
-        Haggle { s, exports, structured: false, no_zeroes: client & FLAG_C_NO_ZEROES != 0, meta: None, shutting_down };
+    let mut h = Haggle {
+        s,
+        exports,
+        structured: false,
+        no_zeroes: client & FLAG_C_NO_ZEROES != 0,
+        meta: None,
+        shutting_down,
+        policy,
+        tls_up: false,
+    };
     loop {
         let mut head = [0u8; 16];
         match h.s.read_exact(&mut head) {
@@ -106,10 +147,25 @@ pub fn handshake<S: Read + Write>(
     }
 }
 
-impl<S: Read + Write> Haggle<'_, S> {
+impl<S: Transport> Haggle<'_, S> {
     /// Handles one option; returns the agreement when it starts transmission.
     fn option(&mut self, opt: u32, data: &[u8]) -> Result<Option<Negotiated>, HandshakeEnd> {
+        let tls_required = self.policy.tls.as_ref().is_some_and(|t| t.mode == TlsMode::Require) && !self.tls_up;
+        if tls_required && opt != OPT_STARTTLS && opt != OPT_ABORT {
+            if opt == OPT_EXPORT_NAME {
+                // It cannot be refused with a reply: the spec says to hang up.
+                return Err(HandshakeEnd::Violation(
+                    "NBD_OPT_EXPORT_NAME without TLS, which this server requires".into(),
+                ));
+            }
+            self.reply(opt, REP_ERR_TLS_REQD, b"this server requires TLS: send NBD_OPT_STARTTLS first")?;
+            return Ok(None);
+        }
         match opt {
+            OPT_STARTTLS => {
+                self.start_tls(data)?;
+                Ok(None)
+            }
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8_lossy(data);
                 let Some(idx) = self.find(&name) else {
@@ -130,6 +186,10 @@ impl<S: Read + Write> Haggle<'_, S> {
                 Err(HandshakeEnd::Aborted)
             }
             OPT_LIST => {
+                if !self.policy.list {
+                    self.reply(opt, REP_ERR_POLICY, b"this server does not list its exports (--no-list)")?;
+                    return Ok(None);
+                }
                 if !data.is_empty() {
                     self.reply(opt, REP_ERR_INVALID, b"NBD_OPT_LIST takes no data")?;
                     return Ok(None);
@@ -162,6 +222,29 @@ impl<S: Read + Write> Haggle<'_, S> {
                 Ok(None)
             }
         }
+    }
+
+    fn start_tls(&mut self, data: &[u8]) -> Result<(), HandshakeEnd> {
+        let Some(tls) = self.policy.tls.clone() else {
+            self.reply(OPT_STARTTLS, REP_ERR_POLICY, b"TLS is not enabled on this server (vdisk serve --tls=on)")?;
+            return Ok(());
+        };
+        if self.tls_up {
+            self.reply(OPT_STARTTLS, REP_ERR_INVALID, b"TLS is already on")?;
+            return Ok(());
+        }
+        if !data.is_empty() {
+            self.reply(OPT_STARTTLS, REP_ERR_INVALID, b"NBD_OPT_STARTTLS takes no data")?;
+            return Ok(());
+        }
+        self.reply(OPT_STARTTLS, REP_ACK, &[])?;
+        self.s.start_tls(&tls).map_err(|e| HandshakeEnd::Violation(format!("TLS handshake failed: {e}")))?;
+        self.tls_up = true;
+        // Nothing agreed in the clear carries over into the TLS session.
+        self.structured = false;
+        self.meta = None;
+        log::debug!("TLS session established");
+        Ok(())
     }
 
     fn info_or_go(&mut self, opt: u32, data: &[u8]) -> Result<Option<Negotiated>, HandshakeEnd> {
@@ -251,9 +334,9 @@ impl<S: Read + Write> Haggle<'_, S> {
         }
     }
 
-    /// The export a client names; "" is the first one.
+    /// The export a client names; "" is the first one (unless the policy says no).
     fn find(&self, name: &str) -> Option<usize> {
-        if name.is_empty() && !self.exports.is_empty() {
+        if name.is_empty() && !self.exports.is_empty() && self.policy.default_export {
             return Some(0);
         }
         self.exports.iter().position(|e| e.name == name)

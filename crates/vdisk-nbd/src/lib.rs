@@ -14,6 +14,7 @@ mod outbox;
 pub mod proto;
 mod reply;
 mod stream;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::io;
@@ -28,7 +29,9 @@ use std::time::Duration;
 use vdisk_engine::Device;
 
 pub use conn::MAX_INFLIGHT_BYTES;
+pub use handshake::Policy;
 pub use stream::Stream;
+pub use tls::{Tls, TlsFiles, TlsMode};
 
 /// A device as NBD clients see it.
 pub struct Export {
@@ -75,18 +78,20 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// How the server runs its connections.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct ServerOptions {
     /// Submit everything one read brought as one batch and send all waiting
     /// replies with one write. Off only to measure what batching is worth.
     pub batching: bool,
     /// Clients served at once; one more is disconnected right after accept.
     pub max_connections: Option<usize>,
+    /// TLS, export listing, the default export.
+    pub policy: Policy,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        ServerOptions { batching: true, max_connections: None }
+        ServerOptions { batching: true, max_connections: None, policy: Policy::default() }
     }
 }
 
@@ -233,7 +238,7 @@ impl Server {
         let peer = stream.peer();
         let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
         let stopping = || self.stopping.load(Ordering::SeqCst);
-        let neg = match handshake::handshake(&mut stream, &self.exports, &stopping) {
+        let neg = match handshake::handshake(&mut stream, &self.exports, &self.options.policy, &stopping) {
             Ok(neg) => neg,
             Err(handshake::HandshakeEnd::Violation(why)) => {
                 log::warn!("{peer}: handshake failed: {why}; closing the connection");
@@ -247,7 +252,7 @@ impl Server {
         };
         let _ = stream.set_read_timeout(None);
         let export = &self.exports[neg.export];
-        log::debug!("{peer}: connected to export {:?}", export.name);
+        log::debug!("{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
         if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
             if e.kind() == io::ErrorKind::InvalidData {
                 log::warn!("{peer}: {e}; closing the connection");

@@ -45,6 +45,9 @@ struct State {
     reader_done: bool,
     /// The client is gone: replies are dropped.
     broken: bool,
+    /// Replies were taken by a non-blocking send but some of their bytes still
+    /// wait in the stream (TLS ciphertext): the writer must flush them.
+    flush_owed: bool,
 }
 
 impl Sink for Outbox {
@@ -61,7 +64,8 @@ impl Outbox {
 
     /// Wakes whoever has something to do now; a futex call only when owed.
     fn notify(&self, st: &State) {
-        let writer_has_work = !st.sending && (!st.queue.is_empty() || (st.reader_done && st.inflight == 0));
+        let writer_has_work =
+            !st.sending && (!st.queue.is_empty() || st.flush_owed || (st.reader_done && st.inflight == 0));
         if st.reader_waiting || (st.writer_waiting && writer_has_work) {
             self.changed.notify_all();
         }
@@ -86,10 +90,14 @@ impl Outbox {
         st.sending = true;
         drop(st);
         let r = send(&self.stream, &msgs, 0, false);
+        let owed = matches!(r, Ok(Sent::All)) && self.stream.needs_flush();
         let mut st = self.state.lock().unwrap();
         st.sending = false;
         match r {
-            Ok(Sent::All) => self.release(&mut st, &msgs),
+            Ok(Sent::All) => {
+                st.flush_owed |= owed;
+                self.release(&mut st, &msgs)
+            }
             Ok(Sent::Partly { done, skip }) => {
                 self.release(&mut st, &msgs[..done]);
                 // The writer finishes the rest, before anything queued meanwhile.
@@ -148,13 +156,30 @@ impl Outbox {
     pub fn write_queued(&self) {
         let mut st = self.state.lock().unwrap();
         loop {
-            if st.queue.is_empty() || st.sending {
-                if st.reader_done && st.inflight == 0 && !st.sending {
+            if (st.queue.is_empty() && !st.flush_owed) || st.sending {
+                if st.reader_done && st.inflight == 0 && !st.sending && !st.flush_owed {
                     return;
                 }
                 st.writer_waiting = true;
                 st = self.changed.wait(st).unwrap();
                 st.writer_waiting = false;
+                continue;
+            }
+            // A blocking send below flushes what is owed first.
+            st.flush_owed = false;
+            if st.queue.is_empty() {
+                if st.broken {
+                    continue;
+                }
+                st.sending = true;
+                drop(st);
+                let r = self.stream.flush_pending();
+                st = self.state.lock().unwrap();
+                st.sending = false;
+                if let Err(e) = r {
+                    self.fail(&mut st, e);
+                }
+                self.notify(&st);
                 continue;
             }
             let msgs = std::mem::take(&mut st.queue);

@@ -1,16 +1,22 @@
-//! A connected client socket, unix or TCP, behind one type.
+//! A connected client socket, unix or TCP, plain or (after STARTTLS) TLS, behind one type.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::handshake::Transport;
+use crate::tls::{Tls, TlsStream};
 
 const IOV_MAX: usize = 1024;
 
 pub enum Stream {
     Unix(UnixStream),
     Tcp(TcpStream),
+    /// Shared by the connection's clones: one TLS session per socket.
+    Tls(Arc<TlsStream>),
 }
 
 impl Stream {
@@ -18,6 +24,7 @@ impl Stream {
         Ok(match self {
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Tls(t) => Stream::Tls(t.clone()),
         })
     }
 
@@ -25,6 +32,7 @@ impl Stream {
         let _ = match self {
             Stream::Unix(s) => s.shutdown(how),
             Stream::Tcp(s) => s.shutdown(how),
+            Stream::Tls(t) => return t.socket().shutdown(how),
         };
     }
 
@@ -32,12 +40,16 @@ impl Stream {
         match self {
             Stream::Unix(s) => s.set_read_timeout(t),
             Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Tls(tls) => tls.socket().set_read_timeout(t),
         }
     }
 
     /// One vectored `sendmsg` of `slices`, starting `skip` bytes in. Returns the
     /// bytes sent; without `blocking`, WouldBlock when the socket is full.
     pub fn send_from(&self, slices: &[&[u8]], mut skip: usize, blocking: bool) -> io::Result<usize> {
+        if let Stream::Tls(t) = self {
+            return t.send_from(slices, skip, blocking);
+        }
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(slices.len().min(IOV_MAX));
         for s in slices {
             if skip >= s.len() {
@@ -85,8 +97,46 @@ impl Stream {
         }
     }
 
+    /// Bytes already taken by [`Stream::send_from`] still wait to go out (TLS
+    /// only); the writer thread owes a [`Stream::flush_pending`].
+    pub fn needs_flush(&self) -> bool {
+        match self {
+            Stream::Tls(t) => t.needs_flush(),
+            _ => false,
+        }
+    }
+
+    /// Sends whatever [`Stream::needs_flush`] reported, blocking.
+    pub fn flush_pending(&self) -> io::Result<()> {
+        match self {
+            Stream::Tls(t) => t.flush_all(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Ends a TLS session politely (close_notify); nothing for plain sockets.
+    pub fn close(&self) {
+        if let Stream::Tls(t) = self {
+            t.close();
+        }
+    }
+
+    /// One `read` from the socket itself (through `&self`).
+    pub(crate) fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => (&*s).read(buf),
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Tls(t) => t.read(buf),
+        }
+    }
+
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Stream::Tls(_))
+    }
+
     pub fn peer(&self) -> String {
         match self {
+            Stream::Tls(t) => t.socket().peer(),
             Stream::Unix(_) => "unix client".to_owned(),
             Stream::Tcp(s) => s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp client".into()),
         }
@@ -98,6 +148,7 @@ impl Read for Stream {
         match self {
             Stream::Unix(s) => s.read(buf),
             Stream::Tcp(s) => s.read(buf),
+            Stream::Tls(t) => t.read(buf),
         }
     }
 }
@@ -107,6 +158,7 @@ impl Write for Stream {
         match self {
             Stream::Unix(s) => s.write(buf),
             Stream::Tcp(s) => s.write(buf),
+            Stream::Tls(t) => t.send_from(&[buf], 0, true),
         }
     }
 
@@ -120,6 +172,18 @@ impl AsRawFd for Stream {
         match self {
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Tls(t) => t.socket().as_raw_fd(),
         }
+    }
+}
+
+impl Transport for Stream {
+    fn start_tls(&mut self, tls: &Tls) -> io::Result<()> {
+        if self.is_tls() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "TLS is already on"));
+        }
+        let plain = self.try_clone()?;
+        *self = Stream::Tls(Arc::new(TlsStream::accept(plain, tls)?));
+        Ok(())
     }
 }

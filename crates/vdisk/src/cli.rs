@@ -69,7 +69,7 @@ Examples:
   vdisk serve vm1.cow vm2.cow               COW overlays (their base opens read-only)
   vdisk serve vm1.cow --backing /new/place/base.img
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     Soak(crate::soak::SoakArgs),
 }
 
@@ -99,6 +99,51 @@ pub struct CommitArgs {
     pub into: Option<PathBuf>,
     #[command(flatten)]
     pub backing: BackingArgs,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum TlsArg {
+    /// No TLS: STARTTLS is refused.
+    Off,
+    /// TLS offered; plain clients are served too.
+    On,
+    /// Only clients that switch to TLS get anything, even the export list.
+    Require,
+}
+
+/// Who may connect and what they may see.
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Security")]
+pub struct SecurityArgs {
+    /// TLS on NBD (NBD_OPT_STARTTLS). Default: require if TLS credentials are given, off otherwise.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub tls: Option<TlsArg>,
+    /// Directory with server-cert.pem and server-key.pem (and ca-cert.pem for
+    /// --tls-verify-peer), the layout of qemu's tls-creds-x509 dir=.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["tls_cert", "tls_key"])]
+    pub tls_certificates: Option<PathBuf>,
+    /// The server's certificate chain (PEM); with --tls-key, instead of --tls-certificates.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The server's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Ask every TLS client for a certificate signed by the CA (ca-cert.pem in
+    /// --tls-certificates, or --tls-ca), like qemu's verify-peer=on.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
+    /// The CA that client certificates must chain to (implies --tls-verify-peer).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Name of each export, once per image in order (default: the file stem).
+    #[arg(long, value_name = "NAME")]
+    pub export_name: Vec<String>,
+    /// Do not tell clients the export names (NBD_OPT_LIST is refused).
+    #[arg(long)]
+    pub no_list: bool,
+    /// Clients must name an export: the empty name no longer selects the first one.
+    #[arg(long)]
+    pub no_default_export: bool,
 }
 
 /// How to find a COW overlay's backing file.
@@ -214,4 +259,6 @@ pub struct ServeArgs {
     pub format: FormatArg,
     #[command(flatten)]
     pub backing: BackingArgs,
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }

@@ -47,6 +47,7 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
     let in_overlay = (i.sectors_allocated * h.sector_size as u64).min(h.size);
     let written = h.backing_path().display().to_string();
     let resolved = i.backing_resolved.display().to_string();
+    let canonical = i.backing_canonical.as_ref().map(|p| p.display().to_string());
     if a.json {
         let v = serde_json::json!({
             "path": a.image.display().to_string(),
@@ -56,6 +57,11 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
             "allocated": allocated,
             "backing-file": written,
             "backing-file-resolved": resolved,
+            "backing-file-opens": canonical,
+            "backing-device": i.backing_stat.map(|s| s.0),
+            "backing-inode": i.backing_stat.map(|s| s.1),
+            "backing-size": i.backing_stat.map(|s| s.2),
+            "backing-file-mtime": i.backing_stat.map(|s| s.3),
             "backing-ok": i.backing_problem.is_none(),
             "backing-problem": i.backing_problem,
             "backing-mtime": h.mtime,
@@ -76,7 +82,16 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
     println!("virtual size: {} ({} bytes)", human(h.size), h.size);
     println!("backing file: {written}");
     if resolved != written {
-        println!("  resolves to {resolved}");
+        println!("  relative to the overlay: {resolved}");
+    }
+    match (&canonical, i.backing_stat) {
+        (Some(c), Some((dev, ino, size, mtime))) => {
+            if *c != resolved {
+                println!("  through symlinks or ..: {c}");
+            }
+            println!("  `vdisk serve` opens {c}: device {dev:#x}, inode {ino}, {size} bytes, mtime {mtime}");
+        }
+        _ => println!("  `vdisk serve` would find no file there"),
     }
     match &i.backing_problem {
         None => println!("  ok: size and mtime match the header"),

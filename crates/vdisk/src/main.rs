@@ -9,6 +9,7 @@ mod formats;
 mod fuse;
 mod info;
 mod logger;
+mod security;
 mod serve;
 mod size;
 mod soak;
@@ -36,7 +37,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         cli::Command::Create(a) => create::run(a),
         cli::Command::Info(a) => info::run(a),
-        cli::Command::Serve(a) => serve::run(a),
+        cli::Command::Serve(a) => serve::run(*a),
         cli::Command::Commit(a) => commit::run(a),
         cli::Command::Soak(a) => soak::run(a),
     };

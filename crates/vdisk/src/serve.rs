@@ -40,9 +40,19 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         inline: !a.no_inline,
         ..Default::default()
     };
-    let options = ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize) };
+    let policy = crate::security::policy(&a.security)?;
+    let tls_summary = policy.tls.as_ref().map(|t| t.summary.clone());
+    let options =
+        ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize), policy };
     let mut exports = Vec::new();
-    for path in &paths {
+    if a.security.export_name.len() > paths.len() {
+        return Err(Failure::usage(format!(
+            "{} --export-name but {} image(s): give it at most once per image, in image order",
+            a.security.export_name.len(),
+            paths.len()
+        )));
+    }
+    for (i, path) in paths.iter().enumerate() {
         let Opened { image, description } = formats::open(path, a.format, a.readonly, a.direct, &a.backing)?;
         if image.size() == 0 {
             return Err(Failure::usage(format!(
@@ -50,10 +60,10 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
                 path.display()
             )));
         }
-        let name = export_name(path);
+        let name = a.security.export_name.get(i).cloned().unwrap_or_else(|| export_name(path));
         if exports.iter().any(|e: &Export| e.name == name) {
             return Err(Failure::usage(format!(
-                "two images would both be export {name:?} ({}); export names come from file stems, rename one",
+                "two images would both be export {name:?} ({}); export names come from file stems: rename one or use --export-name",
                 path.display()
             )));
         }
@@ -118,6 +128,9 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     }
     if demo.is_some() {
         println!("vdisk: no image given: serving a fresh sparse 1 GiB demo image, removed at exit");
+    }
+    if let Some(t) = tls_summary {
+        println!("vdisk: {t}");
     }
     for line in banner {
         println!("{line}");

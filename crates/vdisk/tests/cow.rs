@@ -10,7 +10,9 @@ mod common;
 use common::{
     assert_same, nbdsh, qemu_io, read_file, run, text, vdisk, vdisk_bounded, Server, TempDir, ENGINES, KIB, MIB,
 };
+use std::io::Read;
 use std::path::Path;
+use std::process::{Command, Stdio};
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -333,4 +335,67 @@ fn many_overlays_over_one_base_served_at_once() {
         run("uml_moo", &[&args[i], s(&merged)]);
         assert_same(&format!("uml_moo of vm{i}"), &read_file(&merged), model);
     }
+}
+
+/// The backing path in a header is untrusted: a relative one that names one
+/// file from the overlay's directory and another from the current directory
+/// is refused (naming --backing), `info` says which file `serve` opens (through
+/// symlinks), and `--backing` settles it.
+#[test]
+fn an_ambiguous_or_symlinked_backing_path_is_never_followed_silently() {
+    let dir = TempDir::new("cow-untrusted");
+    let (a, b) = (dir.path("a"), dir.path("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    make_base(&a.join("base.img"), MIB, 1);
+    make_base(&b.join("base.img"), MIB, 2);
+    let overlay = a.join("vm.cow");
+    assert!(vdisk(&["create", "--backing", s(&a.join("base.img")), s(&overlay)]).status.success());
+    // Rewrite the header's path (at byte 32) as a relative one, as another tool might.
+    let mut bytes = read_file(&overlay);
+    bytes[32..32 + 4096].fill(0);
+    bytes[32..40].copy_from_slice(b"base.img");
+    std::fs::write(&overlay, &bytes).unwrap();
+    let in_b = |args: &[&str]| Command::new(common::vdisk_bin()).args(args).current_dir(&b).output().unwrap();
+
+    let out = in_b(&["serve", s(&overlay), "--socket", s(&dir.path("x.sock"))]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(err.contains("another file") && err.contains("--backing"), "{err}");
+    let out = in_b(&["info", s(&overlay)]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("problem: the header of"), "{}", text(&out));
+    // From a neutral directory there is no doubt; --backing settles it anywhere.
+    let out = vdisk(&["info", s(&overlay), "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["backing-ok"], true, "{v}");
+    assert_eq!(v["backing-file-opens"], s(&a.join("base.img")), "{v}");
+
+    // A symlinked base: info shows the real file, serve prints it.
+    let link = dir.path("link.img");
+    std::os::unix::fs::symlink(a.join("base.img"), &link).unwrap();
+    let over2 = dir.path("vm2.cow");
+    assert!(vdisk(&["create", "--backing", s(&link), s(&over2)]).status.success());
+    let out = vdisk(&["info", s(&over2)]);
+    let info = String::from_utf8_lossy(&out.stdout);
+    assert!(info.contains("through symlinks") && info.contains(s(&a.join("base.img"))), "{info}");
+    assert!(info.contains("inode"), "{info}");
+    let server = Server::start(&dir, &[s(&over2), "--readonly"]);
+    assert!(server.stdout.iter().any(|l| l.contains(&format!("cow over {}", a.join("base.img").display()))));
+    server.stop();
+    let mut child = Command::new(common::vdisk_bin())
+        .args(["serve", s(&overlay), "--readonly", "--backing", s(&b.join("base.img"))])
+        .args(["--socket", s(&dir.path("y.sock")), "--ignore-backing-mtime"])
+        .current_dir(&b)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let _ = std::io::BufRead::read_line(&mut out, &mut first);
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    assert!(first.contains(&format!("cow over {}", b.join("base.img").display())), "--backing: {first}\n{err}");
 }

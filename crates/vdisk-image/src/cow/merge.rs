@@ -3,7 +3,7 @@
 //! into a new raw image, as `uml_moo OVERLAY NEW` does.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use super::open::{at, mtime32, read_full, read_metadata, resolve_backing};
@@ -21,6 +21,10 @@ pub struct Inspection {
     pub backing_resolved: PathBuf,
     /// None when the backing file opens and matches; otherwise why not.
     pub backing_problem: Option<String>,
+    /// `backing_resolved` with every symlink and `..` resolved: the file `serve` would open.
+    pub backing_canonical: Option<PathBuf>,
+    /// That file's device, inode, size and mtime (seconds), when it exists.
+    pub backing_stat: Option<(u64, u64, u64, i64)>,
     /// Sectors allocated in the overlay, as its on-disk bitmap says (a running
     /// server may hold newer bits in memory until its next flush).
     pub sectors_allocated: u64,
@@ -32,7 +36,11 @@ pub fn inspect(path: &Path) -> Result<Inspection> {
     let file = File::open(path).map_err(|e| at(path, e, "cannot open overlay"))?;
     let (header, map) = read_metadata(&file, path)?;
     let backing_resolved = resolve_backing(path, header.backing_path());
-    let backing_problem = match std::fs::metadata(&backing_resolved) {
+    let stat = std::fs::metadata(&backing_resolved);
+    let backing_stat = stat.as_ref().ok().map(|m| (m.dev(), m.ino(), m.len(), m.mtime()));
+    let backing_canonical = backing_resolved.canonicalize().ok();
+    let ambiguity = super::open::ambiguous_backing(path, header.backing_path());
+    let backing_problem = ambiguity.or(match stat {
         Err(e) => Some(format!("cannot open it: {e}")),
         Ok(m) if m.is_dir() => Some("it is a directory".to_owned()),
         Ok(m) if m.is_file() && m.len() != header.size => {
@@ -44,9 +52,9 @@ pub fn inspect(path: &Path) -> Result<Inspection> {
             header.mtime
         )),
         Ok(_) => None,
-    };
+    });
     let sectors_allocated = map.count(0, map.sectors());
-    Ok(Inspection { header, backing_resolved, backing_problem, sectors_allocated })
+    Ok(Inspection { header, backing_resolved, backing_problem, backing_canonical, backing_stat, sectors_allocated })
 }
 
 impl CowImage {

@@ -65,6 +65,30 @@ pub fn resolve_backing(overlay: &Path, written: &Path) -> PathBuf {
     }
 }
 
+/// A relative backing path that names two different files: one from the
+/// overlay's directory (what vdisk opens) and another from the current
+/// directory (what UML's tools would open). Returns the message, or None when
+/// there is no such doubt. The header is untrusted: it must never pick a file
+/// the user did not expect without saying so.
+pub fn ambiguous_backing(overlay: &Path, written: &Path) -> Option<String> {
+    let resolved = resolve_backing(overlay, written);
+    if written.is_absolute() || resolved == written {
+        return None;
+    }
+    let here = std::fs::metadata(written).ok()?;
+    let there = std::fs::metadata(&resolved).ok()?;
+    if here.dev() == there.dev() && here.ino() == there.ino() {
+        return None;
+    }
+    Some(format!(
+        "the header of {} names the relative path {}: from the overlay's directory that is {}, from the current \
+         directory another file; name the one you mean with --backing PATH",
+        overlay.display(),
+        written.display(),
+        resolved.display()
+    ))
+}
+
 /// The mtime UML records: seconds, truncated to 32 bits.
 pub(super) fn mtime32(meta: &std::fs::Metadata) -> u32 {
     meta.mtime() as u32
@@ -119,6 +143,11 @@ impl CowImage {
         } else {
             format!("{} (named in the header of {})", backing.display(), path.display())
         };
+        if o.backing.is_none() {
+            if let Some(why) = ambiguous_backing(path, written) {
+                return Err(Error::invalid(why));
+            }
+        }
         let bmeta = std::fs::metadata(&backing).map_err(|e| {
             let hint = if o.backing.is_some() { "" } else { "; if it moved, name it with --backing PATH" };
             Error::io(e, format!("backing file {named} cannot be opened{hint}"))
@@ -136,6 +165,23 @@ impl CowImage {
             .open(&backing)
             .map_err(|e| Error::io(e, format!("cannot open backing file {named}")))?;
         lock(&bfile, &backing, o.backing_writable)?;
+        // Checks from here on are on the file opened, not on whatever the path names now.
+        let bmeta = bfile.metadata().map_err(|e| at(&backing, e, "cannot stat backing file"))?;
+        if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
+            return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
+        }
+        let canonical = backing.canonicalize().unwrap_or_else(|_| backing.clone());
+        if canonical != backing {
+            log::info!("backing file {named} resolves to {}", canonical.display());
+        }
+        log::info!(
+            "overlay {}: backing file {} (device {:#x}, inode {}, mtime {})",
+            path.display(),
+            canonical.display(),
+            bmeta.dev(),
+            bmeta.ino(),
+            bmeta.mtime()
+        );
         let bsize = file_size(&bfile, &backing)?;
         if bsize != header.size {
             return Err(Error::invalid(format!(
@@ -158,7 +204,8 @@ impl CowImage {
         }
         Ok(CowImage {
             overlay: path.to_owned(),
-            backing,
+            // The file really opened, symlinks resolved: what `serve` prints and O_DIRECT reopens.
+            backing: canonical,
             data_offset: header.data_offset(),
             sector: header.sector_size as u64,
             header,
@@ -209,14 +256,16 @@ impl CowImage {
         result
     }
 
-    /// Also opens both files with O_DIRECT, for aligned requests.
+    /// Also opens both files with O_DIRECT, for aligned requests. They are
+    /// reopened through /proc/self/fd, so they are the very files already open
+    /// (and checked), whatever their paths name by now.
     pub fn with_direct_io(mut self) -> Result<Self> {
-        let open = |path: &Path, write: bool| {
+        let open = |path: &Path, file: &File, write: bool| {
             OpenOptions::new()
                 .read(true)
                 .write(write)
                 .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
-                .open(path)
+                .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
                 .map_err(|e| {
                     let why = if e.raw_os_error() == Some(libc::EINVAL) {
                         "its file system does not support O_DIRECT; serve it without --direct".to_owned()
@@ -226,7 +275,8 @@ impl CowImage {
                     Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", path.display()))
                 })
         };
-        self.direct = vec![open(&self.overlay, !self.read_only)?, open(&self.backing, false)?];
+        self.direct =
+            vec![open(&self.overlay, &self.files[0], !self.read_only)?, open(&self.backing, &self.files[1], false)?];
         Ok(self)
     }
 }

@@ -1,0 +1,322 @@
+//! TLS for NBD (NBD_OPT_STARTTLS), with rustls in userspace.
+//!
+//! Owns the server's TLS settings (certificate, key, optional client CA) and
+//! the encrypted stream a connection switches to after STARTTLS. It never
+//! decides protocol matters (which options need TLS): that is the handshake's.
+//!
+//! Why userspace and not kTLS: kTLS would keep the vectored-sendmsg fast path,
+//! but it exists only for TCP (not the unix sockets most clients use here), and
+//! needs the kernel's `tls` ULP, which this platform lacks
+//! (`/proc/sys/net/ipv4/tcp_available_ulp` has no `tls`).
+//!
+//! How the stream fits the connection's threads: one rustls connection behind
+//! a mutex, shared by the reader (decrypts requests) and whoever sends replies
+//! (a completer, non-blocking, or the writer thread, blocking). Ciphertext only
+//! ever goes to the socket with that mutex held, so records never interleave;
+//! nobody holds it while waiting for the socket. A non-blocking sender whose
+//! ciphertext did not all fit leaves the rest in rustls ([`TlsStream::needs_flush`])
+//! and the connection's writer thread sends it. The plain path is untouched.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig, ServerConnection};
+
+use crate::stream::Stream;
+
+/// When clients must use TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsMode {
+    /// Offered; plain clients are served too (the spec's SELECTIVETLS, no TLS-only exports).
+    On,
+    /// Every option but STARTTLS and ABORT is refused until TLS is up (FORCEDTLS).
+    Require,
+}
+
+/// The server's TLS settings, built once and shared by every connection.
+pub struct Tls {
+    pub mode: TlsMode,
+    config: Arc<ServerConfig>,
+    /// One line for the startup banner.
+    pub summary: String,
+}
+
+/// Where the server's credentials are.
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// CA that client certificates must chain to; `None`: no client certificate asked for.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Most ciphertext a connection keeps waiting for the socket; more plaintext waits.
+const TLS_BUFFER: usize = 4 << 20;
+/// Ciphertext read from the socket at once.
+const RX_BUFFER: usize = 256 << 10;
+
+fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    let iter =
+        CertificateDer::pem_file_iter(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
+    let certs: Vec<_> =
+        iter.collect::<Result<_, _>>().map_err(|e| format!("{what} {} is not valid PEM: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{what} {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)", path.display()));
+    }
+    Ok(certs)
+}
+
+impl Tls {
+    /// Loads the PEM files; errors name the file and what is wrong with it.
+    pub fn new(mode: TlsMode, files: &TlsFiles) -> Result<Tls, String> {
+        let chain = certs(&files.cert, "certificate")?;
+        let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| {
+            format!("cannot read a PEM private key from {}: {e} (PKCS#8, PKCS#1 or SEC1)", files.key.display())
+        })?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS setup: {e}"))?;
+        let builder = match &files.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let mut roots = RootCertStore::empty();
+                for c in certs(ca, "CA certificate")? {
+                    roots.add(c).map_err(|e| format!("CA certificate {}: {e}", ca.display()))?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                    .build()
+                    .map_err(|e| format!("CA certificate {}: {e}", ca.display()))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let config = builder.with_single_cert(chain, key).map_err(|e| {
+            format!(
+                "{} and {} do not make a usable certificate and key: {e}",
+                files.cert.display(),
+                files.key.display()
+            )
+        })?;
+        let summary = format!(
+            "TLS {} (X.509: {}{})",
+            if mode == TlsMode::Require { "required" } else { "offered, plain allowed" },
+            files.cert.display(),
+            match &files.client_ca {
+                Some(ca) => format!(", client certificates must chain to {}", ca.display()),
+                None => String::new(),
+            }
+        );
+        Ok(Tls { mode, config: Arc::new(config), summary })
+    }
+}
+
+/// Ciphertext read from the socket and not yet given to rustls. Only the reader uses it.
+struct Rx {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+/// A connection after STARTTLS: everything goes through `conn`.
+pub struct TlsStream {
+    sock: Stream,
+    conn: Mutex<ServerConnection>,
+    rx: Mutex<Rx>,
+}
+
+/// Hands ciphertext to the socket without ever blocking.
+struct SocketWriter<'a>(&'a Stream);
+
+impl Write for SocketWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.send_from(&[buf], 0, false)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let slices: Vec<&[u8]> = bufs.iter().map(|b| &**b).collect();
+        self.0.send_from(&slices, 0, false)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn invalid(e: rustls::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
+}
+
+/// Waits until the socket can take more bytes.
+fn wait_writable(fd: i32) -> io::Result<()> {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+    loop {
+        // SAFETY: pfd is one valid pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&mut pfd, 1, -1) };
+        if r >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+impl TlsStream {
+    /// Runs the TLS handshake as the server on `sock` (the STARTTLS ACK already sent).
+    pub fn accept(sock: Stream, tls: &Tls) -> io::Result<TlsStream> {
+        let mut conn = ServerConnection::new(tls.config.clone()).map_err(invalid)?;
+        conn.set_buffer_limit(Some(TLS_BUFFER));
+        let t = TlsStream {
+            sock,
+            conn: Mutex::new(conn),
+            rx: Mutex::new(Rx { buf: vec![0; RX_BUFFER], start: 0, end: 0 }),
+        };
+        let mut rx = t.rx.lock().unwrap();
+        loop {
+            let (handshaking, wants_write) = {
+                let c = t.conn.lock().unwrap();
+                (c.is_handshaking(), c.wants_write())
+            };
+            if wants_write {
+                t.flush_all()?;
+            } else if !handshaking {
+                break;
+            } else {
+                if rx.start == rx.end && !t.fill(&mut rx)? {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the client left during the TLS handshake",
+                    ));
+                }
+                t.feed(&mut rx)?;
+            }
+        }
+        drop(rx);
+        Ok(t)
+    }
+
+    /// Reads more ciphertext from the socket; false at end of stream.
+    fn fill(&self, rx: &mut Rx) -> io::Result<bool> {
+        if rx.start == rx.end {
+            (rx.start, rx.end) = (0, 0);
+        } else if rx.end == rx.buf.len() {
+            rx.buf.copy_within(rx.start..rx.end, 0);
+            (rx.start, rx.end) = (0, rx.end - rx.start);
+        }
+        loop {
+            let end = rx.end;
+            match self.sock.recv(&mut rx.buf[end..]) {
+                Ok(0) => return Ok(false),
+                Ok(n) => {
+                    rx.end += n;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Gives buffered ciphertext to rustls and lets it decrypt; whatever rustls
+    /// has to say back (an alert, a key update) is sent if the socket takes it now.
+    fn feed(&self, rx: &mut Rx) -> io::Result<()> {
+        let mut conn = self.conn.lock().unwrap();
+        let n = conn.read_tls(&mut &rx.buf[rx.start..rx.end])?;
+        rx.start += n;
+        let processed = conn.process_new_packets();
+        let _ = self.flush_locked(&mut conn);
+        processed.map(|_| ()).map_err(invalid)
+    }
+
+    /// Sends the ciphertext rustls holds: true when all went, false when the socket is full.
+    fn flush_locked(&self, conn: &mut ServerConnection) -> io::Result<bool> {
+        while conn.wants_write() {
+            match conn.write_tls(&mut SocketWriter(&self.sock)) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Sends all pending ciphertext, waiting for the socket without holding the lock.
+    pub fn flush_all(&self) -> io::Result<()> {
+        loop {
+            if self.flush_locked(&mut self.conn.lock().unwrap())? {
+                return Ok(());
+            }
+            wait_writable(self.sock.as_raw_fd())?;
+        }
+    }
+
+    /// Ciphertext is waiting for the socket.
+    pub fn needs_flush(&self) -> bool {
+        self.conn.lock().unwrap().wants_write()
+    }
+
+    /// Encrypts plaintext from `slices` (past `skip`) and sends it. Returns the
+    /// plaintext bytes taken. Non-blocking: WouldBlock while older ciphertext
+    /// still waits for the socket; what does not fit now stays queued in rustls.
+    pub fn send_from(&self, slices: &[&[u8]], mut skip: usize, blocking: bool) -> io::Result<usize> {
+        let mut conn = self.conn.lock().unwrap();
+        while !self.flush_locked(&mut conn)? {
+            if !blocking {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            drop(conn);
+            wait_writable(self.sock.as_raw_fd())?;
+            conn = self.conn.lock().unwrap();
+        }
+        let mut iov = Vec::with_capacity(slices.len());
+        for s in slices {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            iov.push(IoSlice::new(&s[skip..]));
+            skip = 0;
+        }
+        let n = conn.writer().write_vectored(&iov)?;
+        let all_out = self.flush_locked(&mut conn)?;
+        drop(conn);
+        if !all_out && blocking {
+            self.flush_all()?;
+        }
+        Ok(n)
+    }
+
+    /// Reads decrypted bytes; 0 at the end of the stream (close_notify or EOF).
+    pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut rx = self.rx.lock().unwrap();
+        loop {
+            match self.conn.lock().unwrap().reader().read(buf) {
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
+                Err(e) => return Err(e),
+            }
+            if rx.start == rx.end && !self.fill(&mut rx)? {
+                return Ok(0);
+            }
+            self.feed(&mut rx)?;
+        }
+    }
+
+    /// Says goodbye (close_notify), if the socket takes it now.
+    pub fn close(&self) {
+        let mut conn = self.conn.lock().unwrap();
+        conn.send_close_notify();
+        let _ = self.flush_locked(&mut conn);
+    }
+
+    pub fn socket(&self) -> &Stream {
+        &self.sock
+    }
+}

@@ -1,0 +1,415 @@
+//! TLS on NBD and the export policy, with the clients people use: qemu-img and
+//! qemu-io (tls-creds-x509 objects, GnuTLS) and libnbd (nbdinfo, nbdsh with
+//! nbds+unix:// URIs). Certificates are made fresh for each test with rcgen in
+//! qemu's directory layout (ca-cert.pem, server-cert.pem, client-cert.pem...).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use rcgen::{
+    date_time_ymd, BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// A CA and the server and client certificates it signed, written as qemu and libnbd expect them.
+struct Pki {
+    /// ca-cert.pem, server-cert.pem, server-key.pem: what `vdisk serve --tls-certificates` takes.
+    server: PathBuf,
+    /// ca-cert.pem, client-cert.pem, client-key.pem: what qemu's endpoint=client and libnbd take.
+    client: PathBuf,
+}
+
+fn params(cn: &str, sans: &[&str]) -> CertificateParams {
+    let mut p = CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    p.distinguished_name.push(DnType::CommonName, cn);
+    p.not_before = date_time_ymd(2020, 1, 1);
+    p.not_after = date_time_ymd(2040, 1, 1);
+    p
+}
+
+fn write(path: PathBuf, text: &str) {
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+}
+
+impl Pki {
+    fn new(dir: &TempDir, tag: &str) -> Pki {
+        let mut ca = params(&format!("vdisk test CA {tag}"), &[]);
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(ca, ca_key);
+        let leaf = |cn: &str, purpose| {
+            let mut p = params(cn, &["localhost", "127.0.0.1"]);
+            p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+            p.extended_key_usages = vec![purpose];
+            let key = KeyPair::generate().unwrap();
+            (p.signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
+        };
+        let server = dir.path(&format!("{tag}-server"));
+        let client = dir.path(&format!("{tag}-client"));
+        for d in [&server, &client] {
+            std::fs::create_dir_all(d).unwrap();
+            write(d.join("ca-cert.pem"), &ca_pem);
+        }
+        let (cert, key) = leaf("vdisk test server", ExtendedKeyUsagePurpose::ServerAuth);
+        write(server.join("server-cert.pem"), &cert);
+        write(server.join("server-key.pem"), &key);
+        let (cert, key) = leaf("vdisk test client", ExtendedKeyUsagePurpose::ClientAuth);
+        write(client.join("client-cert.pem"), &cert);
+        write(client.join("client-key.pem"), &key);
+        Pki { server, client }
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// qemu's --image-opts for an NBD export over the unix socket, with TLS object `tls0` when `tls`.
+fn qemu_opts(server: &Server, export: &str, tls: bool) -> String {
+    let mut o = format!("driver=nbd,server.type=unix,server.path={},export={export}", server.socket.display());
+    if tls {
+        o.push_str(",tls-creds=tls0,tls-hostname=localhost");
+    }
+    o
+}
+
+fn tls_object(client_dir: &Path) -> String {
+    format!("tls-creds-x509,id=tls0,endpoint=client,dir={}", client_dir.display())
+}
+
+/// qemu-io over TLS: runs `cmds`, returns the output (whatever the status).
+fn qemu_io_tls(server: &Server, export: &str, client_dir: &Path, cmds: &[&str]) -> std::process::Output {
+    let obj = tls_object(client_dir);
+    let opts = qemu_opts(server, export, true);
+    let mut args = vec!["--object", &obj, "--image-opts", &opts];
+    for c in cmds {
+        args.extend_from_slice(&["-c", c]);
+    }
+    output("qemu-io", &args)
+}
+
+fn assert_io_ok(out: &std::process::Output, what: &str) {
+    let all = text(out);
+    assert!(out.status.success() && !all.to_lowercase().contains("failed"), "{what}:\n{all}");
+}
+
+fn nbds_uri(server: &Server, export: &str, client_dir: &Path) -> String {
+    format!("nbds+unix:///{export}?socket={}&tls-certificates={}", server.socket.display(), client_dir.display())
+}
+
+/// nbdsh connected to a URI that names local files (libnbd wants that allowed first); returns stdout.
+fn nbdsh_tls(uri: &str, script: &str) -> String {
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let full = format!("h.set_uri_allow_local_file(True)\nh.connect_uri({uri:?})\n{script}");
+    let out = std::process::Command::new("nbdsh")
+        .env("PATH", path)
+        .args(["-c", &full])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run nbdsh: {e} (is libnbd-bin installed?)"));
+    assert!(out.status.success(), "nbdsh {uri}:\n{}\nscript:\n{full}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A TCP port free right now on 127.0.0.1.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn nbdinfo(args: &[&str]) -> std::process::Output {
+    output("nbdinfo", args)
+}
+
+/// A hand-written client for what real clients never send: options a plain
+/// client tries against `--tls=require`.
+struct Raw(UnixStream);
+
+const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+const OPT_EXPORT_NAME: u32 = 1;
+const OPT_LIST: u32 = 3;
+const OPT_INFO: u32 = 6;
+const OPT_GO: u32 = 7;
+const OPT_STRUCTURED_REPLY: u32 = 8;
+const REP_ERR_TLS_REQD: u32 = 0x8000_0005;
+const REP_ERR_POLICY: u32 = 0x8000_0002;
+
+impl Raw {
+    fn connect(server: &Server) -> Raw {
+        let mut c = UnixStream::connect(&server.socket).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = [0u8; 18];
+        c.read_exact(&mut hello).unwrap();
+        c.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
+        Raw(c)
+    }
+
+    fn send_option(&mut self, opt: u32, data: &[u8]) {
+        let mut m = IHAVEOPT.to_be_bytes().to_vec();
+        m.extend_from_slice(&opt.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        self.0.write_all(&m).unwrap();
+    }
+
+    /// Sends an option and returns the kind of its (single) reply and the reply's data.
+    fn option(&mut self, opt: u32, data: &[u8]) -> (u32, Vec<u8>) {
+        self.send_option(opt, data);
+        let mut head = [0u8; 20];
+        self.0.read_exact(&mut head).unwrap();
+        assert_eq!(u32::from_be_bytes(head[8..12].try_into().unwrap()), opt, "reply to another option");
+        let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
+        let mut data = vec![0u8; u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize];
+        self.0.read_exact(&mut data).unwrap();
+        (kind, data)
+    }
+
+    /// Everything the server still sends until it closes the connection.
+    fn rest(&mut self) -> Vec<u8> {
+        let mut all = Vec::new();
+        let _ = self.0.read_to_end(&mut all);
+        all
+    }
+}
+
+fn go_data(export: &str) -> Vec<u8> {
+    let mut d = (export.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(export.as_bytes());
+    d.extend_from_slice(&0u16.to_be_bytes());
+    d
+}
+
+#[test]
+fn require_serves_tls_clients_and_gives_plain_ones_nothing() {
+    let dir = TempDir::new("tls-require");
+    let pki = Pki::new(&dir, "a");
+    let img = dir.path("disk.img");
+    create_image(&img, "16M");
+    let server = Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server)]);
+    assert!(server.stdout.iter().any(|l| l.contains("TLS required")), "banner: {:#?}", server.stdout);
+
+    // qemu-io (GnuTLS) writes and reads back through TLS.
+    let out = qemu_io_tls(
+        &server,
+        "disk",
+        &pki.client,
+        &["write -P 0x5a 0 1M", "write -P 0x33 8M 64k", "read -P 0x5a 0 1M", "read -P 0x33 8M 64k", "flush"],
+    );
+    assert_io_ok(&out, "qemu-io over TLS");
+    // qemu-img info over TLS.
+    let obj = tls_object(&pki.client);
+    let out = output(
+        "qemu-img",
+        &["info", "--object", &obj, "--image-opts", &qemu_opts(&server, "disk", true), "--output=json"],
+    );
+    assert!(out.status.success(), "qemu-img info over TLS:\n{}", text(&out));
+    assert_eq!(json(&String::from_utf8_lossy(&out.stdout))["virtual-size"], 16 * MIB as u64);
+
+    // libnbd: nbdinfo and nbdsh with nbds+unix://.
+    let uri = nbds_uri(&server, "disk", &pki.client);
+    let out = nbdinfo(&["--json", &uri]);
+    assert!(out.status.success(), "nbdinfo {uri}:\n{}", text(&out));
+    let info = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(info["exports"][0]["export-size"], 16 * MIB as u64, "{info}");
+    let got = nbdsh_tls(&uri, "print(h.pread(4096, 8 << 20)[:4].hex())\nh.pwrite(b'\\x77' * 4096, 4 << 20)\nh.flush()");
+    assert_eq!(got.trim(), "33333333");
+    let out = nbdinfo(&["--list", &uri]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("disk"), "{}", text(&out));
+
+    // Plain qemu-img and plain libnbd are refused.
+    let out = output("qemu-img", &["info", &server.uri("disk")]);
+    assert!(!out.status.success(), "plain qemu-img info succeeded against --tls=require:\n{}", text(&out));
+    let out = output("qemu-io", &["-f", "raw", &server.uri("disk"), "-c", "read -v 0 512"]);
+    assert!(!out.status.success(), "plain qemu-io read against --tls=require:\n{}", text(&out));
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("5a 5a"), "plain qemu-io got data:\n{}", text(&out));
+    for args in [vec![server.uri("disk")], vec!["--list".to_owned(), server.uri("")]] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = nbdinfo(&args);
+        assert!(!out.status.success(), "plain nbdinfo {args:?} succeeded:\n{}", text(&out));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("disk"), "plain nbdinfo learnt the export name");
+    }
+
+    // On the wire: every option but STARTTLS/ABORT gets ERR_TLS_REQD; EXPORT_NAME hangs up.
+    let mut raw = Raw::connect(&server);
+    for opt in [OPT_LIST, OPT_STRUCTURED_REPLY, OPT_INFO, OPT_GO, 99] {
+        let data = if opt == OPT_INFO || opt == OPT_GO { go_data("disk") } else { Vec::new() };
+        let (kind, text) = raw.option(opt, &data);
+        assert_eq!(kind, REP_ERR_TLS_REQD, "option {opt}: {}", String::from_utf8_lossy(&text));
+    }
+    raw.send_option(OPT_EXPORT_NAME, b"disk");
+    let rest = raw.rest();
+    assert!(rest.is_empty(), "NBD_OPT_EXPORT_NAME without TLS got {} bytes back", rest.len());
+    // Nothing a plain client did reached the disk: the data is what TLS clients wrote.
+    let out = qemu_io_tls(&server, "disk", &pki.client, &["read -P 0x77 4M 4k", "read -P 0x5a 0 1M"]);
+    assert_io_ok(&out, "reading back over TLS");
+    server.stop();
+}
+
+#[test]
+fn on_serves_plain_and_tls_clients() {
+    let dir = TempDir::new("tls-on");
+    let pki = Pki::new(&dir, "a");
+    let img = dir.path("disk.img");
+    create_image(&img, "8M");
+    let server = Server::start(&dir, &[s(&img), "--tls=on", "--tls-certificates", s(&pki.server)]);
+    qemu_io(&server.uri("disk"), &["write -P 0x11 0 64k"]);
+    assert_io_ok(&qemu_io_tls(&server, "disk", &pki.client, &["read -P 0x11 0 64k", "write -P 0x22 1M 4k"]), "TLS");
+    qemu_io(&server.uri("disk"), &["read -P 0x22 1M 4k"]);
+    let out = nbdinfo(&[&nbds_uri(&server, "disk", &pki.client)]);
+    assert!(out.status.success(), "nbdinfo over TLS with --tls=on:\n{}", text(&out));
+    let out = nbdinfo(&[&server.uri("disk")]);
+    assert!(out.status.success(), "plain nbdinfo with --tls=on:\n{}", text(&out));
+    server.stop();
+}
+
+#[test]
+fn a_client_trusting_another_ca_is_refused() {
+    let dir = TempDir::new("tls-wrong-ca");
+    let pki = Pki::new(&dir, "a");
+    let other = Pki::new(&dir, "b");
+    let img = dir.path("disk.img");
+    create_image(&img, "8M");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let server =
+        Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server), "--listen", &listen]);
+    let out = qemu_io_tls(&server, "disk", &other.client, &["read 0 4k"]);
+    assert!(!out.status.success(), "qemu-io trusting another CA connected:\n{}", text(&out));
+    // libnbd checks the server's certificate on TCP only (on unix sockets it
+    // does not, by design: see nbd_set_tls_verify_peer(3)).
+    let tcp = |certs: &Path| format!("nbds://localhost:{}/disk?tls-certificates={}", &listen[10..], certs.display());
+    let out = nbdinfo(&[&tcp(&other.client)]);
+    assert!(!out.status.success(), "nbdinfo trusting another CA connected:\n{}", text(&out));
+    let out = nbdinfo(&[&tcp(&pki.client)]);
+    assert!(out.status.success(), "nbdinfo over TCP with the right CA:\n{}", text(&out));
+    // The server goes on serving the right clients.
+    assert_io_ok(&qemu_io_tls(&server, "disk", &pki.client, &["read 0 4k"]), "good client after bad ones");
+    server.stop();
+}
+
+#[test]
+fn verify_peer_wants_a_client_certificate_from_the_ca() {
+    let dir = TempDir::new("tls-verify-peer");
+    let pki = Pki::new(&dir, "a");
+    let other = Pki::new(&dir, "b");
+    let img = dir.path("disk.img");
+    create_image(&img, "8M");
+    let server =
+        Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server), "--tls-verify-peer"]);
+    assert_io_ok(&qemu_io_tls(&server, "disk", &pki.client, &["read 0 4k"]), "client with its certificate");
+    let out = nbdinfo(&[&nbds_uri(&server, "disk", &pki.client)]);
+    assert!(out.status.success(), "nbdinfo with a client certificate:\n{}", text(&out));
+    // No client certificate: only the CA.
+    let bare = dir.path("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(pki.client.join("ca-cert.pem"), bare.join("ca-cert.pem")).unwrap();
+    let out = qemu_io_tls(&server, "disk", &bare, &["read 0 4k"]);
+    assert!(!out.status.success(), "qemu-io without a client certificate connected:\n{}", text(&out));
+    // A client certificate from another CA, trusting the right server CA.
+    let mixed = dir.path("mixed");
+    std::fs::create_dir_all(&mixed).unwrap();
+    std::fs::copy(pki.client.join("ca-cert.pem"), mixed.join("ca-cert.pem")).unwrap();
+    for f in ["client-cert.pem", "client-key.pem"] {
+        std::fs::copy(other.client.join(f), mixed.join(f)).unwrap();
+    }
+    let out = nbdinfo(&[&nbds_uri(&server, "disk", &mixed)]);
+    assert!(!out.status.success(), "nbdinfo with a foreign client certificate connected:\n{}", text(&out));
+    server.stop();
+}
+
+#[test]
+fn bad_tls_settings_are_refused_at_startup() {
+    let dir = TempDir::new("tls-bad");
+    let img = dir.path("disk.img");
+    create_image(&img, "1M");
+    let empty = dir.path("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--tls=on"], "needs a certificate"),
+        (vec!["--tls-certificates", s(&empty)], "server-cert.pem is missing"),
+        (vec!["--tls=off", "--tls-certificates", s(&empty)], "--tls=off"),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["serve", s(&img)];
+        args.extend(extra.iter());
+        let out = vdisk_bounded(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "vdisk {args:?}:\n{}", text(&out));
+        assert!(err.contains(want), "vdisk {args:?} should say {want:?}:\n{err}");
+    }
+    // Garbage in the key file names the file.
+    let pki = Pki::new(&dir, "a");
+    std::fs::write(pki.server.join("server-key.pem"), "not a key\n").unwrap();
+    let out = vdisk_bounded(&["serve", s(&img), "--tls=on", "--tls-certificates", s(&pki.server)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("server-key.pem"), "{}", text(&out));
+}
+
+#[test]
+fn exports_can_be_hidden_renamed_and_must_be_named() {
+    let dir = TempDir::new("exports");
+    let (a, b) = (dir.path("a.img"), dir.path("b.img"));
+    create_image(&a, "1M");
+    create_image(&b, "2M");
+    let server = Server::start(
+        &dir,
+        &[s(&a), s(&b), "--export-name", "x7Kq2", "--no-list", "--no-default-export", "--readonly"],
+    );
+    // The renamed export is reachable by its name; the file stem and "" are not.
+    let out = nbdinfo(&["--json", &server.uri("x7Kq2")]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(json(&String::from_utf8_lossy(&out.stdout))["exports"][0]["export-size"], MIB as u64);
+    assert!(nbdinfo(&[&server.uri("b")]).status.success());
+    for name in ["a", ""] {
+        let out = nbdinfo(&[&server.uri(name)]);
+        assert!(!out.status.success(), "export {name:?} opened:\n{}", text(&out));
+    }
+    let out = output("qemu-img", &["info", &server.uri("")]);
+    assert!(!out.status.success(), "qemu-img opened the default export:\n{}", text(&out));
+    // Listing is refused, and says so on the wire.
+    let out = nbdinfo(&["--list", &server.uri("")]);
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(!listed.contains("x7Kq2"), "--no-list still listed:\n{}", text(&out));
+    let mut raw = Raw::connect(&server);
+    assert_eq!(raw.option(OPT_LIST, &[]).0, REP_ERR_POLICY);
+    server.stop();
+
+    // More names than images is a usage error.
+    let out = vdisk_bounded(&["serve", s(&a), "--export-name", "p", "--export-name", "q"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}
+
+/// Many connections, many requests in flight, large and small, over TLS:
+/// nbdcopy (4 connections) writes a file in and reads it back unchanged.
+#[test]
+fn nbdcopy_over_tls_round_trips_the_data() {
+    let dir = TempDir::new("tls-nbdcopy");
+    let pki = Pki::new(&dir, "a");
+    let img = dir.path("disk.img");
+    create_image(&img, "48M");
+    let server = Server::start(&dir, &[s(&img), "--tls-certificates", s(&pki.server)]);
+    let src = dir.path("src.bin");
+    let mut data = vec![0u8; 48 * MIB];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for (i, chunk) in data.chunks_mut(8).enumerate() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Leave some zero runs, so reads come back as holes and data.
+        if (i / 8192) % 3 != 0 {
+            chunk.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+    std::fs::write(&src, &data).unwrap();
+    let uri = nbds_uri(&server, "disk", &pki.client);
+    run("nbdcopy", &["--connections=4", s(&src), &uri]);
+    let back = dir.path("back.bin");
+    run("nbdcopy", &["--connections=4", &uri, s(&back)]);
+    assert_same("nbdcopy over TLS", &read_file(&back), &data);
+    server.stop();
+    assert_same("the image", &read_file(&img), &data);
+}
