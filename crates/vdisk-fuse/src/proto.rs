@@ -313,8 +313,8 @@ mod tests {
         let back = InHeader::read(h.bytes()).unwrap();
         assert_eq!((back.len, back.opcode, back.unique, back.nodeid), (80, WRITE, 7, 1));
         assert!(InHeader::read(&h.bytes()[..39]).is_none());
-        assert_eq!(std::mem::offset_of!(InitOut, max_pages), 24);
-        assert_eq!(std::mem::offset_of!(InitOut, flags2), 28);
+        assert_eq!(std::mem::offset_of!(InitOut, max_pages), 28);
+        assert_eq!(std::mem::offset_of!(InitOut, flags2), 32);
         assert_eq!(std::mem::offset_of!(AttrOut, attr), 16);
         assert_eq!(DEV_IOC_CLONE, 0x8004_e500);
     }
