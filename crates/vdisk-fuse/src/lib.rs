@@ -132,12 +132,14 @@ impl FuseExport {
 
     fn start_rings(&mut self, dev: &Arc<OwnedFd>) -> Result<(), String> {
         let queues = ring::queue_count();
+        let depth = ring::depth(queues);
+        log::info!("fuse: {queues} ring queue(s) of {depth} entries");
         for qid in 0..queues {
             let (tx, rx) = std::sync::mpsc::channel();
             let (dev, session, give_up) = (dev.clone(), self.session.clone(), self.give_up.clone());
             let t = std::thread::Builder::new()
                 .name(format!("fuse-q{qid}"))
-                .spawn(move || match ring::Queue::start(qid as u16, dev, session, give_up) {
+                .spawn(move || match ring::Queue::start(qid as u16, depth, dev, session, give_up) {
                     Ok((q, sink)) => {
                         let _ = tx.send(Ok(sink));
                         q.run();

@@ -1,6 +1,6 @@
 //! The FUSE-over-io_uring transport: one queue per possible CPU (the kernel
 //! sends a request to the queue of the CPU it was issued on), each a thread
-//! with its own SQE128 ring and [`DEPTH`] entries.
+//! with its own SQE128 ring and [`depth`] entries.
 //!
 //! A queue thread waits on its ring only. Requests arrive as completions of
 //! the entries' REGISTER/COMMIT_AND_FETCH commands; the thread hands those
@@ -25,8 +25,12 @@ use crate::proto::{self, Wire};
 use crate::ring_entry::{self, Header};
 use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
 
-/// Entries per queue.
-pub const DEPTH: usize = 16;
+/// Entries per queue: 128 in all, spread over the queues, 8 to 64 each. A
+/// request waits for an entry of its own CPU's queue, so with few CPUs each
+/// queue needs to hold a whole queue depth; with many, each sees a share.
+pub fn depth(queues: usize) -> usize {
+    (128 / queues.max(1)).clamp(8, 64)
+}
 const WAKE: u64 = u64::MAX;
 
 /// Completions on their way back to a queue's thread.
@@ -96,11 +100,12 @@ impl Queue {
     /// here (EOPNOTSUPP: enable_uring is off) means the transport is unusable.
     pub fn start(
         qid: u16,
+        depth: usize,
         dev: Arc<OwnedFd>,
         session: Arc<Session>,
         give_up: Arc<AtomicBool>,
     ) -> io::Result<(Queue, Arc<RingSink>)> {
-        let ring = IoUring::<Entry128, cqueue::Entry>::builder().build((DEPTH as u32 * 2 + 2).next_power_of_two())?;
+        let ring = IoUring::<Entry128, cqueue::Entry>::builder().build((depth as u32 * 2 + 2).next_power_of_two())?;
         // SAFETY: eventfd returns a new descriptor (checked below) that we own.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if efd < 0 {
@@ -108,7 +113,7 @@ impl Queue {
         }
         // SAFETY: `efd` is a fresh descriptor owned by nobody else.
         let sink = Arc::new(RingSink { done: Mutex::new(Vec::new()), efd: unsafe { OwnedFd::from_raw_fd(efd) } });
-        let slots = (0..DEPTH)
+        let slots = (0..depth)
             .map(|_| {
                 let mut payload = Buf::for_io(MAX_IO);
                 payload.set_len(payload.capacity());
@@ -140,7 +145,7 @@ impl Queue {
             efd_armed: false,
             give_up,
         };
-        for i in 0..DEPTH {
+        for i in 0..depth {
             let sqe = ring_entry::register(q.fd, qid, q.slots[i].iovs.cast(), i as u64);
             q.push(&sqe)?;
         }
