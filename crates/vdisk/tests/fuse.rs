@@ -322,3 +322,25 @@ fn fuse_stale_mount_is_cleared_at_start() {
     // vdisk did not create the file the second time (the first one did): it stays.
     let _ = std::fs::remove_file(&file);
 }
+
+/// SIGTERM while a loop device still uses the file: the server does not hang
+/// on the busy mount; it aborts the connection, unmounts and exits cleanly,
+/// and the loop device can still be detached.
+#[test]
+fn fuse_stop_with_loop_device_attached() {
+    let _s = serial();
+    let dir = TempDir::new("fuse-busy");
+    let img = dir.path("d.img");
+    create_image(&img, "16M");
+    let file = dir.path("disk");
+    let server = Server::start(&dir, &[img.to_str().unwrap(), "--fuse", file.to_str().unwrap()]);
+    let lo = Loop::attach(&file);
+    let st = server.stop_with(libc::SIGTERM);
+    assert!(st.success(), "vdisk exited with {st} when stopped with a loop device attached");
+    assert!(
+        !std::fs::read_to_string("/proc/self/mountinfo").unwrap().contains(file.to_str().unwrap()),
+        "{} is still mounted after stop",
+        file.display()
+    );
+    drop(lo);
+}
