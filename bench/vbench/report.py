@@ -253,6 +253,10 @@ def md_loop(res, meta):
         lp = s.get("_loop") if isinstance(s, dict) else None
         if lp and not lp["dio"]:
             notes.append(f"{label}: the loop device did not take direct I/O (dio=0).")
+        pop = s.get("populate", {}) if isinstance(s, dict) else {}
+        if "mount:" in pop.get("error", ""):
+            notes.append(f"{label}: the ext4 that mkfs.ext4 made through it could not be mounted (ext4 reports a "
+                         "corrupt journal inode), so the file-system rows are missing.")
     out.append("How the file is made: vdisk FUSE (classic) is `vdisk serve --fuse FILE` (requests read from "
                "/dev/fuse by several threads on cloned descriptors), vdisk FUSE (ring) the same with "
                "`--fuse-uring` (FUSE-over-io_uring, one ring per CPU queue); nbdfuse opens 4 NBD connections "
