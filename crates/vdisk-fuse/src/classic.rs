@@ -50,7 +50,7 @@ impl FdSink {
         match body {
             ReplyBody::Empty => self.send(req.tag, errno, &[]),
             ReplyBody::Data => self.send(req.tag, errno, &req.buf[..req.len as usize]),
-            ReplyBody::Written(w) => self.send(req.tag, errno, w.bytes()),
+            ReplyBody::Out(b) => self.send(req.tag, errno, &b),
         }
     }
 }

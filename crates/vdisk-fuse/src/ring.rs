@@ -277,6 +277,7 @@ impl Queue {
     fn finish(&mut self, mut req: Request) -> io::Result<()> {
         self.session.ended(1);
         let i = req.tag as usize;
+        let mut body_len = 0;
         if matches!(req.op, Op::Read | Op::Write) {
             let mut buf = std::mem::take(&mut req.buf);
             if buf.as_ptr() != self.slots[i].payload_ptr {
@@ -286,17 +287,16 @@ impl Queue {
                 std::process::abort();
             }
             buf.set_len(buf.capacity());
-            let body_len = if req.op == Op::Read && req.error.is_none() { req.len as usize } else { 0 };
+            body_len = req.len as usize;
             self.slots[i].payload = Some(buf);
-            let (errno, body) = reply_of(&req);
-            return match body {
-                ReplyBody::Data => self.commit(i, errno, body_len),
-                ReplyBody::Written(w) => self.reply(i, errno, w.bytes()),
-                ReplyBody::Empty => self.reply(i, errno, &[]),
-            };
         }
-        let (errno, _) = reply_of(&req);
-        self.reply(i, errno, &[])
+        let (errno, body) = reply_of(&req);
+        match body {
+            // A READ's data is already in the payload: the engine read into it.
+            ReplyBody::Data => self.commit(i, errno, body_len),
+            ReplyBody::Out(b) => self.reply(i, errno, &b),
+            ReplyBody::Empty => self.reply(i, errno, &[]),
+        }
     }
 
     /// Copies `body` into the entry's payload and commits.

@@ -136,6 +136,20 @@ impl Session {
                 let Some(f) = proto::FallocateIn::read(op) else { return fail(libc::EINVAL) };
                 self.fallocate(h, &f)
             }
+            proto::LSEEK => {
+                let Some(l) = proto::LseekIn::read(op) else { return fail(libc::EINVAL) };
+                match l.whence as i32 {
+                    libc::SEEK_DATA | libc::SEEK_HOLE if l.offset >= self.size() => fail(libc::ENXIO),
+                    libc::SEEK_DATA | libc::SEEK_HOLE => {
+                        let mut req = Request::new(Op::BlockStatus, l.offset, self.size() - l.offset, h.unique);
+                        req.max_status = 256;
+                        req.wire_flags = l.whence as u16;
+                        Action::Submit(req)
+                    }
+                    // SEEK_SET/CUR/END never reach the file system.
+                    _ => fail(libc::EINVAL),
+                }
+            }
             proto::DESTROY => ok(Vec::new()),
             _ => fail(libc::ENOSYS),
         }
@@ -189,8 +203,34 @@ pub fn reply_of(req: &Request) -> (i32, ReplyBody) {
     }
     match req.op {
         Op::Read => (0, ReplyBody::Data),
-        Op::Write => (0, ReplyBody::Written(proto::WriteOut { size: req.len as u32, padding: 0 })),
+        Op::Write => {
+            (0, ReplyBody::Out(proto::WriteOut { size: req.len as u32, padding: 0 }.bytes().try_into().unwrap()))
+        }
+        Op::BlockStatus => match seek(req) {
+            Ok(offset) => (0, ReplyBody::Out(proto::LseekOut { offset }.bytes().try_into().unwrap())),
+            Err(errno) => (errno, ReplyBody::Empty),
+        },
         _ => (0, ReplyBody::Empty),
+    }
+}
+
+/// SEEK_DATA / SEEK_HOLE from the allocation runs found at the offset. Past
+/// the runs looked at, the rest counts as data: a hole may be reported as data,
+/// never data as a hole (a sparse copy would lose it).
+fn seek(req: &Request) -> Result<u64, i32> {
+    let end = req.offset + req.len;
+    let want_hole = req.wire_flags as i32 == libc::SEEK_HOLE;
+    let mut pos = req.offset;
+    for run in &req.status {
+        if run.hole == want_hole {
+            return Ok(pos);
+        }
+        pos += run.len;
+    }
+    match (want_hole, pos >= end) {
+        (true, _) => Ok(end),
+        (false, true) => Err(libc::ENXIO),
+        (false, false) => Ok(pos),
     }
 }
 
@@ -198,7 +238,8 @@ pub enum ReplyBody {
     Empty,
     /// The request's buffer.
     Data,
-    Written(proto::WriteOut),
+    /// A small fixed reply (`fuse_write_out`, `fuse_lseek_out`).
+    Out([u8; 8]),
 }
 
 /// Builds the INIT reply and says whether the kernel agreed to the ring transport.

@@ -201,16 +201,27 @@ fn fuse_uring_ext4_through_loop_device() {
     ext4_roundtrip(true);
 }
 
-/// Reads and writes at odd offsets through the file, fsync, a punched hole and
-/// a zeroed range, all checked against the image file itself.
+/// Reads and writes at odd offsets through the file, fsync, a punched hole,
+/// a zeroed range and SEEK_DATA/SEEK_HOLE, all checked against the image file
+/// itself; over /dev/fuse and over the ring.
 #[test]
 fn fuse_file_io_matches_the_image() {
     let _s = serial();
-    let dir = TempDir::new("fuse-io");
+    file_io(false);
+    let _on = UringSwitch::set("Y");
+    file_io(true);
+}
+
+fn file_io(ring: bool) {
+    let dir = TempDir::new(if ring { "fuse-ring-io" } else { "fuse-io" });
     let img = dir.path("d.img");
     create_image(&img, "32M");
     let file = dir.path("disk");
-    let server = Server::start(&dir, &[img.to_str().unwrap(), "--fuse", file.to_str().unwrap()]);
+    let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
+    if ring {
+        args.push("--fuse-uring");
+    }
+    let server = Server::start(&dir, &args);
     let f = OpenOptions::new().read(true).write(true).open(&file).unwrap();
     let pieces = [(1u64, 1usize), (4095, 2), (12_345, 70_001), (MIB as u64 - 7, 2 * MIB + 11), (31 * MIB as u64, MIB)];
     for (i, &(off, len)) in pieces.iter().enumerate() {
@@ -243,11 +254,32 @@ fn fuse_file_io_matches_the_image() {
     assert!(image[31 * MIB..31 * MIB + 64 * KIB].iter().all(|&b| b == 0), "zeroed range does not read as zeros");
     assert!(image[31 * MIB + 64 * KIB..].iter().any(|&b| b != 0), "zeroing went past its range");
     assert!(std::fs::metadata(&img).unwrap().blocks() < blocks_before, "punching 2 MiB freed no blocks of the image");
+    // SEEK_DATA / SEEK_HOLE through the file (FUSE_LSEEK -> block status) agree with the image's own.
+    let img_f = std::fs::File::open(&img).unwrap();
+    for off in [0u64, 100_000, 2 * MIB as u64, 3 * MIB as u64 + 100, 20 * MIB as u64, 31 * MIB as u64 + 70_000] {
+        for (whence, name) in [(libc::SEEK_DATA, "SEEK_DATA"), (libc::SEEK_HOLE, "SEEK_HOLE")] {
+            let want = seek(&img_f, off, whence);
+            let got = seek(&f, off, whence);
+            assert_eq!(got, want, "{name} from {off}: FUSE file says {got:?}, the image {want:?}");
+        }
+    }
     // The size cannot change: the file is a disk.
     assert!(f.set_len(MIB as u64).is_err(), "truncate was allowed");
     assert!(f.write_all_at(b"x", 32 * MIB as u64).is_err(), "a write past the end was allowed");
     drop(f);
     server.stop();
+}
+
+/// lseek(2) with SEEK_DATA/SEEK_HOLE: the offset, or the errno.
+fn seek(f: &std::fs::File, off: u64, whence: i32) -> Result<i64, i32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: lseek on an open descriptor only moves its offset.
+    let r = unsafe { libc::lseek(f.as_raw_fd(), off as i64, whence) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    } else {
+        Ok(r)
+    }
 }
 
 #[test]
