@@ -12,9 +12,12 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
   ablations  vdisk knobs on tmpfs (workers, batching, engine) for 4K randread and
              randwrite QD32, and system calls per request (perf or strace) for
              every vdisk config and both peers.
-  loop       the old experiments through nbdfuse + a loop device (--direct-io=on):
-             dd read, mkfs.ext4, cold find+cat of 2000 files, dbench, and 8K O_DIRECT
-             read/randread/write/randwrite with 8 threads.
+  loop       the old experiments through a FUSE file + a loop device (--direct-io=on):
+             the file from vdisk --fuse (classic /dev/fuse and FUSE-over-io_uring), nbdfuse
+             on vdisk's, qemu-nbd's and nbdkit's NBD, and qemu-storage-daemon's FUSE export;
+             dd read, mkfs.ext4, cold find+cat of 2000 files, dbench, 8K O_DIRECT
+             read/randread/write/randwrite with 8 threads, and libaio O_DIRECT fio jobs
+             (4K randread/randwrite QD32, 1M read/write QD8).
   overlay    copy-on-write overlays over a 2 GiB tmpfs base, a fresh one per job: vdisk
              (uring, threads) on a UML COW v3 overlay, qemu-nbd on qcow2, nbdkit's cow
              filter; 4K randread/randwrite QD32, 1M seq read/write QD8.

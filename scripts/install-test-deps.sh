@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real clients the integration tests drive. Idempotent; needs root (CI runs as root).
 set -euo pipefail
-pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities mount)
+pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -11,9 +11,13 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo mount umount; do
+for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo mount umount losetup fallocate mkfs.ext4 \
+    fsck.ext4 qemu-storage-daemon nbdfuse; do
     command -v "$tool" >/dev/null || { echo "missing $tool after install" >&2; exit 1; }
 done
+# The FUSE tests (crates/vdisk/tests/fuse.rs) need the fuse module (/dev/fuse) and loop devices.
+[ -e /dev/fuse ] || modprobe fuse 2>/dev/null || true
+[ -e /dev/loop-control ] || modprobe loop 2>/dev/null || true
 # The fuzz targets (fuzz/run.sh) are built by cargo-fuzz; a stable toolchain is enough.
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing: cargo-fuzz"

@@ -1,8 +1,13 @@
-"""Section "loop": the old experiments through a real block device. Each server
-(vdisk uring, qemu-nbd, nbdkit) serves the refilled tmpfs image, nbdfuse exposes it as
-a file, `losetup --direct-io=on` makes it a loop device; then dd, mkfs.ext4 (with and
-without discard), a cold find|cat of 2000 files, dbench, and aio-stress's four 8K
-O_DIRECT patterns with fio. Every mount and loop device is torn down again.
+"""Section "loop": the old experiments through a real block device. Each target exposes
+the refilled tmpfs image as one file, `losetup --direct-io=on` makes it a loop device;
+then dd, mkfs.ext4 (with and without discard), a cold find|cat of 2000 files, dbench,
+aio-stress's four 8K O_DIRECT patterns and four libaio O_DIRECT fio jobs (4K random
+QD32, 1M sequential QD8). Every mount and loop device is torn down again.
+
+How the file comes about (the targets): vdisk's own FUSE export over /dev/fuse
+(`--fuse`) and over FUSE-over-io_uring (`--fuse-uring`, with
+/sys/module/fuse/parameters/enable_uring turned on for it and restored), nbdfuse on the
+NBD export of vdisk, qemu-nbd and nbdkit, and qemu-storage-daemon's FUSE export.
 """
 
 import os
@@ -14,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .common import (IMAGE_SIZE, LOGS, MiB, Interrupted, done_cleanup, fill_image, last_line, log, on_cleanup,
+from .common import (IMAGE_SIZE, LOGS, PIN, MiB, Interrupted, done_cleanup, fill_image, last_line, log, on_cleanup,
                      pdeathsig, sh, slug)
 from .fio import fio_job_args, run_fio
 from .servers import StartError
@@ -48,12 +53,27 @@ def populate(root, nfiles=2000, ndirs=20, seed=1):
     return total
 
 
+# label, server kind, server args, how the file is made: "nbdfuse" (nbdfuse on the server's
+# NBD socket), "fuse" / "fuse-ring" (vdisk --fuse / --fuse-uring), "qsd" (the server's own FUSE export).
 LOOP_TARGETS = [
-    ("vdisk uring", "vdisk", ("--engine", "uring")),
-    ("qemu-nbd", "qemu-nbd", ()),
-    ("nbdkit", "nbdkit", ()),
+    ("vdisk FUSE (classic)", "vdisk", ("--engine", "uring"), "fuse"),
+    ("vdisk FUSE (ring)", "vdisk", ("--engine", "uring"), "fuse-ring"),
+    ("nbdfuse on vdisk NBD", "vdisk", ("--engine", "uring"), "nbdfuse"),
+    ("qemu-storage-daemon FUSE", "qsd", (), "qsd"),
+    ("nbdfuse on qemu-nbd", "qemu-nbd", (), "nbdfuse"),
+    ("nbdfuse on nbdkit", "nbdkit", (), "nbdfuse"),
 ]
+# What "vs best peer" compares with: the other projects' ways to the same loop device.
+LOOP_PEERS = ["qemu-storage-daemon FUSE", "nbdfuse on qemu-nbd", "nbdfuse on nbdkit"]
+ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
 AIO_PATTERNS = ["read", "randread", "write", "randwrite"]
+# key, rw, block size, queue depth: libaio O_DIRECT on the loop device, one job.
+FIO_LOOP_JOBS = [
+    ("fio_randread_4k", "randread", "4k", 32),
+    ("fio_randwrite_4k", "randwrite", "4k", 32),
+    ("fio_read_1m", "read", "1M", 8),
+    ("fio_write_1m", "write", "1M", 8),
+]
 
 
 def umount(path):
@@ -62,7 +82,23 @@ def umount(path):
             sh(["umount", "-l", str(path)], check=False, timeout=60)
 
 
-def loop_one(b, label, kind, extra):
+def qsd_server(b, label, medium, disk):
+    """qemu-storage-daemon with a FUSE export of the image on `disk`. Its NBD server on a
+    unix socket (no exports) comes after the FUSE export on the command line, so the
+    socket appearing means the file is mounted."""
+    from .servers import Server
+    sock = b.sock("qsd", medium)
+    argv = PIN["server"] + [
+        "qemu-storage-daemon",
+        "--blockdev", f"driver=file,node-name=file0,filename={b.images[medium]},aio=threads",
+        "--blockdev", "driver=raw,node-name=disk0,file=file0,discard=unmap",
+        "--export", f"type=fuse,id=fuse0,node-name=disk0,mountpoint={disk},writable=on",
+        "--nbd-server", f"addr.type=unix,addr.path={sock}",
+    ]
+    return Server(f"{label} {medium}", argv, sock)
+
+
+def loop_one(b, label, kind, extra, how):
     medium = "tmpfs"
     rows = {}
     fill_image(b.images[medium], IMAGE_SIZE, False)  # every server starts from the same data
@@ -70,44 +106,66 @@ def loop_one(b, label, kind, extra):
     fs_dir = b.work_tmp / f"fs-{slug(label)}"
     fuse_dir.mkdir(parents=True, exist_ok=True)
     fs_dir.mkdir(parents=True, exist_ok=True)
-    srv = b.server(label, kind, medium, extra)
+    disk = fuse_dir / "disk"
+    entries = []
+    if how == "fuse-ring":
+        try:
+            old = ENABLE_URING.read_text().strip()
+            ENABLE_URING.write_text("Y\n")
+        except OSError as e:
+            return {"error": f"failed: {ENABLE_URING}: {e} (kernel without FUSE-over-io_uring?)"}
+        entries.append(on_cleanup(f"restore {ENABLE_URING}", lambda: ENABLE_URING.write_text(old + "\n")))
+    if how in ("fuse", "fuse-ring"):
+        disk.touch()
+        extra = tuple(extra) + ("--fuse", str(disk)) + (("--fuse-uring",) if how == "fuse-ring" else ())
+        srv = b.server(label, kind, medium, extra)
+    elif how == "qsd":
+        disk.touch()
+        srv = qsd_server(b, label, medium, disk)
+    else:
+        srv = b.server(label, kind, medium, extra)
+    # A FUSE file left mounted by a server that did not stop is unmounted (after the server's own try).
+    entries.append(on_cleanup(f"umount {disk}", lambda: umount(disk)))
     try:
         srv.start()
     except StartError as e:
+        for ent in reversed(entries):
+            done_cleanup(ent)
+            ent[1]()
         return {"error": f"failed: {e}"}
     nbdfuse = loopdev = None
-    entries = []
     try:
-        # nbdfuse: a single file MOUNT/disk backed by the export
-        if not shutil.which("nbdfuse"):
-            raise StartError("nbdfuse not installed")
-        pidfile = b.work_tmp / f"nbdfuse-{slug(label)}.pid"
-        nlog = open(LOGS / f"nbdfuse-{slug(label)}.log", "ab")
-        nbdfuse = subprocess.Popen(["nbdfuse", "-P", str(pidfile), f"{fuse_dir}/disk", b.uri(medium, srv.sock)],
-                                   stdout=nlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   preexec_fn=pdeathsig)
-        nlog.close()
+        if how == "nbdfuse":
+            # nbdfuse: a single file MOUNT/disk backed by the export
+            if not shutil.which("nbdfuse"):
+                raise StartError("nbdfuse not installed")
+            pidfile = b.work_tmp / f"nbdfuse-{slug(label)}.pid"
+            nlog = open(LOGS / f"nbdfuse-{slug(label)}.log", "ab")
+            nbdfuse = subprocess.Popen(["nbdfuse", "-P", str(pidfile), str(disk), b.uri(medium, srv.sock)],
+                                       stdout=nlog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       preexec_fn=pdeathsig)
+            nlog.close()
 
-        def stop_fuse(p=nbdfuse):
-            umount(fuse_dir)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.terminate()
+            def stop_fuse(p=nbdfuse):
+                umount(fuse_dir)
                 try:
-                    p.wait(timeout=5)
+                    p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        entries.append(on_cleanup("nbdfuse", stop_fuse))
-        deadline = time.monotonic() + 20
-        while not (pidfile.exists() and pidfile.stat().st_size):
-            if nbdfuse.poll() is not None:
-                raise StartError(f"nbdfuse exited {nbdfuse.returncode}")
-            if time.monotonic() > deadline:
-                raise StartError("nbdfuse not ready after 20 s")
-            time.sleep(0.05)
-        loopdev = sh(["losetup", "--direct-io=on", "-f", "--show", f"{fuse_dir}/disk"]).stdout.strip()
+                    p.terminate()
+                    try:
+                        p.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+            entries.append(on_cleanup("nbdfuse", stop_fuse))
+            deadline = time.monotonic() + 20
+            while not (pidfile.exists() and pidfile.stat().st_size):
+                if nbdfuse.poll() is not None:
+                    raise StartError(f"nbdfuse exited {nbdfuse.returncode}")
+                if time.monotonic() > deadline:
+                    raise StartError("nbdfuse not ready after 20 s")
+                time.sleep(0.05)
+        loopdev = sh(["losetup", "--direct-io=on", "-f", "--show", str(disk)]).stdout.strip()
         entries.append(on_cleanup(f"losetup -d {loopdev}", lambda d=loopdev: sh(["losetup", "-d", d], check=False)))
         dio = Path(f"/sys/block/{Path(loopdev).name}/loop/dio").read_text().strip()
         devsize = int(sh(["blockdev", "--getsize64", loopdev]).stdout.strip())
@@ -192,14 +250,35 @@ def loop_one(b, label, kind, extra):
                 r = run_fio(f"loop-{rw}-8k-{slug(label)}", args, b.runtime + b.ramp + 120)
                 return {k: r[k] for k in ("iops", "mibs", "p50_us", "p99_us", "raw", "cmd")}
             step(f"aio_{rw}", aio)
+
+        for key, rw, bs, qd in FIO_LOOP_JOBS:
+            def job(key=key, rw=rw, bs=bs, qd=qd):
+                args = [f"--filename={loopdev}", "--ioengine=libaio", "--direct=1", f"--bs={bs}",
+                        f"--iodepth={qd}", f"--rw={rw}"] + fio_job_args({}, b.runtime, b.ramp)
+                r = run_fio(f"loop-{key}-{slug(label)}", args, b.runtime + b.ramp + 120)
+                return {k: r[k] for k in ("iops", "mibs", "p50_us", "p99_us", "raw", "cmd")}
+            step(key, job)
     finally:
-        for ent in reversed(entries):
+        # Loop device, file system and nbdfuse go first; then the server (which unmounts
+        # its own FUSE file); then anything it left mounted, and the uring switch.
+        late = [e for e in entries if e[0].startswith(("umount " + str(disk), "restore "))]
+        for ent in reversed([e for e in entries if e not in late]):
             done_cleanup(ent)
             try:
                 ent[1]()
             except Exception as e:  # noqa: BLE001
                 log(f"cleanup: {e}")
         srv.stop()
+        for ent in reversed(late):
+            done_cleanup(ent)
+            try:
+                ent[1]()
+            except Exception as e:  # noqa: BLE001
+                log(f"cleanup: {e}")
+        try:
+            disk.unlink()
+        except OSError:
+            pass
         for d in (fuse_dir, fs_dir):
             try:
                 d.rmdir()
@@ -211,7 +290,7 @@ def loop_one(b, label, kind, extra):
 
 def section_loop(b, res):
     res.update({"servers": {}, "medium": "tmpfs"})
-    for label, kind, extra in LOOP_TARGETS:
+    for label, kind, extra, how in LOOP_TARGETS:
         log(f"loop experiments: {label}")
-        res["servers"][label] = loop_one(b, label, kind, extra)
+        res["servers"][label] = loop_one(b, label, kind, extra, how)
     return res

@@ -13,7 +13,7 @@ from pathlib import Path
 from .ablations import ABL_JOBS, ABLATIONS
 from .common import IMAGE_SIZE, MiB, last_line, log, sh
 from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS
-from .loopdev import LOOP_TARGETS
+from .loopdev import LOOP_PEERS, LOOP_TARGETS
 from .overlay import OVERLAY_JOBS, OVERLAY_TARGETS
 
 
@@ -216,11 +216,15 @@ LOOP_ROWS = [  # key, title, metric, unit, higher is better
     ("aio_randread", "8K O_DIRECT rand read, 8 threads", "iops", "IOPS", True),
     ("aio_write", "8K O_DIRECT seq write, 8 threads", "iops", "IOPS", True),
     ("aio_randwrite", "8K O_DIRECT rand write, 8 threads", "iops", "IOPS", True),
+    ("fio_randread_4k", "4K rand read QD32, libaio O_DIRECT", "iops", "IOPS", True),
+    ("fio_randwrite_4k", "4K rand write QD32, libaio O_DIRECT", "iops", "IOPS", True),
+    ("fio_read_1m", "1M seq read QD8, libaio O_DIRECT", "mibs", "MiB/s", True),
+    ("fio_write_1m", "1M seq write QD8, libaio O_DIRECT", "mibs", "MiB/s", True),
 ]
 
 
 def md_loop(res, meta):
-    out = ["### 2. Through a loop device (nbdfuse → losetup --direct-io=on), tmpfs image\n"]
+    out = ["### 2. Through a loop device (a FUSE file → losetup --direct-io=on), tmpfs image\n"]
     servers = res["servers"]
     out.append("| experiment | server | result | p50 µs | p99 µs | peak RSS MiB | vs best peer |")
     out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
@@ -228,9 +232,9 @@ def md_loop(res, meta):
         def get(lab):
             s = servers.get(lab, {})
             return None if "error" in s else val(s.get(key), metric)
-        peers = [get(p) for p in PEERS if get(p) is not None]
+        peers = [get(p) for p in LOOP_PEERS if get(p) is not None]
         peer = (max(peers) if higher else min(peers)) if peers else None
-        for label, _k, _e in LOOP_TARGETS:
+        for label, *_ in LOOP_TARGETS:
             s = servers.get(label, {"error": "not run"})
             c = s if "error" in s else s.get(key, {"error": "not run"})
             if "error" in c:
@@ -249,15 +253,24 @@ def md_loop(res, meta):
         lp = s.get("_loop") if isinstance(s, dict) else None
         if lp and not lp["dio"]:
             notes.append(f"{label}: the loop device did not take direct I/O (dio=0).")
-    out.append("vs best peer: > 1 means vdisk (or that row's server) is faster than the better of qemu-nbd and "
-               "nbdkit (for times: best peer's time / this time). nbdfuse opens 4 connections (every server "
-               "advertises multi-conn). The image is refilled with data before each server. mkfs.ext4 writes "
-               "little data: it discards the whole device (BLKDISCARD → NBD TRIM) and, with nodiscard, zeroes "
-               "the inode tables and journal with `fallocate(FALLOC_FL_ZERO_RANGE)`, which loop and FUSE pass "
-               "on as NBD WRITE_ZEROES; both rows time those few large requests (the filesystem used afterwards "
+        pop = s.get("populate", {}) if isinstance(s, dict) else {}
+        if "mount:" in pop.get("error", ""):
+            notes.append(f"{label}: the ext4 that mkfs.ext4 made through it could not be mounted (ext4 reports a "
+                         "corrupt journal inode), so the file-system rows are missing.")
+    out.append("How the file is made: vdisk FUSE (classic) is `vdisk serve --fuse FILE` (requests read from "
+               "/dev/fuse by several threads on cloned descriptors), vdisk FUSE (ring) the same with "
+               "`--fuse-uring` (FUSE-over-io_uring, one ring per CPU queue); nbdfuse opens 4 NBD connections "
+               "to vdisk, qemu-nbd or nbdkit (each advertises multi-conn); qemu-storage-daemon exports the "
+               "image with `--export type=fuse`. vs best peer: > 1 means that row is faster than the best of "
+               "qemu-storage-daemon FUSE, nbdfuse on qemu-nbd and nbdfuse on nbdkit (for times: best peer's "
+               "time / this time). The image is refilled with data before each target. mkfs.ext4 writes "
+               "little data: it discards the whole device (BLKDISCARD → FUSE fallocate punch → TRIM) and, with "
+               "nodiscard, zeroes the inode tables and journal with `fallocate(FALLOC_FL_ZERO_RANGE)` "
+               "(→ WRITE_ZEROES); both rows time those few large requests (the filesystem used afterwards "
                "is the nodiscard one). "
                "The 8K jobs use `fio --ioengine=psync --direct=1 --bs=8k --numjobs=8`, each thread on its own "
-               "eighth of the device (aio-stress's four patterns). " + " ".join(notes) + "\n")
+               "eighth of the device (aio-stress's four patterns); the 4K/1M jobs are one fio job with "
+               "`--ioengine=libaio --direct=1` at the queue depth shown. " + " ".join(notes) + "\n")
     return out
 
 

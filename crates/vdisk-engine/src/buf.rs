@@ -148,6 +148,21 @@ impl Buf {
         self[old..].copy_from_slice(data);
     }
 
+    /// Bytes the allocation holds; [`Buf::set_len`] may go up to this.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Sets the length within the capacity without touching the bytes: they
+    /// are whatever the allocation holds (zeros when new, or what the last
+    /// user or the kernel wrote there). For buffers filled from outside, such
+    /// as a FUSE ring entry's payload. Panics past the capacity.
+    pub fn set_len(&mut self, len: usize) {
+        assert!(len <= self.cap, "Buf::set_len({len}) past capacity {}", self.cap);
+        // Every byte of an allocation is initialised: `obtain` zeroes new ones.
+        self.len = len;
+    }
+
     pub fn is_aligned(&self) -> bool {
         (self.ptr.as_ptr() as usize).is_multiple_of(ALIGN)
     }

@@ -1,18 +1,39 @@
-//! `serve --fuse PATH`: the device as a regular file through FUSE.
+//! `serve --fuse PATH`: the device as a regular file through FUSE (crate vdisk-fuse).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use vdisk_engine::Device;
+use vdisk_fuse::{FuseExport, Options};
 
 use crate::serve::Frontend;
 use crate::Failure;
 
 pub fn start(
     path: &Path,
-    _device: &Arc<Device>,
-    _uring: bool,
-    _banner: &mut Vec<String>,
+    device: &Arc<Device>,
+    uring: bool,
+    banner: &mut Vec<String>,
 ) -> Result<Box<dyn Frontend>, Failure> {
-    Err(Failure::usage(format!("--fuse {}: the FUSE export is not built yet", path.display())))
+    let opts = Options { uring, ..Default::default() };
+    let mut export = vdisk_fuse::start(path, device.clone(), &opts).map_err(Failure::usage)?;
+    banner.append(&mut export.notes);
+    let mode = if device.read_only() { "read-only" } else { "read-write" };
+    banner.push(format!(
+        "vdisk: export {:?} as file {} ({}, {mode}, {} bytes)",
+        device.name(),
+        path.display(),
+        export.transport,
+        device.size()
+    ));
+    banner.push(format!("  try: losetup --find --show --direct-io=on {}", path.display()));
+    Ok(Box::new(Fuse(export)))
+}
+
+struct Fuse(FuseExport);
+
+impl Frontend for Fuse {
+    fn stop(self: Box<Self>) -> Result<(), String> {
+        self.0.stop()
+    }
 }

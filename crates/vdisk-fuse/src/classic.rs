@@ -1,0 +1,227 @@
+//! The classic transport: threads reading /dev/fuse (each its own cloned
+//! descriptor, since a reply must go back on the descriptor its request came
+//! from) and answering with one `writev` per reply.
+//!
+//! A reader reads with two iovecs, 80 bytes then a 1 MiB pooled buffer: a
+//! WRITE's header is exactly 80 bytes, so its data lands 4 KiB-aligned in a
+//! buffer the engine takes as it is (no copy). A reader keeps reading until
+//! nothing is waiting (the descriptor is non-blocking), then hands the whole
+//! batch to the engine and waits in poll(2). Completions are answered by the
+//! engine thread that finished them, through [`FdSink`].
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use vdisk_engine::{Buf, Op, Request, Sink};
+
+use crate::proto::{self, Wire};
+use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
+
+/// Most requests a reader hands the engine at once.
+const BATCH: usize = 64;
+
+/// Answers on one /dev/fuse descriptor.
+pub struct FdSink {
+    pub fd: OwnedFd,
+    pub session: Arc<Session>,
+}
+
+impl FdSink {
+    /// Sends one reply; a request the kernel gave up on (interrupted, or the
+    /// connection aborted) is not an error worth more than a debug line.
+    pub fn send(&self, unique: u64, errno: i32, body: &[u8]) {
+        let h = proto::OutHeader { len: (16 + body.len()) as u32, error: -errno, unique };
+        let iov = [
+            libc::iovec { iov_base: h.bytes().as_ptr() as *mut _, iov_len: 16 },
+            libc::iovec { iov_base: body.as_ptr() as *mut _, iov_len: body.len() },
+        ];
+        let n = if body.is_empty() { 1 } else { 2 };
+        // SAFETY: both iovecs point at live buffers of the given lengths; the
+        // kernel only reads them.
+        let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), n) };
+        if r < 0 {
+            log::debug!("fuse: reply to request {unique}: {}", io::Error::last_os_error());
+        }
+    }
+
+    fn answer(&self, req: &Request) {
+        let (errno, body) = reply_of(req);
+        match body {
+            ReplyBody::Empty => self.send(req.tag, errno, &[]),
+            ReplyBody::Data => self.send(req.tag, errno, &req.buf[..req.len as usize]),
+            ReplyBody::Out(b) => self.send(req.tag, errno, &b),
+        }
+    }
+}
+
+impl Sink for FdSink {
+    fn complete(&self, done: Vec<Request>) {
+        let n = done.len();
+        for req in &done {
+            self.answer(req);
+        }
+        drop(done);
+        self.session.ended(n);
+    }
+}
+
+/// What a reader's read returned.
+enum Got {
+    Request(usize),
+    /// Nothing waiting right now.
+    Empty,
+    /// The file system is gone (unmounted or aborted).
+    Gone,
+}
+
+/// One reader thread's state.
+pub struct Reader {
+    sink: Arc<FdSink>,
+    dyn_sink: Arc<dyn Sink>,
+    head: [u8; proto::WRITE_HEADER],
+    payload: Buf,
+}
+
+fn fresh_payload() -> Buf {
+    let mut b = Buf::for_io(MAX_IO);
+    b.set_len(b.capacity());
+    b
+}
+
+impl Reader {
+    pub fn new(fd: OwnedFd, session: Arc<Session>) -> io::Result<Reader> {
+        // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
+        unsafe {
+            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+            if fl < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        let sink = Arc::new(FdSink { fd, session });
+        Ok(Reader { dyn_sink: sink.clone(), sink, head: [0; proto::WRITE_HEADER], payload: fresh_payload() })
+    }
+
+    fn read(&mut self) -> Got {
+        loop {
+            let iov = [
+                libc::iovec { iov_base: self.head.as_mut_ptr().cast(), iov_len: self.head.len() },
+                libc::iovec { iov_base: self.payload.as_mut_ptr().cast(), iov_len: self.payload.len() },
+            ];
+            // SAFETY: both iovecs are buffers we own, writable for their lengths.
+            let n = unsafe { libc::readv(self.sink.fd.as_raw_fd(), iov.as_ptr(), 2) };
+            if n >= 0 {
+                return Got::Request(n as usize);
+            }
+            match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EAGAIN) => return Got::Empty,
+                // Interrupted by a signal, or the request was interrupted before we read it.
+                Some(libc::EINTR) | Some(libc::ENOENT) => continue,
+                Some(libc::ENODEV) => return Got::Gone,
+                _ => {
+                    log::warn!("fuse: reading /dev/fuse: {}", io::Error::last_os_error());
+                    return Got::Gone;
+                }
+            }
+        }
+    }
+
+    fn wait(&self) {
+        let mut p = libc::pollfd { fd: self.sink.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, -1) };
+    }
+
+    /// Serves requests until the file system goes away.
+    pub fn run(mut self) {
+        let session = self.sink.session.clone();
+        let mut batch: Vec<Request> = Vec::new();
+        let mut done: Vec<Request> = Vec::new();
+        loop {
+            let n = match self.read() {
+                Got::Request(n) => n,
+                Got::Empty => {
+                    self.submit(&mut batch, &mut done);
+                    self.wait();
+                    continue;
+                }
+                Got::Gone => break,
+            };
+            let Some(h) = proto::InHeader::read(&self.head[..n.min(proto::WRITE_HEADER)]) else {
+                log::warn!("fuse: short request of {n} bytes");
+                continue;
+            };
+            let action = if h.opcode == proto::WRITE && n >= proto::WRITE_HEADER {
+                let action = session.dispatch(&h, &self.head[40..]);
+                match action {
+                    Action::Submit(mut req) if req.op == Op::Write => {
+                        let data = n - proto::WRITE_HEADER;
+                        if data as u64 != req.len {
+                            Action::Reply(libc::EINVAL, Vec::new())
+                        } else {
+                            req.buf = std::mem::replace(&mut self.payload, fresh_payload());
+                            req.buf.set_len(data);
+                            Action::Submit(req)
+                        }
+                    }
+                    other => other,
+                }
+            } else {
+                let mut all = self.head[..n.min(proto::WRITE_HEADER)].to_vec();
+                if n > proto::WRITE_HEADER {
+                    all.extend_from_slice(&self.payload[..n - proto::WRITE_HEADER]);
+                }
+                session.dispatch(&h, &all[40..])
+            };
+            match action {
+                Action::Reply(errno, body) => self.sink.send(h.unique, errno, &body),
+                Action::Submit(req) => {
+                    batch.push(req);
+                    if batch.len() >= BATCH {
+                        self.submit(&mut batch, &mut done);
+                    }
+                }
+                Action::Nothing => {}
+            }
+        }
+        self.submit(&mut batch, &mut done);
+    }
+
+    fn submit(&self, batch: &mut Vec<Request>, done: &mut Vec<Request>) {
+        if batch.is_empty() {
+            return;
+        }
+        let session = &self.sink.session;
+        session.began(batch.len());
+        session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done);
+        if !done.is_empty() {
+            self.sink.complete(std::mem::take(done));
+        }
+    }
+}
+
+/// Reads FUSE_INIT (the first request after mount) with a blocking read on the session descriptor.
+pub fn read_init(fd: &OwnedFd) -> io::Result<(proto::InHeader, proto::InitIn)> {
+    let mut buf = vec![0u8; MAX_IO + proto::WRITE_HEADER];
+    loop {
+        // SAFETY: `buf` is ours and writable for its length.
+        let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        let n = n as usize;
+        let h = proto::InHeader::read(&buf[..n]).ok_or_else(|| io::Error::other("short FUSE request"))?;
+        if h.opcode != proto::INIT {
+            return Err(io::Error::other(format!("expected FUSE_INIT first, got opcode {}", h.opcode)));
+        }
+        // Older kernels send a shorter fuse_init_in: the rest reads as zero.
+        let mut arg = [0u8; size_of::<proto::InitIn>()];
+        let have = (n - 40).min(arg.len());
+        arg[..have].copy_from_slice(&buf[40..40 + have]);
+        return Ok((h, proto::InitIn::read(&arg).expect("sized")));
+    }
+}

@@ -1,0 +1,241 @@
+//! The FUSE export: a device as one regular file, mounted on a file PATH, so
+//! the host kernel can use it through a loop device where there is no NBD
+//! client or ublk. It speaks the FUSE protocol itself (no libfuse), over
+//! classic /dev/fuse reads and writes or over FUSE-over-io_uring.
+//!
+//! Like every export, it never touches the image's files: reads, writes,
+//! flushes, punches and zeroing go to the device's engine in batches.
+//!
+//! Modules: `proto` (the wire structs), `session` (what each operation does),
+//! `classic` and `ring` (the two transports), `ring_entry` (the ring's entry
+//! layout and SQEs), `mount` (the mount point).
+
+mod classic;
+mod mount;
+pub mod proto;
+mod ring;
+mod ring_entry;
+mod session;
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use vdisk_engine::Device;
+
+use crate::proto::Wire;
+use crate::session::Session;
+
+/// How to serve.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// FUSE-over-io_uring instead of /dev/fuse reads.
+    pub uring: bool,
+    /// Threads reading /dev/fuse (classic transport).
+    pub readers: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        Options { uring: false, readers: cpus.clamp(2, 8) }
+    }
+}
+
+/// A mounted export; [`FuseExport::stop`] unmounts it.
+pub struct FuseExport {
+    path: PathBuf,
+    created: bool,
+    session: Arc<Session>,
+    threads: Vec<JoinHandle<()>>,
+    wakers: Vec<Arc<ring::RingSink>>,
+    give_up: Arc<AtomicBool>,
+    stopped: bool,
+    /// What start found worth telling (a stale mount cleared), for the banner.
+    pub notes: Vec<String>,
+    pub transport: &'static str,
+}
+
+/// Mounts `device` as the file `path` and starts serving it.
+pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExport, String> {
+    if opts.uring {
+        ring::check_enabled()?;
+    }
+    let prepared = mount::prepare(path)?;
+    let mut notes = Vec::new();
+    if prepared.was_stale {
+        let line = format!("{} was a stale FUSE mount (its server is gone); unmounted it", path.display());
+        log::warn!("{line}");
+        notes.push(format!("vdisk: {line}"));
+    }
+    let session = Arc::new(Session::new(device));
+    let dev = mount::open_dev()?;
+    let mut export = FuseExport {
+        path: path.to_owned(),
+        created: prepared.created,
+        session: session.clone(),
+        threads: Vec::new(),
+        wakers: Vec::new(),
+        give_up: Arc::new(AtomicBool::new(false)),
+        stopped: false,
+        notes,
+        transport: if opts.uring { "FUSE-over-io_uring" } else { "/dev/fuse" },
+    };
+    if let Err(e) = mount::mount(path, &dev, session.read_only) {
+        export.stopped = true;
+        export.remove_created();
+        return Err(e);
+    }
+    // From here on, dropping `export` unmounts.
+    let dev = Arc::new(dev);
+    export.handshake(&dev, opts)?;
+    Ok(export)
+}
+
+impl FuseExport {
+    fn handshake(&mut self, dev: &Arc<OwnedFd>, opts: &Options) -> Result<(), String> {
+        let what = |e: std::io::Error| format!("--fuse {}: FUSE_INIT failed: {e}", self.path.display());
+        let (h, init) = classic::read_init(dev).map_err(what)?;
+        let reply = session::init_reply(&init, opts.uring);
+        let sink = classic::FdSink { fd: dev.try_clone().map_err(what)?, session: self.session.clone() };
+        match &reply {
+            Ok(out) => sink.send(h.unique, 0, out.bytes()),
+            Err(_) => sink.send(h.unique, libc::EPROTO, &[]),
+        }
+        let reply = reply.map_err(|e| format!("--fuse {}: {e}", self.path.display()))?;
+        log::info!(
+            "fuse: kernel protocol 7.{}, max_write {} KiB, flags {:#x}",
+            init.minor,
+            reply.max_write >> 10,
+            reply.flags as u64 | (reply.flags2 as u64) << 32
+        );
+        if opts.uring {
+            self.start_rings(dev)?;
+        }
+        let readers = if opts.uring { 1 } else { opts.readers.max(1) };
+        for i in 0..readers {
+            let fd = if i == 0 { dev.try_clone() } else { mount::clone_dev(dev) }
+                .map_err(|e| format!("--fuse {}: cannot clone /dev/fuse: {e}", self.path.display()))?;
+            let reader = classic::Reader::new(fd, self.session.clone())
+                .map_err(|e| format!("--fuse {}: {e}", self.path.display()))?;
+            let t = std::thread::Builder::new()
+                .name(format!("fuse-rd{i}"))
+                .spawn(move || reader.run())
+                .map_err(|e| format!("cannot start a FUSE thread: {e}"))?;
+            self.threads.push(t);
+        }
+        Ok(())
+    }
+
+    fn start_rings(&mut self, dev: &Arc<OwnedFd>) -> Result<(), String> {
+        let queues = ring::queue_count();
+        let depth = ring::depth(queues);
+        log::info!("fuse: {queues} ring queue(s) of {depth} entries");
+        for qid in 0..queues {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (dev, session, give_up) = (dev.clone(), self.session.clone(), self.give_up.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("fuse-q{qid}"))
+                .spawn(move || match ring::Queue::start(qid as u16, depth, dev, session, give_up) {
+                    Ok((q, sink)) => {
+                        let _ = tx.send(Ok(sink));
+                        q.run();
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
+                })
+                .map_err(|e| format!("cannot start a FUSE ring thread: {e}"))?;
+            self.threads.push(t);
+            match rx.recv() {
+                Ok(Ok(sink)) => self.wakers.push(sink),
+                Ok(Err(e)) => {
+                    let hint = if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                        " (FUSE-over-io_uring is off: echo Y > /sys/module/fuse/parameters/enable_uring (as root))"
+                    } else {
+                        ""
+                    };
+                    return Err(format!(
+                        "--fuse-uring {}: registering ring queue {qid} with the kernel failed: {e}{hint}",
+                        self.path.display()
+                    ));
+                }
+                Err(_) => return Err("a FUSE ring thread died while starting".into()),
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_created(&self) {
+        if self.created {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
+    /// Unmounts (lazily), lets the threads answer what they took and end,
+    /// and removes the file if vdisk created it. A loop device still using
+    /// the file keeps the file system alive: then the connection is aborted.
+    pub fn stop(mut self) -> Result<(), String> {
+        self.shut()
+    }
+
+    fn shut(&mut self) -> Result<(), String> {
+        if self.stopped {
+            return Ok(());
+        }
+        self.stopped = true;
+        let mut result = Ok(());
+        match mount::unmount(&self.path) {
+            Ok(false) => {}
+            Ok(true) => log::warn!(
+                "{} was still in use (a loop device? detach it first with losetup -d); its I/O now fails",
+                self.path.display()
+            ),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => {
+                result =
+                    Err(format!("cannot unmount {}: {e} (try: umount -l {})", self.path.display(), self.path.display()))
+            }
+        }
+        let threads = std::mem::take(&mut self.threads);
+        if !wait_for(&threads, Duration::from_secs(10)) {
+            log::warn!("FUSE threads of {} did not end; leaving them", self.path.display());
+            self.give_up.store(true, Ordering::Release);
+            self.wakers.iter().for_each(|w| w.wake());
+        }
+        for t in threads {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+        // Requests the engine still holds are answered (into a closed connection) before the device stops.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.session.inflight.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.remove_created();
+        result
+    }
+}
+
+fn wait_for(threads: &[JoinHandle<()>], timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !threads.iter().all(|t| t.is_finished()) {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+impl Drop for FuseExport {
+    fn drop(&mut self) {
+        if let Err(e) = self.shut() {
+            log::warn!("{e}");
+        }
+    }
+}

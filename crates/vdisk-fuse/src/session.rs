@@ -1,0 +1,280 @@
+//! What the file system answers, whatever the transport: the one regular file
+//! (node 1) sized to the device, its attributes, and the mapping of FUSE
+//! operations onto engine requests. The transports (/dev/fuse reads or ring
+//! entries) call [`Session::dispatch`] and send what it returns; they own the
+//! bytes, this module owns the meaning.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use vdisk_engine::{Device, Op, Request};
+
+use crate::proto::{self, Wire};
+
+/// Largest READ/WRITE we negotiate (and the payload size of every buffer).
+pub const MAX_IO: usize = 1 << 20;
+/// How long the kernel may cache the attributes: they never change.
+const ATTR_VALID_SECS: u64 = 3600;
+
+/// What to do with one request.
+pub enum Action {
+    /// Answer now: an errno (0 for success) and the reply's body.
+    Reply(i32, Vec<u8>),
+    /// Hand to the engine; the reply is built from the completed request by [`reply_of`].
+    Submit(Request),
+    /// The kernel expects no answer (FORGET, INTERRUPT).
+    Nothing,
+}
+
+/// The file system state shared by every thread of one export.
+pub struct Session {
+    pub device: Arc<Device>,
+    pub read_only: bool,
+    uid: u32,
+    gid: u32,
+    started: u64,
+    /// Requests with the engine; stop waits for none.
+    pub inflight: AtomicUsize,
+}
+
+impl Session {
+    pub fn new(device: Arc<Device>) -> Session {
+        // SAFETY: getuid/getgid cannot fail and touch no memory.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        let started = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        Session { read_only: device.read_only(), device, uid, gid, started, inflight: AtomicUsize::new(0) }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.device.size()
+    }
+
+    fn attr(&self) -> proto::Attr {
+        let size = self.size();
+        proto::Attr {
+            ino: proto::ROOT_ID,
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.started,
+            mtime: self.started,
+            ctime: self.started,
+            mode: libc::S_IFREG | if self.read_only { 0o444 } else { 0o644 },
+            nlink: 1,
+            uid: self.uid,
+            gid: self.gid,
+            blksize: 4096,
+            ..Default::default()
+        }
+    }
+
+    fn attr_out(&self) -> Vec<u8> {
+        proto::AttrOut { attr_valid: ATTR_VALID_SECS, attr: self.attr(), ..Default::default() }.bytes().to_vec()
+    }
+
+    /// Decides what to do with a request other than INIT. `op` holds the
+    /// opcode's fixed argument (and, on /dev/fuse, whatever follows it). A
+    /// WRITE comes back as `Submit` with an empty buffer: the transport puts
+    /// the data in.
+    pub fn dispatch(&self, h: &proto::InHeader, op: &[u8]) -> Action {
+        let fail = |errno: i32| Action::Reply(errno, Vec::new());
+        let ok = |body: Vec<u8>| Action::Reply(0, body);
+        match h.opcode {
+            proto::FORGET | proto::BATCH_FORGET | proto::INTERRUPT => Action::Nothing,
+            proto::GETATTR => ok(self.attr_out()),
+            proto::SETATTR => {
+                let Some(s) = proto::SetattrIn::read(op) else { return fail(libc::EINVAL) };
+                if s.valid & proto::FATTR_SIZE != 0 && s.size != self.size() {
+                    // The file is a disk: its size is the image's.
+                    return fail(libc::EPERM);
+                }
+                ok(self.attr_out())
+            }
+            proto::LOOKUP => fail(libc::ENOENT),
+            proto::OPEN => {
+                let Some(o) = proto::OpenIn::read(op) else { return fail(libc::EINVAL) };
+                if self.read_only && (o.flags as i32 & libc::O_ACCMODE) != libc::O_RDONLY {
+                    return fail(libc::EROFS);
+                }
+                let flags = proto::FOPEN_DIRECT_IO | proto::FOPEN_PARALLEL_DIRECT_WRITES;
+                ok(proto::OpenOut { fh: 0, open_flags: flags, backing_id: 0 }.bytes().to_vec())
+            }
+            proto::RELEASE => ok(Vec::new()),
+            proto::STATFS => {
+                let st = proto::Kstatfs {
+                    blocks: self.size() / 4096,
+                    bsize: 4096,
+                    frsize: 4096,
+                    namelen: 255,
+                    files: 1,
+                    ..Default::default()
+                };
+                ok(st.bytes().to_vec())
+            }
+            proto::READ => {
+                let Some(r) = proto::RwIn::read(op) else { return fail(libc::EINVAL) };
+                // A read past the end is short, as on any file.
+                let len = (r.size as u64).min(self.size().saturating_sub(r.offset));
+                if len == 0 {
+                    return ok(Vec::new());
+                }
+                Action::Submit(Request::new(Op::Read, r.offset, len, h.unique))
+            }
+            proto::WRITE => {
+                let Some(w) = proto::RwIn::read(op) else { return fail(libc::EINVAL) };
+                if self.read_only {
+                    return fail(libc::EROFS);
+                }
+                if w.offset.checked_add(w.size as u64).is_none_or(|end| end > self.size()) {
+                    return fail(libc::ENOSPC);
+                }
+                Action::Submit(Request::new(Op::Write, w.offset, w.size as u64, h.unique))
+            }
+            proto::FLUSH | proto::FSYNC if self.read_only => ok(Vec::new()),
+            proto::FLUSH | proto::FSYNC => Action::Submit(Request::new(Op::Flush, 0, 0, h.unique)),
+            proto::FALLOCATE => {
+                let Some(f) = proto::FallocateIn::read(op) else { return fail(libc::EINVAL) };
+                self.fallocate(h, &f)
+            }
+            proto::LSEEK => {
+                let Some(l) = proto::LseekIn::read(op) else { return fail(libc::EINVAL) };
+                match l.whence as i32 {
+                    libc::SEEK_DATA | libc::SEEK_HOLE if l.offset >= self.size() => fail(libc::ENXIO),
+                    libc::SEEK_DATA | libc::SEEK_HOLE => {
+                        let mut req = Request::new(Op::BlockStatus, l.offset, self.size() - l.offset, h.unique);
+                        req.max_status = 256;
+                        req.wire_flags = l.whence as u16;
+                        Action::Submit(req)
+                    }
+                    // SEEK_SET/CUR/END never reach the file system.
+                    _ => fail(libc::EINVAL),
+                }
+            }
+            proto::DESTROY => ok(Vec::new()),
+            _ => fail(libc::ENOSYS),
+        }
+    }
+
+    fn fallocate(&self, h: &proto::InHeader, f: &proto::FallocateIn) -> Action {
+        use proto::{FALLOC_FL_KEEP_SIZE as KEEP, FALLOC_FL_PUNCH_HOLE as PUNCH, FALLOC_FL_ZERO_RANGE as ZERO};
+        let size = self.size();
+        let end = f.offset.saturating_add(f.length);
+        let op = match f.mode {
+            m if m == PUNCH | KEEP => Op::Trim,
+            m if m == ZERO || m == ZERO | KEEP => Op::WriteZeroes,
+            0 | KEEP => {
+                // Plain allocation: a disk's blocks are all there already.
+                let errno = if end > size && f.mode == 0 { libc::EFBIG } else { 0 };
+                return Action::Reply(errno, Vec::new());
+            }
+            _ => return Action::Reply(libc::EOPNOTSUPP, Vec::new()),
+        };
+        if self.read_only {
+            return Action::Reply(libc::EROFS, Vec::new());
+        }
+        if end > size && f.mode & KEEP == 0 {
+            return Action::Reply(libc::EFBIG, Vec::new());
+        }
+        let len = end.min(size).saturating_sub(f.offset);
+        if len == 0 {
+            return Action::Reply(0, Vec::new());
+        }
+        let mut req = Request::new(op, f.offset, len, h.unique);
+        // ZERO_RANGE keeps the blocks allocated; a punch frees them.
+        req.flags.no_hole = op == Op::WriteZeroes;
+        Action::Submit(req)
+    }
+
+    pub fn began(&self, n: usize) {
+        self.inflight.fetch_add(n, Ordering::AcqRel);
+    }
+
+    pub fn ended(&self, n: usize) {
+        self.inflight.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+/// The reply of a request the engine completed: errno and body. For a READ the
+/// body is the request's own buffer (the transport sends it as it is).
+pub fn reply_of(req: &Request) -> (i32, ReplyBody) {
+    if let Some(e) = &req.error {
+        log::debug!("fuse: {:?} at {} (+{}) failed: {e}", req.op, req.offset, req.len);
+        return (e.errno(), ReplyBody::Empty);
+    }
+    match req.op {
+        Op::Read => (0, ReplyBody::Data),
+        Op::Write => {
+            (0, ReplyBody::Out(proto::WriteOut { size: req.len as u32, padding: 0 }.bytes().try_into().unwrap()))
+        }
+        Op::BlockStatus => match seek(req) {
+            Ok(offset) => (0, ReplyBody::Out(proto::LseekOut { offset }.bytes().try_into().unwrap())),
+            Err(errno) => (errno, ReplyBody::Empty),
+        },
+        _ => (0, ReplyBody::Empty),
+    }
+}
+
+/// SEEK_DATA / SEEK_HOLE from the allocation runs found at the offset. Past
+/// the runs looked at, the rest counts as data: a hole may be reported as data,
+/// never data as a hole (a sparse copy would lose it).
+fn seek(req: &Request) -> Result<u64, i32> {
+    let end = req.offset + req.len;
+    let want_hole = req.wire_flags as i32 == libc::SEEK_HOLE;
+    let mut pos = req.offset;
+    for run in &req.status {
+        if run.hole == want_hole {
+            return Ok(pos);
+        }
+        pos += run.len;
+    }
+    match (want_hole, pos >= end) {
+        (true, _) => Ok(end),
+        (false, true) => Err(libc::ENXIO),
+        (false, false) => Ok(pos),
+    }
+}
+
+pub enum ReplyBody {
+    Empty,
+    /// The request's buffer.
+    Data,
+    /// A small fixed reply (`fuse_write_out`, `fuse_lseek_out`).
+    Out([u8; 8]),
+}
+
+/// Builds the INIT reply and says whether the kernel agreed to the ring transport.
+pub fn init_reply(init: &proto::InitIn, want_uring: bool) -> Result<proto::InitOut, String> {
+    if init.major != proto::KERNEL_VERSION {
+        return Err(format!("the kernel speaks FUSE {}.{}, vdisk speaks 7.x", init.major, init.minor));
+    }
+    let kernel =
+        init.flags as u64 | if init.flags as u64 & proto::INIT_EXT != 0 { (init.flags2 as u64) << 32 } else { 0 };
+    let mut want = proto::ASYNC_READ
+        | proto::BIG_WRITES
+        | proto::ASYNC_DIO
+        | proto::PARALLEL_DIROPS
+        | proto::MAX_PAGES
+        | proto::INIT_EXT;
+    if want_uring {
+        if kernel & proto::OVER_IO_URING == 0 {
+            return Err("the kernel did not offer FUSE-over-io_uring in FUSE_INIT (needs Linux 6.14+ with \
+                        CONFIG_FUSE_IO_URING, and echo Y > /sys/module/fuse/parameters/enable_uring (as root))"
+                .into());
+        }
+        want |= proto::OVER_IO_URING;
+    }
+    let flags = want & kernel;
+    Ok(proto::InitOut {
+        major: proto::KERNEL_VERSION,
+        minor: init.minor.min(proto::KERNEL_MINOR_VERSION),
+        max_readahead: init.max_readahead,
+        flags: flags as u32,
+        flags2: (flags >> 32) as u32,
+        max_background: 256,
+        congestion_threshold: 192,
+        max_write: MAX_IO as u32,
+        time_gran: 1,
+        max_pages: (MAX_IO / 4096) as u16,
+        ..Default::default()
+    })
+}
