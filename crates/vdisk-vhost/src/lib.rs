@@ -110,6 +110,7 @@ fn serve(
             writeback: AtomicBool::new(true),
             event_idx: AtomicBool::new(false),
             serial,
+            zero_copy: true,
         });
         let backend = BlkBackend::new(shared, num_queues);
         let mut daemon = match VhostUserDaemon::new(name.to_owned(), backend.clone(), mem) {

@@ -6,16 +6,24 @@
 //! notified once per batch (or not at all, when EVENT_IDX says it need not be).
 //!
 //! Requests in flight are counted, so a stopping queue can wait for them.
+//!
+//! Zero copy: when every data descriptor of a read or write lies within one
+//! guest memory region and is a whole number of sectors, each becomes an
+//! engine request whose buffer borrows the guest's memory (consecutive
+//! offsets; the engine merges them into one vectored call), and the virtio
+//! request completes when all of them have. The memory stays mapped while a
+//! request holds its `Arc` of the guest memory. Otherwise the data is copied.
 
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use vdisk_engine::{Buf, Device, Op, Request, Sink};
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 
-use crate::config::ID_BYTES;
+use crate::config::{ID_BYTES, SECTOR};
 use crate::parse::{self, Action, Limits, Parsed, Seg, S_IOERR, S_OK};
 
 pub type Mem = GuestMemoryMmap<()>;
@@ -29,6 +37,8 @@ pub struct Shared {
     pub writeback: AtomicBool,
     pub event_idx: AtomicBool,
     pub serial: [u8; ID_BYTES],
+    /// Let the engine read into and write from guest memory directly.
+    pub zero_copy: bool,
 }
 
 impl Shared {
@@ -51,6 +61,8 @@ struct Pending {
     read_into: Vec<Seg>,
     /// Bytes of data the device writes into the chain on success (before the status byte).
     written: u32,
+    /// Engine requests still out for this virtio request.
+    parts: usize,
     failed: bool,
 }
 
@@ -73,6 +85,10 @@ impl Slab {
                 self.slots.len() - 1
             }
         }
+    }
+
+    fn get_mut(&mut self, i: usize) -> Option<&mut Pending> {
+        self.slots.get_mut(i)?.as_mut()
     }
 
     fn remove(&mut self, i: usize) -> Option<Pending> {
@@ -154,6 +170,34 @@ impl QueueCtx {
                         answered.push(self.answer(mem, p.head, p.status, s, n));
                     }
                     Action::Io { op, offset, len, flags, segs } => {
+                        let read = op == Op::Read;
+                        let lent = if self.shared.zero_copy && matches!(op, Op::Read | Op::Write) {
+                            lend(mem, &segs)
+                        } else {
+                            None
+                        };
+                        let mut pending = Pending {
+                            head: p.head,
+                            status: p.status,
+                            mem: mem.clone(),
+                            written: if read { len as u32 } else { 0 },
+                            read_into: Vec::new(),
+                            parts: 1,
+                            failed: false,
+                        };
+                        if let Some(bufs) = lent {
+                            pending.parts = bufs.len();
+                            let slot = slab.insert(pending) as u64;
+                            let mut at = offset;
+                            for buf in bufs {
+                                let mut req = Request::new(op, at, buf.len() as u64, slot);
+                                at += buf.len() as u64;
+                                req.flags = flags;
+                                req.buf = buf;
+                                batch.push(req);
+                            }
+                            continue;
+                        }
                         let mut req = Request::new(op, offset, len, 0);
                         req.flags = flags;
                         if op == Op::Write {
@@ -166,15 +210,9 @@ impl QueueCtx {
                                 }
                             }
                         }
-                        let read = op == Op::Read;
-                        let pending = Pending {
-                            head: p.head,
-                            status: p.status,
-                            mem: mem.clone(),
-                            written: if read { len as u32 } else { 0 },
-                            read_into: if read { segs } else { Vec::new() },
-                            failed: false,
-                        };
+                        if read {
+                            pending.read_into = segs;
+                        }
                         req.tag = slab.insert(pending) as u64;
                         batch.push(req);
                     }
@@ -240,25 +278,55 @@ impl QueueCtx {
 
 impl Sink for QueueCtx {
     fn complete(&self, done: Vec<Request>) {
-        let n = done.len();
-        let mut used = Vec::with_capacity(n);
+        let mut used = Vec::with_capacity(done.len());
         {
             let mut slab = self.pending.lock().unwrap();
             for req in done {
-                let Some(mut p) = slab.remove(req.tag as usize) else { continue };
+                let slot = req.tag as usize;
+                let Some(p) = slab.get_mut(slot) else { continue };
                 if let Some(e) = &req.error {
                     log::warn!("vhost-user-blk: {:?} of {} bytes at {} failed: {e}", req.op, req.len, req.offset);
                     p.failed = true;
                 } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
                     p.failed = true;
                 }
+                // A borrowed buffer lets go of the guest memory here, before the guest sees the request done.
+                drop(req);
+                p.parts -= 1;
+                if p.parts > 0 {
+                    continue;
+                }
+                let p = slab.remove(slot).expect("slot is taken");
                 let (s, written) = if p.failed { (S_IOERR, 0) } else { (S_OK, p.written) };
                 used.push(self.answer(&p.mem, p.head, p.status, s, written));
             }
         }
         self.publish(&used);
-        self.release(n);
+        self.release(used.len());
     }
+}
+
+/// Engine buffers over the guest memory of `segs`, one per segment, when each
+/// lies in one memory region and is a whole number of sectors (so no two
+/// engine requests share a sector); None otherwise.
+fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Buf>> {
+    let mut bufs = Vec::with_capacity(segs.len());
+    for &(addr, n) in segs {
+        if !u64::from(n).is_multiple_of(SECTOR) {
+            return None;
+        }
+        let slice = GuestMemoryBackend::get_slice(&**mem, addr, n as usize).ok()?;
+        let ptr = NonNull::new(slice.ptr_guard_mut().as_ptr())?;
+        let owner: Arc<dyn std::any::Any + Send + Sync> = mem.clone();
+        // SAFETY: `ptr` is the host mapping of `n` bytes of guest memory inside one
+        // region of `mem`; the mapping lives as long as `mem`, which the Buf holds.
+        // While the engine has the request, nothing in this process touches those
+        // bytes (the parser is done with them and the status byte is elsewhere);
+        // the guest must not either until the request is completed (virtio's rule),
+        // and if it does, only the data is affected.
+        bufs.push(unsafe { Buf::borrowed(ptr, n as usize, owner) });
+    }
+    Some(bufs)
 }
 
 /// Copies a write's data out of guest memory.

@@ -50,6 +50,10 @@ type D = (u64, u32, bool);
 
 impl Rig {
     fn new(tag: &str, read_only: bool) -> Rig {
+        Self::with(tag, read_only, true)
+    }
+
+    fn with(tag: &str, read_only: bool, zero_copy: bool) -> Rig {
         let dir = std::env::temp_dir().join(format!("vdisk-vhost-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("disk.img");
@@ -75,6 +79,7 @@ impl Rig {
             writeback: AtomicBool::new(true),
             event_idx: AtomicBool::new(false),
             serial: *b"vdisk-test-serial-01",
+            zero_copy,
         });
         let ctx = QueueCtx::new(shared);
         Rig { gm, vring, ctx, used_addr: used, avail_addr: avail, next_desc: 0, chains: 0, dir }
@@ -259,4 +264,28 @@ fn write_zeroes_and_discard_reach_the_device() {
     rig.mem().read_slice(&mut back, GuestAddress(DATA + 0x10000)).unwrap();
     assert!(back[..4096].iter().all(|&b| b == 0), "zeroed and discarded sectors read as zeros on a raw file");
     assert!(back[4096..].iter().all(|&b| b == 0xab));
+}
+
+#[test]
+fn copies_when_descriptors_are_not_whole_sectors_or_zero_copy_is_off() {
+    for zero_copy in [true, false] {
+        let mut rig = Rig::with(&format!("copy-{zero_copy}"), false, zero_copy);
+        let st = |n| (Rig::status_of(n), 1, true);
+        let pattern: Vec<u8> = (0..2048u32).map(|i| (i * 13 + 1) as u8).collect();
+        rig.mem().write_slice(&pattern, GuestAddress(DATA)).unwrap();
+        // 2048 bytes in pieces of 256, 768, 1024: sector multiples only in total.
+        let h0 = rig.header(0, VIRTIO_BLK_T_OUT, 3);
+        rig.offer(&[(h0, 16, false), (DATA, 256, false), (DATA + 256, 768, false), (DATA + 1024, 1024, false), st(0)]);
+        rig.kick();
+        assert_eq!(rig.status(0), S_OK);
+        let h1 = rig.header(1, VIRTIO_BLK_T_IN, 3);
+        let back = DATA + 0x10000;
+        rig.offer(&[(h1, 16, false), (back, 1000, true), (back + 1000, 1048, true), st(1)]);
+        let used = rig.kick();
+        assert_eq!(rig.status(1), S_OK);
+        assert_eq!(used.last().unwrap().1, 2049);
+        let mut got = vec![0u8; 2048];
+        rig.mem().read_slice(&mut got, GuestAddress(back)).unwrap();
+        assert!(got == pattern, "zero_copy={zero_copy}");
+    }
 }
