@@ -69,25 +69,30 @@ where
     let mem = chain.memory();
     let (mut readable, mut writable): (Vec<Seg>, Vec<Seg>) = (Vec::new(), Vec::new());
     let (mut misordered, mut outside) = (false, false);
+    // Whether the chain's last non-empty descriptor is writable and in guest memory:
+    // only then does its last byte hold the status.
+    let mut status_ok = false;
     for d in chain.clone() {
         if d.len() == 0 {
             continue;
         }
         let access = if d.is_write_only() { Permissions::Write } else { Permissions::Read };
+        status_ok = false;
         if !mem.check_range(d.addr(), d.len() as usize, access) {
             outside = true;
             continue;
         }
         if d.is_write_only() {
             writable.push((d.addr(), d.len()));
+            status_ok = true;
         } else {
             misordered |= !writable.is_empty();
             readable.push((d.addr(), d.len()));
         }
     }
-    // The status byte: the last writable byte of the chain.
+    // The status byte: the last byte of the last descriptor.
     let status = match writable.last_mut() {
-        Some((addr, len)) => {
+        Some((addr, len)) if status_ok => {
             let at = addr.unchecked_add(u64::from(*len) - 1);
             *len -= 1;
             if *len == 0 {
@@ -95,7 +100,7 @@ where
             }
             Some(at)
         }
-        None => None,
+        _ => None,
     };
     let answer = |s| Parsed { head, status, action: Action::Answer(s) };
     if status.is_none() || misordered || outside {

@@ -180,6 +180,8 @@ fn malformed_chains_get_an_error_and_the_queue_goes_on() {
     rig.mem().write_slice(&pattern, GuestAddress(DATA)).unwrap();
     let h8 = rig.header(8, VIRTIO_BLK_T_OUT, 8);
     let write = rig.offer(&[(h8, 16, false), (DATA, 1024, false), (DATA + 1024, 3072, false), st(8)]);
+    let h11 = rig.header(11, VIRTIO_BLK_T_IN, 0);
+    let status_outside = rig.offer(&[(h11, 16, false), (DATA + 0x9000, 512, true), (MEM as u64 + 4096, 1, true)]);
     let h9 = rig.header(9, VIRTIO_BLK_T_GET_ID, 0);
     let get_id = rig.offer(&[(h9, 16, false), (DATA + 0x8000, 20, true), st(9)]);
 
@@ -199,6 +201,10 @@ fn malformed_chains_get_an_error_and_the_queue_goes_on() {
         assert!(len_of(&used, head) >= 1, "chain {n} used with its status byte");
     }
     assert_eq!(len_of(&used, no_status), 0, "a chain without a status byte is returned empty");
+    assert_eq!(len_of(&used, status_outside), 0, "a status byte outside guest memory is not written elsewhere");
+    let mut data = [0u8; 512];
+    rig.mem().read_slice(&mut data, GuestAddress(DATA + 0x9000)).unwrap();
+    assert!(data.iter().all(|&b| b == 0), "nothing written into the data of a chain whose status is missing");
     assert_eq!(len_of(&used, get_id), 21);
     let mut id = [0u8; 20];
     rig.mem().read_slice(&mut id, GuestAddress(DATA + 0x8000)).unwrap();
