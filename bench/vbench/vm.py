@@ -5,10 +5,12 @@ mkfs.ext4, writing 16 x 1 MiB + FILES small files, and verifying them after a re
 Servers, each over a fresh sparse 512 MiB raw image on disk (--disk-dir):
 vdisk (`serve IMG --vhost-user-blk SOCK --num-queues N`, page cache), vdisk --direct
 (O_DIRECT, like the peer) and qemu-storage-daemon (the rig's --qsd mode:
-cache.direct=on, aio=threads). Once with one queue and one vCPU, once with two of each.
+cache.direct=on, aio=threads). Once with one queue and one vCPU, once with two of each;
+three boots of each (round-robin), medians reported.
 """
 
 import re
+import statistics
 import shutil
 import subprocess
 import time
@@ -21,6 +23,7 @@ RIG = ROOT / "scripts" / "vmrig"
 VM_MB = 128
 VM_FILES = 100
 VM_IMAGE = "512M"
+VM_RUNS = 3  # boots per server and queue count (--repeat N overrides); the table shows medians
 VM_TARGETS = [  # label, kind, extra vdisk args
     ("vdisk", "vdisk", ()),
     ("vdisk --direct", "vdisk", ("--direct",)),
@@ -74,37 +77,52 @@ def section_vm(b, r):
     work.mkdir(parents=True)
     c_work = on_cleanup(f"rm -r {work}", lambda: shutil.rmtree(work, ignore_errors=True))
     image = work / "vm.img"
-    for q in VM_QUEUES:
-        for label, kind, extra in VM_TARGETS:
-            key = f"{q}|{label}"
-            image.unlink(missing_ok=True)
-            sh([str(b.vdisk), "create", "-q", str(image), "--size", VM_IMAGE])
-            log(f"vm: {label}, {q} queue(s)")
-            if kind == "qsd":
-                cells[key], text = boot(["--qsd", str(image)], q)
-            else:
-                sock = str(b.sockdir / f"vub-{q}-{len(extra)}.sock")
-                argv = [str(b.vdisk), "serve", str(image), "--vhost-user-blk", sock, "--num-queues", str(q)]
-                srv = Server(f"{label} vm q{q}", argv + list(extra), sock)
-                try:
-                    srv.start()
-                except StartError as e:
-                    cells[key] = {"error": str(e)}
-                    continue
-                try:
-                    cells[key], text = boot([sock], q)
-                    cells[key]["rss_mib"] = srv.peak_rss_mib()
-                finally:
-                    srv.stop()
-            (LOGS / f"vm-{q}-{len(extra)}-{kind}.log").write_text(text)
-            log(f"vm: {label}, {q} queue(s): {cells[key]}")
+    runs = b.repeat if b.repeat > 1 else VM_RUNS
+    samples = {}
+    # Round-robin over the servers, so load from elsewhere spreads over all of them.
+    for rep in range(runs):
+        for q in VM_QUEUES:
+            for label, kind, extra in VM_TARGETS:
+                key = f"{q}|{label}"
+                image.unlink(missing_ok=True)
+                sh([str(b.vdisk), "create", "-q", str(image), "--size", VM_IMAGE])
+                log(f"vm: {label}, {q} queue(s), run {rep + 1}/{runs}")
+                text = ""
+                if kind == "qsd":
+                    cell, text = boot(["--qsd", str(image)], q)
+                else:
+                    sock = str(b.sockdir / f"vub-{q}-{len(extra)}.sock")
+                    argv = [str(b.vdisk), "serve", str(image), "--vhost-user-blk", sock, "--num-queues", str(q)]
+                    srv = Server(f"{label} vm q{q}", argv + list(extra), sock)
+                    try:
+                        srv.start()
+                    except StartError as e:
+                        cell = {"error": str(e)}
+                    else:
+                        try:
+                            cell, text = boot([sock], q)
+                            cell["rss_mib"] = srv.peak_rss_mib()
+                        finally:
+                            srv.stop()
+                (LOGS / f"vm-{q}-{len(extra)}-{kind}-{rep}.log").write_text(text)
+                log(f"vm: {label}, {q} queue(s): {cell}")
+                samples.setdefault(key, []).append(cell)
+    for key, cs in samples.items():
+        bad = [c for c in cs if "error" in c]
+        if bad:
+            cells[key] = bad[0]
+            continue
+        cells[key] = {m: statistics.median(c[m] for c in cs) for m in cs[0] if all(m in c for c in cs)}
+        cells[key]["runs"] = len(cs)
     image.unlink(missing_ok=True)
     done_cleanup(c_work)
     shutil.rmtree(work, ignore_errors=True)
 
 
 def md_vm(res, meta):
-    out = [f"### 5. A QEMU guest on vhost-user-blk (TCG), {VM_MB} MiB raw phase, guest-side seconds\n"]
+    runs = max((c.get("runs", 1) for c in res["cells"].values()), default=1)
+    out = [f"### 5. A QEMU guest on vhost-user-blk (TCG), {VM_MB} MiB raw phase, guest-side seconds "
+           f"(median of {runs} boots)\n"]
     cells = res["cells"]
     out.append("| step | queues | " + " | ".join(lab for lab, _, _ in VM_TARGETS) + " | vdisk vs qsd | "
                "vdisk --direct vs qsd |")

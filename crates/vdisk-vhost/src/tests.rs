@@ -32,6 +32,7 @@ struct Rig {
     gm: GuestMemoryAtomic<GuestMemoryMmap<()>>,
     vring: Vring,
     ctx: Arc<QueueCtx>,
+    shared: Arc<Shared>,
     used_addr: GuestAddress,
     avail_addr: GuestAddress,
     next_desc: u16,
@@ -81,8 +82,12 @@ impl Rig {
             serial: *b"vdisk-test-serial-01",
             zero_copy,
         });
-        let ctx = QueueCtx::new(shared);
-        Rig { gm, vring, ctx, used_addr: used, avail_addr: avail, next_desc: 0, chains: 0, dir }
+        let ctx = QueueCtx::new(shared.clone());
+        Rig { gm, vring, ctx, shared, used_addr: used, avail_addr: avail, next_desc: 0, chains: 0, dir }
+    }
+
+    fn ctx_shared(&self) -> Arc<Shared> {
+        self.shared.clone()
     }
 
     fn mem(&self) -> impl std::ops::Deref<Target = GuestMemoryMmap<()>> {
@@ -294,4 +299,25 @@ fn copies_when_descriptors_are_not_whole_sectors_or_zero_copy_is_off() {
         rig.mem().read_slice(&mut got, GuestAddress(back)).unwrap();
         assert!(got == pattern, "zero_copy={zero_copy}");
     }
+}
+
+#[test]
+fn the_guest_switches_the_write_cache_through_the_config() {
+    use crate::backend::BlkBackend;
+    use vhost_user_backend::VhostUserBackend;
+    let rig = Rig::new("wce", false);
+    let backend = BlkBackend::new(rig.ctx_shared(), 2);
+    let cfg = backend.get_config(0, 60);
+    assert_eq!(u64::from_le_bytes(cfg[0..8].try_into().unwrap()), DISK / 512);
+    assert_eq!(u16::from_le_bytes(cfg[34..36].try_into().unwrap()), 2, "num_queues");
+    assert_eq!(cfg[32], 1, "writeback at start");
+    backend.set_config(32, &[0]).unwrap();
+    assert_eq!(backend.get_config(32, 1), vec![0]);
+    assert!(backend.set_config(0, &[1]).is_err(), "only wce is writable");
+    assert!(backend.set_config(32, &[2]).is_err());
+    assert_eq!(backend.get_config(56, 8), vec![1, 0, 0, 0, 0, 0, 0, 0], "past the end reads as zeros");
+    // Without FLUSH negotiated the device writes through.
+    backend.set_config(32, &[1]).unwrap();
+    backend.acked_features(0);
+    assert_eq!(backend.get_config(32, 1), vec![0]);
 }

@@ -124,3 +124,34 @@ fn guest_on_a_cow_overlay_leaves_the_base_alone() {
     let info = vdisk(&["info", s(&overlay)]);
     assert!(info.status.success(), "vdisk info: {}", text(&info));
 }
+
+#[test]
+fn the_socket_is_private_and_gone_after_exit() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("vhostsock");
+    let image = dir.path("disk.img");
+    create_image(&image, "16M");
+    let (server, socket) = serve(&dir, &image, "2");
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the vhost-user socket is the owner's only by default");
+    assert!(
+        server.stdout.iter().any(|l| l.contains("vhost-user-blk") && l.contains("2 queues")),
+        "{:?}",
+        server.stdout
+    );
+    server.stop(); // asserts a clean exit and that the socket is gone
+}
+
+#[test]
+fn a_socket_path_that_is_not_a_socket_is_refused() {
+    let dir = TempDir::new("vhostbad");
+    let image = dir.path("disk.img");
+    create_image(&image, "16M");
+    let file = dir.path("taken");
+    std::fs::write(&file, b"keep me").unwrap();
+    let out = vdisk(&["serve", s(&image), "--vhost-user-blk", s(&file)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(s(&file)) && err.contains("--vhost-user-blk"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+}
