@@ -21,6 +21,8 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
   overlay    copy-on-write overlays over a 2 GiB tmpfs base, a fresh one per job: vdisk
              (uring, threads) on a UML COW v3 overlay, qemu-nbd on qcow2, nbdkit's cow
              filter; 4K randread/randwrite QD32, 1M seq read/write QD8.
+  vm         a QEMU guest (TCG, scripts/vmrig) on vdisk's vhost-user-blk socket and on
+             qemu-storage-daemon's, 1 and 2 queues: the guest's own timings side by side.
 
 Every server's peak RSS (VmHWM, read just before it is stopped) sits beside its rows.
 Writes docs/benchmarks.md and docs/benchmarks.png, raw fio JSON and server logs under
@@ -62,6 +64,7 @@ from vbench.common import (DEFAULT_MD, DEFAULT_PNG, HAVE, LOGS, OUT, PIN, RAW, S
 from vbench.fio import section_fio
 from vbench.loopdev import section_loop
 from vbench.overlay import section_overlay
+from vbench.vm import section_vm
 from vbench.report import machine_info, plot, render
 from vbench.servers import Bench, build_vdisk
 
@@ -152,7 +155,7 @@ def main():
             r = results[sec] = {"_meta": {"date": started, "command": command, "mode": meta["mode"],
                                           "syscall_seconds": args.syscall_seconds}}
             {"fio": section_fio, "ablations": section_ablations, "loop": section_loop,
-             "overlay": section_overlay}[sec](b, r)
+             "overlay": section_overlay, "vm": section_vm}[sec](b, r)
             r["_meta"]["minutes"] = (time.monotonic() - ts) / 60
             log(f"== section {sec} took {(time.monotonic() - ts) / 60:.1f} min")
     except (KeyboardInterrupt, Interrupted) as e:

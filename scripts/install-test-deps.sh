@@ -23,3 +23,6 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing: cargo-fuzz"
     cargo install cargo-fuzz --locked --quiet
 fi
+# The VM rig for the vhost-user-blk tests: QEMU, a kernel and an initramfs
+# unpacked from downloaded .debs into /tmp/vmrig (not installed; idempotent).
+bash "$(dirname "$0")/vmrig/vm-setup.sh"

@@ -6,5 +6,6 @@ fio       the fio job matrix, running fio and parsing its JSON (section "fio")
 ablations vdisk knobs and system calls per request (section "ablations")
 loopdev   nbdfuse + loop device experiments: dd, mkfs, find|cat, dbench, aio-stress (section "loop")
 overlay   copy-on-write overlays (COW v3, qcow2, nbdkit's cow filter) over a tmpfs base (section "overlay")
+vm        a QEMU guest on vhost-user-blk: vdisk vs qemu-storage-daemon (section "vm")
 report    docs/benchmarks.md and docs/benchmarks.png from the results
 """

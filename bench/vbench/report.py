@@ -15,6 +15,7 @@ from .common import IMAGE_SIZE, MiB, last_line, log, sh
 from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS
 from .loopdev import LOOP_PEERS, LOOP_TARGETS
 from .overlay import OVERLAY_JOBS, OVERLAY_TARGETS
+from .vm import md_vm
 
 
 def machine_info():
@@ -393,7 +394,8 @@ def render(results, meta, md_path, png_path):
     ]
     if png_path and png_path.exists() and "fio" in results:
         lines += [f"![fio matrix on tmpfs, normalised to the best peer]({png_path.name})", ""]
-    for sec, fn in (("fio", md_fio), ("loop", md_loop), ("ablations", md_ablations), ("overlay", md_overlay)):
+    for sec, fn in (("fio", md_fio), ("loop", md_loop), ("ablations", md_ablations), ("overlay", md_overlay),
+                    ("vm", md_vm)):
         if sec in results:
             r = results[sec]
             sm = r.get("_meta", {})

@@ -10,7 +10,7 @@ use crate::size::parse_size;
 #[command(
     name = "vdisk",
     version,
-    about = "A userspace virtual-disk server: serve disk images to NBD clients, in parallel and in batches.",
+    about = "A userspace virtual-disk server: serve disk images over NBD, to VMs (vhost-user-blk) and as FUSE files, in parallel and in batches.",
     after_help = "Examples:
   vdisk create disk.img --size 10G          make a sparse 10 GiB raw image
   vdisk serve disk.img                      serve it on a unix socket (the path is printed)

@@ -99,7 +99,7 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         (None, _) => None,
     };
     if let Some(path) = &socket {
-        listeners.push(Listener::Unix(bind_unix(path, a.socket_mode)?, path.clone()));
+        listeners.push(Listener::Unix(bind_unix(path, a.socket_mode, "--socket")?, path.clone()));
         let uri = format!("nbd+unix:///{first}?socket={}", path.display());
         banner.push(format!("vdisk: listening on unix socket {}", path.display()));
         banner.push(format!("  try: nbdinfo '{uri}'"));
@@ -187,17 +187,17 @@ fn default_socket() -> PathBuf {
 /// Binds a unix socket, replacing a stale socket file but never a live one or another kind of file.
 /// The socket is created with `mode` from the start (through the umask), so
 /// there is no moment at which others could connect.
-fn bind_unix(path: &Path, mode: u32) -> Result<UnixListener, Failure> {
+pub(crate) fn bind_unix(path: &Path, mode: u32, flag: &str) -> Result<UnixListener, Failure> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
             return Err(Failure::usage(format!(
-                "{} exists and is not a socket; choose another --socket path",
+                "{} exists and is not a socket; choose another {flag} path",
                 path.display()
             )));
         }
         if UnixStream::connect(path).is_ok() {
             return Err(Failure::usage(format!(
-                "{} is in use by another server; choose another --socket path",
+                "{} is in use by another server; choose another {flag} path",
                 path.display()
             )));
         }

@@ -4,16 +4,43 @@ use std::path::Path;
 use std::sync::Arc;
 
 use vdisk_engine::Device;
+use vdisk_vhost::VhostBlk;
 
-use crate::serve::Frontend;
+use crate::serve::{bind_unix, Frontend};
 use crate::Failure;
 
 pub fn start(
     socket: &Path,
-    _device: &Arc<Device>,
-    _num_queues: Option<u16>,
-    _socket_mode: u32,
-    _banner: &mut Vec<String>,
+    device: &Arc<Device>,
+    num_queues: Option<u16>,
+    socket_mode: u32,
+    banner: &mut Vec<String>,
 ) -> Result<Box<dyn Frontend>, Failure> {
-    Err(Failure::usage(format!("--vhost-user-blk {}: the vhost-user-blk export is not built yet", socket.display())))
+    let queues =
+        num_queues.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get().min(64) as u16).unwrap_or(1));
+    let listener = bind_unix(socket, socket_mode, "--vhost-user-blk")?;
+    let export = VhostBlk::start(listener, socket, device.clone(), queues).map_err(|e| {
+        let _ = std::fs::remove_file(socket);
+        Failure::runtime(format!("cannot start the vhost-user-blk export on {}: {e}", socket.display()))
+    })?;
+    banner.push(format!(
+        "vdisk: vhost-user-blk for {:?} on {} ({queues} queue{})",
+        device.name(),
+        socket.display(),
+        if queues == 1 { "" } else { "s" }
+    ));
+    banner.push(format!(
+        "  try: qemu-system-x86_64 ... -object memory-backend-memfd,id=mem,size=1G,share=on -numa node,memdev=mem \
+         -chardev socket,id=vd,path={} -device vhost-user-blk-pci,chardev=vd,num-queues={queues}",
+        socket.display()
+    ));
+    Ok(Box::new(Export(export)))
+}
+
+struct Export(VhostBlk);
+
+impl Frontend for Export {
+    fn stop(self: Box<Self>) -> Result<(), String> {
+        self.0.stop().map_err(|e| format!("vhost-user-blk: {e}"))
+    }
 }

@@ -1,0 +1,218 @@
+//! The virtio-blk request parser: one descriptor chain in, one decision out.
+//! It validates everything at the edge (directions, guest-memory bounds,
+//! header, range, size limits, read-only) so that only well-formed requests
+//! ever reach the engine; everything else becomes a status to write back at
+//! once (IOERR or UNSUPP). It reads guest memory but never writes it, and
+//! knows nothing of the image.
+//!
+//! Layout is not assumed (VIRTIO 1.x, "any layout"): the device-readable
+//! bytes are taken as one stream (16-byte header, then write data or a
+//! discard range), the device-writable bytes as another (read data or the
+//! ID, then the status byte as the very last byte).
+
+use std::ops::Deref;
+
+use vdisk_engine::{Flags, Op};
+use virtio_bindings::virtio_blk::*;
+use virtio_queue::DescriptorChain;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
+
+use crate::config::{ID_BYTES, MAX_DISCARD_SECTORS, MAX_DISCARD_SEG, SECTOR};
+
+pub const S_OK: u8 = VIRTIO_BLK_S_OK as u8;
+pub const S_IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
+pub const S_UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
+
+const HEADER: usize = 16;
+const RANGE: usize = 16;
+
+/// A piece of guest memory: guest address and length, already checked to lie in guest memory.
+pub type Seg = (GuestAddress, u32);
+
+/// What the device must know to judge a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub size: u64,
+    pub read_only: bool,
+    /// Writeback cache on: writes complete once in the host page cache. Off:
+    /// every write (and discard, zeroing) is durable before completion.
+    pub writeback: bool,
+}
+
+/// What to do with one chain.
+#[derive(Debug, PartialEq)]
+pub enum Action {
+    /// Hand to the engine: `segs` are the data (read into / written from).
+    Io { op: Op, offset: u64, len: u64, flags: Flags, segs: Vec<Seg> },
+    /// Write the serial into `segs`.
+    GetId { segs: Vec<Seg> },
+    /// Nothing to do but write this status.
+    Answer(u8),
+}
+
+#[derive(Debug, PartialEq)]
+pub struct Parsed {
+    pub head: u16,
+    /// Where the status byte goes; None when the chain has no writable byte
+    /// (then only the used-ring entry, of length 0, tells the guest).
+    pub status: Option<GuestAddress>,
+    pub action: Action,
+}
+
+/// Judges one chain. Never fails: a malformed chain is an `Answer`.
+pub fn parse<M>(chain: DescriptorChain<M>, limits: &Limits) -> Parsed
+where
+    M: Deref + Clone,
+    M::Target: GuestMemory,
+{
+    let head = chain.head_index();
+    let mem = chain.memory();
+    let (mut readable, mut writable): (Vec<Seg>, Vec<Seg>) = (Vec::new(), Vec::new());
+    let (mut misordered, mut outside) = (false, false);
+    // Whether the chain's last non-empty descriptor is writable and in guest memory:
+    // only then does its last byte hold the status.
+    let mut status_ok = false;
+    for d in chain.clone() {
+        if d.len() == 0 {
+            continue;
+        }
+        let access = if d.is_write_only() { Permissions::Write } else { Permissions::Read };
+        status_ok = false;
+        if !mem.check_range(d.addr(), d.len() as usize, access) {
+            outside = true;
+            continue;
+        }
+        if d.is_write_only() {
+            writable.push((d.addr(), d.len()));
+            status_ok = true;
+        } else {
+            misordered |= !writable.is_empty();
+            readable.push((d.addr(), d.len()));
+        }
+    }
+    // The status byte: the last byte of the last descriptor.
+    let status = match writable.last_mut() {
+        Some((addr, len)) if status_ok => {
+            let at = addr.unchecked_add(u64::from(*len) - 1);
+            *len -= 1;
+            if *len == 0 {
+                writable.pop();
+            }
+            Some(at)
+        }
+        _ => None,
+    };
+    let answer = |s| Parsed { head, status, action: Action::Answer(s) };
+    if status.is_none() || misordered || outside {
+        return answer(S_IOERR);
+    }
+    let mut header = [0u8; HEADER];
+    let Some(data_out) = gather(mem, &readable, &mut header) else {
+        return answer(S_IOERR);
+    };
+    let kind = u32::from_le_bytes(header[0..4].try_into().unwrap());
+    let sector = u64::from_le_bytes(header[8..16].try_into().unwrap());
+    let fua = !limits.writeback;
+    let action = match kind {
+        VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
+            let write = kind == VIRTIO_BLK_T_OUT;
+            // Data the wrong way round (write data in writable buffers or the reverse).
+            let (segs, stray) = if write { (data_out, writable) } else { (writable, data_out) };
+            let stray = total(&stray);
+            let len = total(&segs);
+            if stray != 0 || !len.is_multiple_of(SECTOR) || (write && limits.read_only) {
+                return answer(S_IOERR);
+            }
+            let Some(offset) = in_range(sector, len, limits.size) else { return answer(S_IOERR) };
+            if len == 0 {
+                return answer(S_OK);
+            }
+            let op = if write { Op::Write } else { Op::Read };
+            Action::Io { op, offset, len, flags: Flags { fua: write && fua, ..Flags::default() }, segs }
+        }
+        VIRTIO_BLK_T_FLUSH => Action::Io { op: Op::Flush, offset: 0, len: 0, flags: Flags::default(), segs: vec![] },
+        VIRTIO_BLK_T_GET_ID => {
+            if total(&writable) == 0 {
+                return answer(S_IOERR);
+            }
+            Action::GetId { segs: writable }
+        }
+        VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
+            let discard = kind == VIRTIO_BLK_T_DISCARD;
+            let bytes = total(&data_out);
+            let ranges = bytes / RANGE as u64;
+            if bytes == 0 || !bytes.is_multiple_of(RANGE as u64) {
+                return answer(S_IOERR);
+            }
+            if ranges > u64::from(MAX_DISCARD_SEG) {
+                return answer(S_UNSUPP);
+            }
+            let mut range = [0u8; RANGE];
+            if gather(mem, &data_out, &mut range).is_none() {
+                return answer(S_IOERR);
+            }
+            let start = u64::from_le_bytes(range[0..8].try_into().unwrap());
+            let sectors = u32::from_le_bytes(range[8..12].try_into().unwrap());
+            let rflags = u32::from_le_bytes(range[12..16].try_into().unwrap());
+            let allowed = if discard { 0 } else { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP };
+            if rflags & !allowed != 0 {
+                return answer(S_UNSUPP);
+            }
+            if limits.read_only || sectors > MAX_DISCARD_SECTORS {
+                return answer(S_IOERR);
+            }
+            let len = u64::from(sectors) * SECTOR;
+            let Some(offset) = in_range(start, len, limits.size) else { return answer(S_IOERR) };
+            if len == 0 {
+                return answer(S_OK);
+            }
+            let unmap = rflags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+            let (op, no_hole) = if discard { (Op::Trim, false) } else { (Op::WriteZeroes, !unmap) };
+            Action::Io { op, offset, len, flags: Flags { fua, no_hole, fast_zero: false }, segs: vec![] }
+        }
+        _ => return answer(S_UNSUPP),
+    };
+    Parsed { head, status, action }
+}
+
+fn total(segs: &[Seg]) -> u64 {
+    segs.iter().map(|s| u64::from(s.1)).sum()
+}
+
+/// The byte range of `sectors`..+`len`, if inside the disk.
+fn in_range(sector: u64, len: u64, size: u64) -> Option<u64> {
+    let offset = sector.checked_mul(SECTOR)?;
+    (offset.checked_add(len)? <= size).then_some(offset)
+}
+
+/// Fills `out` from the start of `segs`; returns the segments after it, or
+/// None when they hold fewer bytes or cannot be read.
+fn gather<M: GuestMemory + ?Sized>(mem: &M, segs: &[Seg], out: &mut [u8]) -> Option<Vec<Seg>> {
+    let mut at = 0;
+    let mut rest = Vec::new();
+    for &(addr, len) in segs {
+        let want = (out.len() - at).min(len as usize);
+        if want > 0 {
+            mem.read_slice(&mut out[at..at + want], addr).ok()?;
+            at += want;
+        }
+        if want < len as usize {
+            rest.push((addr.unchecked_add(want as u64), len - want as u32));
+        }
+    }
+    (at == out.len()).then_some(rest)
+}
+
+/// Writes the serial into `segs`; returns the bytes written.
+pub fn write_id<M: GuestMemory + ?Sized>(mem: &M, segs: &[Seg], id: &[u8; ID_BYTES]) -> Option<u32> {
+    let mut at = 0;
+    for &(addr, len) in segs {
+        let n = (ID_BYTES - at).min(len as usize);
+        mem.write_slice(&id[at..at + n], addr).ok()?;
+        at += n;
+        if at == ID_BYTES {
+            break;
+        }
+    }
+    Some(at as u32)
+}

@@ -1,0 +1,353 @@
+//! One virtqueue's request path. On a kick the queue's worker drains every
+//! available chain, parses each, submits all valid ones to the engine as one
+//! batch and answers the malformed ones at once. Completions come back in
+//! batches on engine threads: their data is copied to the guest, status bytes
+//! written, all of them put on the used ring under one lock, and the guest is
+//! notified once per batch (or not at all, when EVENT_IDX says it need not be).
+//!
+//! Requests in flight are counted, so a stopping queue can wait for them.
+//!
+//! Zero copy: when every data descriptor of a read or write lies within one
+//! guest memory region and is a whole number of sectors, each becomes an
+//! engine request whose buffer borrows the guest's memory (consecutive
+//! offsets; the engine merges them into one vectored call), and the virtio
+//! request completes when all of them have. The memory stays mapped while a
+//! request holds its `Arc` of the guest memory. Otherwise the data is copied.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+use vdisk_engine::{Buf, Device, Op, Request, Sink};
+use vhost_user_backend::{VringRwLock, VringT};
+use virtio_queue::QueueT;
+use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+
+use crate::config::{ID_BYTES, SECTOR};
+use crate::parse::{self, Action, Limits, Parsed, Seg, S_IOERR, S_OK};
+
+pub type Mem = GuestMemoryMmap<()>;
+pub type Gm = GuestMemoryAtomic<Mem>;
+pub type Vring = VringRwLock<Gm>;
+
+/// What every queue of a device shares.
+pub struct Shared {
+    pub device: Arc<Device>,
+    pub mem: Mutex<Gm>,
+    pub writeback: AtomicBool,
+    pub event_idx: AtomicBool,
+    pub serial: [u8; ID_BYTES],
+    /// Let the engine read into and write from guest memory directly.
+    pub zero_copy: bool,
+}
+
+impl Shared {
+    fn limits(&self) -> Limits {
+        Limits {
+            size: self.device.size(),
+            read_only: self.device.read_only(),
+            writeback: self.writeback.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A request the engine holds.
+struct Pending {
+    head: u16,
+    status: Option<GuestAddress>,
+    /// The guest memory the request's addresses refer to (kept mapped while in flight).
+    mem: Arc<Mem>,
+    /// Read data goes here on completion.
+    read_into: Vec<Seg>,
+    /// Bytes of data the device writes into the chain on success (before the status byte).
+    written: u32,
+    /// Engine requests still out for this virtio request.
+    parts: usize,
+    failed: bool,
+}
+
+/// A slab of pending requests; the engine tag is the slot.
+#[derive(Default)]
+struct Slab {
+    slots: Vec<Option<Pending>>,
+    free: Vec<usize>,
+}
+
+impl Slab {
+    fn insert(&mut self, p: Pending) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(p);
+                i
+            }
+            None => {
+                self.slots.push(Some(p));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn get_mut(&mut self, i: usize) -> Option<&mut Pending> {
+        self.slots.get_mut(i)?.as_mut()
+    }
+
+    fn remove(&mut self, i: usize) -> Option<Pending> {
+        let p = self.slots.get_mut(i)?.take();
+        if p.is_some() {
+            self.free.push(i);
+        }
+        p
+    }
+}
+
+pub struct QueueCtx {
+    shared: Arc<Shared>,
+    vring: OnceLock<Vring>,
+    pending: Mutex<Slab>,
+    inflight: Mutex<usize>,
+    idle: Condvar,
+}
+
+impl QueueCtx {
+    pub fn new(shared: Arc<Shared>) -> Arc<QueueCtx> {
+        Arc::new(QueueCtx {
+            shared,
+            vring: OnceLock::new(),
+            pending: Mutex::new(Slab::default()),
+            inflight: Mutex::new(0),
+            idle: Condvar::new(),
+        })
+    }
+
+    /// Serves a kick: drains the queue (again while the guest keeps adding,
+    /// with EVENT_IDX), submits one batch, answers what needs no engine.
+    pub fn kick(self: &Arc<Self>, vring: &Vring) {
+        let vring = self.vring.get_or_init(|| vring.clone());
+        let mem: Arc<Mem> = self.shared.mem.lock().unwrap().memory().into_inner();
+        let limits = self.shared.limits();
+        let event_idx = self.shared.event_idx.load(Ordering::Relaxed);
+        let mut parsed = Vec::new();
+        {
+            let mut state = vring.get_mut();
+            let queue = state.get_queue_mut();
+            if !queue.ready() {
+                return;
+            }
+            loop {
+                if event_idx {
+                    let _ = queue.disable_notification(&*mem);
+                }
+                while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
+                    parsed.push(parse::parse(chain, &limits));
+                }
+                if !event_idx || !queue.enable_notification(&*mem).unwrap_or(false) {
+                    break;
+                }
+            }
+            // Counted under the ring's lock: a stop that marked the queue not
+            // ready before this drain sees nothing; one after it sees these.
+            let engine = parsed.iter().filter(|p| matches!(p.action, Action::Io { .. })).count();
+            *self.inflight.lock().unwrap() += engine;
+        }
+        self.dispatch(parsed, &mem);
+    }
+
+    /// Submits the engine's part of a drained batch and answers the rest.
+    fn dispatch(self: &Arc<Self>, parsed: Vec<Parsed>, mem: &Arc<Mem>) {
+        let mut batch = Vec::new();
+        let mut answered = Vec::new();
+        let mut failed_io = 0;
+        {
+            let mut slab = self.pending.lock().unwrap();
+            for p in parsed {
+                match p.action {
+                    Action::Answer(s) => answered.push(self.answer(mem, p.head, p.status, s, 0)),
+                    Action::GetId { segs } => {
+                        let (s, n) = match parse::write_id(&**mem, &segs, &self.shared.serial) {
+                            Some(n) => (S_OK, n),
+                            None => (S_IOERR, 0),
+                        };
+                        answered.push(self.answer(mem, p.head, p.status, s, n));
+                    }
+                    Action::Io { op, offset, len, flags, segs } => {
+                        let read = op == Op::Read;
+                        let lent = if self.shared.zero_copy && matches!(op, Op::Read | Op::Write) {
+                            lend(mem, &segs)
+                        } else {
+                            None
+                        };
+                        let mut pending = Pending {
+                            head: p.head,
+                            status: p.status,
+                            mem: mem.clone(),
+                            written: if read { len as u32 } else { 0 },
+                            read_into: Vec::new(),
+                            parts: 1,
+                            failed: false,
+                        };
+                        if let Some(bufs) = lent {
+                            pending.parts = bufs.len();
+                            let slot = slab.insert(pending) as u64;
+                            let mut at = offset;
+                            for buf in bufs {
+                                let mut req = Request::new(op, at, buf.len() as u64, slot);
+                                at += buf.len() as u64;
+                                req.flags = flags;
+                                req.buf = buf;
+                                batch.push(req);
+                            }
+                            continue;
+                        }
+                        let mut req = Request::new(op, offset, len, 0);
+                        req.flags = flags;
+                        if op == Op::Write {
+                            match copy_in(mem, &segs, len) {
+                                Some(buf) => req.buf = buf,
+                                None => {
+                                    failed_io += 1;
+                                    answered.push(self.answer(mem, p.head, p.status, S_IOERR, 0));
+                                    continue;
+                                }
+                            }
+                        }
+                        if read {
+                            pending.read_into = segs;
+                        }
+                        req.tag = slab.insert(pending) as u64;
+                        batch.push(req);
+                    }
+                }
+            }
+        }
+        if !batch.is_empty() {
+            let sink: Arc<dyn Sink> = self.clone();
+            let mut done = Vec::new();
+            self.shared.device.submit_inline(batch, &sink, &mut done);
+            if !done.is_empty() {
+                self.complete(done);
+            }
+        }
+        self.publish(&answered);
+        self.release(failed_io);
+    }
+
+    /// Writes a status byte now; returns the used-ring entry.
+    fn answer(&self, mem: &Mem, head: u16, status: Option<GuestAddress>, s: u8, written: u32) -> (u16, u32) {
+        match status {
+            Some(at) if mem.write_obj(s, at).is_ok() => (head, written + 1),
+            _ => (head, 0),
+        }
+    }
+
+    /// Puts finished chains on the used ring and notifies the guest once.
+    fn publish(&self, used: &[(u16, u32)]) {
+        let Some(vring) = self.vring.get() else { return };
+        if used.is_empty() {
+            return;
+        }
+        let mut state = vring.get_mut();
+        for &(head, len) in used {
+            if let Err(e) = state.add_used(head, len) {
+                log::warn!("vhost-user-blk: cannot return descriptor {head} to the guest: {e}");
+            }
+        }
+        if state.needs_notification().unwrap_or(true) {
+            if let Err(e) = state.signal_used_queue() {
+                log::warn!("vhost-user-blk: cannot notify the guest: {e}");
+            }
+        }
+    }
+
+    fn release(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut inflight = self.inflight.lock().unwrap();
+        *inflight -= n;
+        if *inflight == 0 {
+            self.idle.notify_all();
+        }
+    }
+
+    /// Waits until the engine holds no request of this queue.
+    pub fn wait_idle(&self) {
+        let inflight = self.inflight.lock().unwrap();
+        drop(self.idle.wait_while(inflight, |n| *n > 0).unwrap());
+    }
+}
+
+impl Sink for QueueCtx {
+    fn complete(&self, done: Vec<Request>) {
+        let mut used = Vec::with_capacity(done.len());
+        {
+            let mut slab = self.pending.lock().unwrap();
+            for req in done {
+                let slot = req.tag as usize;
+                let Some(p) = slab.get_mut(slot) else { continue };
+                if let Some(e) = &req.error {
+                    log::warn!("vhost-user-blk: {:?} of {} bytes at {} failed: {e}", req.op, req.len, req.offset);
+                    p.failed = true;
+                } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
+                    p.failed = true;
+                }
+                // A borrowed buffer lets go of the guest memory here, before the guest sees the request done.
+                drop(req);
+                p.parts -= 1;
+                if p.parts > 0 {
+                    continue;
+                }
+                let p = slab.remove(slot).expect("slot is taken");
+                let (s, written) = if p.failed { (S_IOERR, 0) } else { (S_OK, p.written) };
+                used.push(self.answer(&p.mem, p.head, p.status, s, written));
+            }
+        }
+        self.publish(&used);
+        self.release(used.len());
+    }
+}
+
+/// Engine buffers over the guest memory of `segs`, one per segment, when each
+/// lies in one memory region and is a whole number of sectors (so no two
+/// engine requests share a sector); None otherwise.
+fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Buf>> {
+    let mut bufs = Vec::with_capacity(segs.len());
+    for &(addr, n) in segs {
+        if !u64::from(n).is_multiple_of(SECTOR) {
+            return None;
+        }
+        let slice = GuestMemoryBackend::get_slice(&**mem, addr, n as usize).ok()?;
+        let ptr = NonNull::new(slice.ptr_guard_mut().as_ptr())?;
+        let owner: Arc<dyn std::any::Any + Send + Sync> = mem.clone();
+        // SAFETY: `ptr` is the host mapping of `n` bytes of guest memory inside one
+        // region of `mem`; the mapping lives as long as `mem`, which the Buf holds.
+        // While the engine has the request, nothing in this process touches those
+        // bytes (the parser is done with them and the status byte is elsewhere);
+        // the guest must not either until the request is completed (virtio's rule),
+        // and if it does, only the data is affected.
+        bufs.push(unsafe { Buf::borrowed(ptr, n as usize, owner) });
+    }
+    Some(bufs)
+}
+
+/// Copies a write's data out of guest memory.
+fn copy_in(mem: &Mem, segs: &[Seg], len: u64) -> Option<Buf> {
+    let mut buf = Buf::for_io(len as usize);
+    let mut at = 0;
+    for &(addr, n) in segs {
+        mem.read_slice(&mut buf[at..at + n as usize], addr).ok()?;
+        at += n as usize;
+    }
+    Some(buf)
+}
+
+/// Copies a read's data into guest memory.
+fn copy_out(mem: &Mem, segs: &[Seg], buf: &[u8]) -> bool {
+    let mut at = 0;
+    for &(addr, n) in segs {
+        if mem.write_slice(&buf[at..at + n as usize], addr).is_err() {
+            return false;
+        }
+        at += n as usize;
+    }
+    true
+}
