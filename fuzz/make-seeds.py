@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Writes the NBD seed corpora (corpus/nbd_handshake, corpus/nbd_requests).
+"""Writes the NBD and virtio-blk seed corpora (corpus/nbd_handshake,
+corpus/nbd_requests, corpus/virtio_blk; the layout of a virtio_blk input is in
+crates/vdisk-vhost/src/fuzzing.rs).
 The cow_header seeds are made by uml_mkcow (see run.sh's header)."""
 import os, struct
 
@@ -44,7 +46,42 @@ requests = {
     "read_only_refusals": b"\x24" + req(1, 0, 1, 0, 1, b"x") + req(4, 0, 1) + req(5, 0, 4096) + req(0, 4095, 2),
     "edges": b"\x38" + req(0, 2**64 - 4096, 4096) + req(0, 0, 2**32 - 1) + req(42, 0, 1) + req(3, 1, 0),
 }
-for d, seeds in (("nbd_handshake", handshakes), ("nbd_requests", requests)):
+# virtio-blk: limits byte, head, 16 descriptors (addr, len, flags, next), then guest memory from 0x1000.
+NEXT, WRITE, INDIRECT = 1, 2, 4
+HDR, RANGE, DATA, STATUS = 0x1000, 0x1010, 0x2000, 0x3000
+
+
+def chain(descs, mem=b"", limits=0b0110, head=0):
+    table = b"".join(struct.pack("<QIHH", *d) for d in descs).ljust(256, b"\0")
+    return bytes([limits, head]) + table + mem
+
+
+def blk(kind, sector=0):
+    return struct.pack("<IIQ", kind, 0, sector)
+
+
+def simple(kind, data=None, sector=0, extra=b""):
+    descs = [(HDR, 16, NEXT, 1)]
+    if data:
+        descs.append((data[0], data[1], data[2] | NEXT, 2))
+    descs.append((STATUS, 1, WRITE, 0))
+    return chain(descs, blk(kind, sector) + extra)
+
+
+virtio = {
+    "read": simple(0, (DATA, 512, WRITE), sector=8),
+    "write": simple(1, (DATA, 1024, 0)),
+    "flush": simple(4),
+    "get_id": simple(8, (DATA, 20, WRITE)),
+    "discard": simple(11, (RANGE, 16, 0), extra=struct.pack("<QII", 16, 8, 0)),
+    "write_zeroes_unmap": simple(13, (RANGE, 16, 0), extra=struct.pack("<QII", 0, 64, 1)),
+    # The head points at an indirect table (in guest memory at 0x1100) of three descriptors.
+    "indirect_read": chain([(0x1100, 48, INDIRECT, 0)], blk(0).ljust(0x100, b"\0")
+                           + struct.pack("<QIHH", HDR, 16, NEXT, 1) + struct.pack("<QIHH", DATA, 4096, WRITE | NEXT, 2)
+                           + struct.pack("<QIHH", STATUS, 1, WRITE, 0)),
+    "across_region_end": simple(0, (0xff00, 0x200, WRITE)),
+}
+for d, seeds in (("nbd_handshake", handshakes), ("nbd_requests", requests), ("virtio_blk", virtio)):
     os.makedirs(os.path.join(here, "corpus", d), exist_ok=True)
     for name, b in seeds.items():
         with open(os.path.join(here, "corpus", d, name), "wb") as f:

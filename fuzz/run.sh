@@ -26,7 +26,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 cd "$here"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(nbd_handshake nbd_requests cow_header)
+    targets=(nbd_handshake nbd_requests cow_header virtio_blk)
 fi
 work=${FUZZ_WORK:-$here/work}
 export RUSTC_BOOTSTRAP=1

@@ -14,6 +14,8 @@
 
 mod backend;
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod parse;
 mod queue;
 
