@@ -135,6 +135,8 @@ impl PskServer {
         // Every connection authenticates afresh: no tickets, no session cache.
         b.set_num_tickets(0).map_err(setup)?;
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
+        // Whole buffers from the in-memory transport, not a header then a body per record.
+        b.set_read_ahead(true);
         b.set_options(SslOptions::NO_TICKET | SslOptions::NO_RENEGOTIATION | SslOptions::CIPHER_SERVER_PREFERENCE);
         b.set_psk_server_callback(move |ssl, identity, out| {
             let Some(id) = identity else {
