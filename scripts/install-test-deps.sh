@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the real clients the integration tests drive. Idempotent; needs root (CI runs as root).
 set -euo pipefail
-pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs)
+# libssl-dev and pkg-config: the openssl crate builds against the system OpenSSL (TLS-PSK).
+pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

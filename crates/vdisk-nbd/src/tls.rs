@@ -1,7 +1,8 @@
-//! TLS for NBD (NBD_OPT_STARTTLS), with rustls in userspace.
+//! TLS for NBD (NBD_OPT_STARTTLS), in userspace: rustls for X.509
+//! certificates, OpenSSL for pre-shared keys ([`crate::psk`], as rustls has none).
 //!
-//! Owns the server's TLS settings (certificate, key, optional client CA) and
-//! the encrypted stream a connection switches to after STARTTLS. It never
+//! Owns the server's TLS settings (certificate, key, optional client CA, or
+//! PSK file) and the encrypted stream a connection switches to after STARTTLS. It never
 //! decides protocol matters (which options need TLS): that is the handshake's.
 //!
 //! Why userspace and not kTLS: kTLS would keep the vectored-sendmsg fast path,
@@ -9,12 +10,12 @@
 //! needs the kernel's `tls` ULP, which this platform lacks
 //! (`/proc/sys/net/ipv4/tcp_available_ulp` has no `tls`).
 //!
-//! How the stream fits the connection's threads: one rustls connection behind
-//! a mutex, shared by the reader (decrypts requests) and whoever sends replies
+//! How the stream fits the connection's threads: one TLS session (an
+//! [`Engine`]: rustls or OpenSSL, both fed ciphertext by hand) behind a mutex, shared by the reader (decrypts requests) and whoever sends replies
 //! (a completer, non-blocking, or the writer thread, blocking). Ciphertext only
 //! ever goes to the socket with that mutex held, so records never interleave;
 //! nobody holds it while waiting for the socket. A non-blocking sender whose
-//! ciphertext did not all fit leaves the rest in rustls ([`TlsStream::needs_flush`])
+//! ciphertext did not all fit leaves the rest in the engine ([`TlsStream::needs_flush`])
 //! and the connection's writer thread sends it. The plain path is untouched.
 
 use std::io::{self, IoSlice, Read, Write};
@@ -27,6 +28,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig, ServerConnection};
 
+use crate::psk::{PskKeys, PskServer};
 use crate::stream::Stream;
 
 /// When clients must use TLS.
@@ -41,9 +43,70 @@ pub enum TlsMode {
 /// The server's TLS settings, built once and shared by every connection.
 pub struct Tls {
     pub mode: TlsMode,
-    config: Arc<ServerConfig>,
+    creds: Creds,
     /// One line for the startup banner.
     pub summary: String,
+}
+
+enum Creds {
+    X509(Arc<ServerConfig>),
+    Psk(PskServer),
+}
+
+/// A TLS session as [`TlsStream`] drives it: ciphertext in and out by hand,
+/// plaintext in and out; nothing ever touches the socket.
+pub(crate) trait Engine: Send {
+    fn is_handshaking(&self) -> bool;
+    /// Ciphertext waits for [`Engine::write_tls`].
+    fn wants_write(&self) -> bool;
+    /// Takes ciphertext from the socket; returns the bytes taken.
+    fn read_tls(&mut self, data: &[u8]) -> io::Result<usize>;
+    /// Handles what [`Engine::read_tls`] took (handshake steps, alerts).
+    fn process(&mut self) -> io::Result<()>;
+    /// Hands pending ciphertext to `w`.
+    fn write_tls(&mut self, w: &mut dyn Write) -> io::Result<usize>;
+    /// Decrypted bytes; WouldBlock when more ciphertext is needed, 0 at the end.
+    fn read_plain(&mut self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Encrypts plaintext; returns the bytes taken (fewer when its buffer is full).
+    fn write_plain(&mut self, iov: &[IoSlice<'_>]) -> io::Result<usize>;
+    fn send_close_notify(&mut self);
+}
+
+impl Engine for ServerConnection {
+    fn is_handshaking(&self) -> bool {
+        (**self).is_handshaking()
+    }
+
+    fn wants_write(&self) -> bool {
+        (**self).wants_write()
+    }
+
+    fn read_tls(&mut self, mut data: &[u8]) -> io::Result<usize> {
+        (**self).read_tls(&mut data)
+    }
+
+    fn process(&mut self) -> io::Result<()> {
+        self.process_new_packets().map(|_| ()).map_err(invalid)
+    }
+
+    fn write_tls(&mut self, mut w: &mut dyn Write) -> io::Result<usize> {
+        (**self).write_tls(&mut w)
+    }
+
+    fn read_plain(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.reader().read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(0),
+            r => r,
+        }
+    }
+
+    fn write_plain(&mut self, iov: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.writer().write_vectored(iov)
+    }
+
+    fn send_close_notify(&mut self) {
+        (**self).send_close_notify()
+    }
 }
 
 /// Where the server's credentials are.
@@ -110,11 +173,35 @@ impl Tls {
                 None => String::new(),
             }
         );
-        Ok(Tls { mode, config: Arc::new(config), summary })
+        Ok(Tls { mode, creds: Creds::X509(Arc::new(config)), summary })
+    }
+
+    /// Pre-shared keys from a psktool-style file (`username:hexkey` lines), served with OpenSSL.
+    pub fn psk(mode: TlsMode, file: &Path) -> Result<Tls, String> {
+        let keys = PskKeys::load(file)?;
+        let summary = format!(
+            "TLS {} (PSK: {} user{} in {})",
+            if mode == TlsMode::Require { "required" } else { "offered, plain allowed" },
+            keys.len(),
+            if keys.len() == 1 { "" } else { "s" },
+            file.display()
+        );
+        Ok(Tls { mode, creds: Creds::Psk(PskServer::new(keys)?), summary })
+    }
+
+    fn session(&self) -> io::Result<Box<dyn Engine>> {
+        match &self.creds {
+            Creds::X509(config) => {
+                let mut conn = ServerConnection::new(config.clone()).map_err(invalid)?;
+                conn.set_buffer_limit(Some(TLS_BUFFER));
+                Ok(Box::new(conn))
+            }
+            Creds::Psk(server) => server.session(),
+        }
     }
 }
 
-/// Ciphertext read from the socket and not yet given to rustls. Only the reader uses it.
+/// Ciphertext read from the socket and not yet given to the engine. Only the reader uses it.
 struct Rx {
     buf: Vec<u8>,
     start: usize,
@@ -124,7 +211,7 @@ struct Rx {
 /// A connection after STARTTLS: everything goes through `conn`.
 pub struct TlsStream {
     sock: Stream,
-    conn: Mutex<ServerConnection>,
+    conn: Mutex<Box<dyn Engine>>,
     rx: Mutex<Rx>,
 }
 
@@ -169,11 +256,9 @@ fn wait_writable(fd: i32) -> io::Result<()> {
 impl TlsStream {
     /// Runs the TLS handshake as the server on `sock` (the STARTTLS ACK already sent).
     pub fn accept(sock: Stream, tls: &Tls) -> io::Result<TlsStream> {
-        let mut conn = ServerConnection::new(tls.config.clone()).map_err(invalid)?;
-        conn.set_buffer_limit(Some(TLS_BUFFER));
         let t = TlsStream {
             sock,
-            conn: Mutex::new(conn),
+            conn: Mutex::new(tls.session()?),
             rx: Mutex::new(Rx { buf: vec![0; RX_BUFFER], start: 0, end: 0 }),
         };
         let mut rx = t.rx.lock().unwrap();
@@ -222,19 +307,19 @@ impl TlsStream {
         }
     }
 
-    /// Gives buffered ciphertext to rustls and lets it decrypt; whatever rustls
+    /// Gives buffered ciphertext to the engine and lets it work; whatever it
     /// has to say back (an alert, a key update) is sent if the socket takes it now.
     fn feed(&self, rx: &mut Rx) -> io::Result<()> {
         let mut conn = self.conn.lock().unwrap();
-        let n = conn.read_tls(&mut &rx.buf[rx.start..rx.end])?;
+        let n = conn.read_tls(&rx.buf[rx.start..rx.end])?;
         rx.start += n;
-        let processed = conn.process_new_packets();
-        let _ = self.flush_locked(&mut conn);
-        processed.map(|_| ()).map_err(invalid)
+        let processed = conn.process();
+        let _ = self.flush_locked(&mut **conn);
+        processed
     }
 
-    /// Sends the ciphertext rustls holds: true when all went, false when the socket is full.
-    fn flush_locked(&self, conn: &mut ServerConnection) -> io::Result<bool> {
+    /// Sends the ciphertext the engine holds: true when all went, false when the socket is full.
+    fn flush_locked(&self, conn: &mut dyn Engine) -> io::Result<bool> {
         while conn.wants_write() {
             match conn.write_tls(&mut SocketWriter(&self.sock)) {
                 Ok(_) => {}
@@ -249,7 +334,7 @@ impl TlsStream {
     /// Sends all pending ciphertext, waiting for the socket without holding the lock.
     pub fn flush_all(&self) -> io::Result<()> {
         loop {
-            if self.flush_locked(&mut self.conn.lock().unwrap())? {
+            if self.flush_locked(&mut **self.conn.lock().unwrap())? {
                 return Ok(());
             }
             wait_writable(self.sock.as_raw_fd())?;
@@ -263,10 +348,10 @@ impl TlsStream {
 
     /// Encrypts plaintext from `slices` (past `skip`) and sends it. Returns the
     /// plaintext bytes taken. Non-blocking: WouldBlock while older ciphertext
-    /// still waits for the socket; what does not fit now stays queued in rustls.
+    /// still waits for the socket; what does not fit now stays queued in the engine.
     pub fn send_from(&self, slices: &[&[u8]], mut skip: usize, blocking: bool) -> io::Result<usize> {
         let mut conn = self.conn.lock().unwrap();
-        while !self.flush_locked(&mut conn)? {
+        while !self.flush_locked(&mut **conn)? {
             if !blocking {
                 return Err(io::ErrorKind::WouldBlock.into());
             }
@@ -283,8 +368,8 @@ impl TlsStream {
             iov.push(IoSlice::new(&s[skip..]));
             skip = 0;
         }
-        let n = conn.writer().write_vectored(&iov)?;
-        let all_out = self.flush_locked(&mut conn)?;
+        let n = conn.write_plain(&iov)?;
+        let all_out = self.flush_locked(&mut **conn)?;
         drop(conn);
         if !all_out && blocking {
             self.flush_all()?;
@@ -296,10 +381,9 @@ impl TlsStream {
     pub fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
         let mut rx = self.rx.lock().unwrap();
         loop {
-            match self.conn.lock().unwrap().reader().read(buf) {
+            match self.conn.lock().unwrap().read_plain(buf) {
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(0),
                 Err(e) => return Err(e),
             }
             if rx.start == rx.end && !self.fill(&mut rx)? {
@@ -313,7 +397,7 @@ impl TlsStream {
     pub fn close(&self) {
         let mut conn = self.conn.lock().unwrap();
         conn.send_close_notify();
-        let _ = self.flush_locked(&mut conn);
+        let _ = self.flush_locked(&mut **conn);
     }
 
     pub fn socket(&self) -> &Stream {

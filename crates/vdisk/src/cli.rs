@@ -119,7 +119,8 @@ pub struct SecurityArgs {
     #[arg(long, value_enum, value_name = "MODE")]
     pub tls: Option<TlsArg>,
     /// Directory with server-cert.pem and server-key.pem (and ca-cert.pem for
-    /// --tls-verify-peer), the layout of qemu's tls-creds-x509 dir=.
+    /// --tls-verify-peer), the layout of qemu's tls-creds-x509 dir=; or with
+    /// keys.psk alone, qemu's tls-creds-psk dir= (then as --tls-psk).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["tls_cert", "tls_key"])]
     pub tls_certificates: Option<PathBuf>,
     /// The server's certificate chain (PEM); with --tls-key, instead of --tls-certificates.
@@ -135,6 +136,10 @@ pub struct SecurityArgs {
     /// The CA that client certificates must chain to (implies --tls-verify-peer).
     #[arg(long, value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
+    /// TLS with pre-shared keys instead of certificates: a file of
+    /// `username:hexkey` lines (psktool's format, qemu's keys.psk), not readable by others.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["tls_certificates", "tls_cert", "tls_verify_peer", "tls_ca"])]
+    pub tls_psk: Option<PathBuf>,
     /// Name of each export, once per image in order (default: the file stem).
     #[arg(long, value_name = "NAME")]
     pub export_name: Vec<String>,

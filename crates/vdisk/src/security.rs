@@ -11,7 +11,7 @@ use crate::Failure;
 
 /// The handshake policy the flags ask for; bad or missing credentials are a usage error.
 pub fn policy(a: &SecurityArgs) -> Result<Policy, Failure> {
-    let have_creds = a.tls_certificates.is_some() || a.tls_cert.is_some();
+    let have_creds = a.tls_certificates.is_some() || a.tls_cert.is_some() || a.tls_psk.is_some();
     let mode = match a.tls {
         Some(TlsArg::Off) => None,
         Some(TlsArg::On) => Some(TlsMode::On),
@@ -33,6 +33,30 @@ pub fn policy(a: &SecurityArgs) -> Result<Policy, Failure> {
 }
 
 fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {
+    if let Some(file) = &a.tls_psk {
+        return Tls::psk(mode, file).map_err(Failure::usage);
+    }
+    if let Some(dir) = &a.tls_certificates {
+        let psk = dir.join("keys.psk");
+        if psk.exists() {
+            if dir.join("server-cert.pem").exists() {
+                return Err(Failure::usage(format!(
+                    "{} holds both keys.psk and server-cert.pem: give --tls-psk {} for pre-shared keys, \
+                     or move keys.psk away for certificates",
+                    dir.display(),
+                    psk.display()
+                )));
+            }
+            if verify {
+                return Err(Failure::usage(format!(
+                    "{} holds pre-shared keys (keys.psk), which authenticate clients already: \
+                     drop --tls-verify-peer/--tls-ca",
+                    dir.display()
+                )));
+            }
+            return Tls::psk(mode, &psk).map_err(Failure::usage);
+        }
+    }
     let files = match (&a.tls_certificates, &a.tls_cert, &a.tls_key) {
         (Some(dir), _, _) => {
             let need = |name: &str| {
@@ -42,7 +66,7 @@ fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {
                 } else {
                     Err(Failure::usage(format!(
                         "{} is missing: --tls-certificates {} must hold server-cert.pem and server-key.pem \
-                         (and ca-cert.pem for --tls-verify-peer)",
+                         (and ca-cert.pem for --tls-verify-peer), or keys.psk for pre-shared keys",
                         p.display(),
                         dir.display()
                     )))
@@ -70,7 +94,7 @@ fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {
         _ => {
             return Err(Failure::usage(
                 "TLS needs a certificate: --tls-certificates DIR (server-cert.pem, server-key.pem) \
-                 or --tls-cert FILE --tls-key FILE",
+                 or --tls-cert FILE --tls-key FILE; or pre-shared keys: --tls-psk FILE",
             ))
         }
     };
