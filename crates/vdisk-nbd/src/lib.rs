@@ -12,6 +12,7 @@ pub mod fuzzing;
 pub mod handshake;
 mod outbox;
 pub mod proto;
+#[cfg(feature = "psk")]
 pub mod psk;
 mod reply;
 mod stream;

@@ -28,6 +28,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig, ServerConnection};
 
+#[cfg(feature = "psk")]
 use crate::psk::{PskKeys, PskServer};
 use crate::stream::Stream;
 
@@ -50,6 +51,7 @@ pub struct Tls {
 
 enum Creds {
     X509(Arc<ServerConfig>),
+    #[cfg(feature = "psk")]
     Psk(PskServer),
 }
 
@@ -177,6 +179,7 @@ impl Tls {
     }
 
     /// Pre-shared keys from a psktool-style file (`username:hexkey` lines), served with OpenSSL.
+    #[cfg(feature = "psk")]
     pub fn psk(mode: TlsMode, file: &Path) -> Result<Tls, String> {
         let keys = PskKeys::load(file)?;
         let summary = format!(
@@ -189,6 +192,16 @@ impl Tls {
         Ok(Tls { mode, creds: Creds::Psk(PskServer::new(keys)?), summary })
     }
 
+    /// This build has no OpenSSL: say how to get one that has.
+    #[cfg(not(feature = "psk"))]
+    pub fn psk(_mode: TlsMode, file: &Path) -> Result<Tls, String> {
+        Err(format!(
+            "{}: this vdisk was built without pre-shared keys; rebuild with `cargo build --release --features psk` \
+             (needs libssl-dev and pkg-config), or use X.509 certificates (--tls-certificates DIR)",
+            file.display()
+        ))
+    }
+
     fn session(&self) -> io::Result<Box<dyn Engine>> {
         match &self.creds {
             Creds::X509(config) => {
@@ -196,6 +209,7 @@ impl Tls {
                 conn.set_buffer_limit(Some(TLS_BUFFER));
                 Ok(Box::new(conn))
             }
+            #[cfg(feature = "psk")]
             Creds::Psk(server) => server.session(),
         }
     }

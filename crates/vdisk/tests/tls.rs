@@ -426,162 +426,172 @@ fn nbdcopy_over_tls_round_trips_the_data() {
     assert_same("the image", &read_file(&img), &data);
 }
 
-/// A psktool-style keys.psk in its own directory (qemu's tls-creds-psk dir=), mode 600.
-fn psk_dir(dir: &TempDir, tag: &str, lines: &[(&str, &str)]) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let d = dir.path(tag);
-    std::fs::create_dir_all(&d).unwrap();
-    let text: String = lines.iter().map(|(user, key)| format!("{user}:{key}\n")).collect();
-    let file = d.join("keys.psk");
-    write(file.clone(), &text);
-    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
-    d
-}
+/// Pre-shared keys (built with `--features psk`, as scripts/test does).
+#[cfg(feature = "psk")]
+mod psk {
+    use super::*;
 
-/// 32 random bytes in hex, as psktool makes them.
-fn random_key() -> String {
-    let mut b = [0u8; 32];
-    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut b).unwrap();
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// qemu-io with a tls-creds-psk object (`extra`: more of its properties, e.g. a GnuTLS priority).
-fn qemu_io_psk(server: &Server, keys: &Path, user: &str, extra: &str, cmds: &[&str]) -> std::process::Output {
-    let obj = format!("tls-creds-psk,id=tls0,endpoint=client,dir={},username={user}{extra}", keys.display());
-    let opts =
-        format!("driver=nbd,server.type=unix,server.path={},export=disk,tls-creds=tls0", server.socket.display());
-    let mut args = vec!["--object", &obj, "--image-opts", &opts];
-    for c in cmds {
-        args.extend_from_slice(&["-c", c]);
+    /// A psktool-style keys.psk in its own directory (qemu's tls-creds-psk dir=), mode 600.
+    fn psk_dir(dir: &TempDir, tag: &str, lines: &[(&str, &str)]) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir.path(tag);
+        std::fs::create_dir_all(&d).unwrap();
+        let text: String = lines.iter().map(|(user, key)| format!("{user}:{key}\n")).collect();
+        let file = d.join("keys.psk");
+        write(file.clone(), &text);
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        d
     }
-    output("qemu-io", &args)
-}
 
-/// libnbd's PSK URI: the username is the URI's user part (libnbd 1.14 has no tls-username parameter).
-fn psk_uri(server: &Server, user: &str, keys: &Path) -> String {
-    format!(
-        "nbds+unix://{user}@/disk?socket={}&tls-psk-file={}",
-        server.socket.display(),
-        keys.join("keys.psk").display()
-    )
-}
+    /// 32 random bytes in hex, as psktool makes them.
+    fn random_key() -> String {
+        let mut b = [0u8; 32];
+        std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut b).unwrap();
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
 
-/// GnuTLS limited to TLS 1.2 PSK suites (its default is TLS 1.3 external PSK).
-const TLS12_ONLY: &str = ",priority=NORMAL:-VERS-ALL:+VERS-TLS1.2:+ECDHE-PSK:+DHE-PSK:+PSK";
-
-#[test]
-fn psk_serves_qemu_and_libnbd_and_refuses_wrong_keys() {
-    let dir = TempDir::new("tls-psk");
-    let key = random_key();
-    let keys = psk_dir(&dir, "server", &[("carol", &random_key()), ("alice", &key)]);
-    let img = dir.path("disk.img");
-    create_image(&img, "16M");
-    let file = keys.join("keys.psk");
-    let server = Server::start(&dir, &[s(&img), "--tls=require", "--tls-psk", s(&file)]);
-    assert!(server.stdout.iter().any(|l| l.contains("TLS required (PSK: 2 users")), "banner: {:#?}", server.stdout);
-
-    // qemu-io (GnuTLS, TLS 1.3 external PSK) writes and reads back; then over TLS 1.2 PSK suites.
-    let client = psk_dir(&dir, "client", &[("alice", &key)]);
-    let out = qemu_io_psk(
-        &server,
-        &client,
-        "alice",
-        "",
-        &["write -P 0x5a 0 1M", "write -P 0x33 8M 64k", "read -P 0x5a 0 1M", "read -P 0x33 8M 64k", "flush"],
-    );
-    assert_io_ok(&out, "qemu-io with tls-creds-psk");
-    let out = qemu_io_psk(&server, &client, "alice", TLS12_ONLY, &["read -P 0x33 8M 64k", "write -P 0x44 2M 4k"]);
-    assert_io_ok(&out, "qemu-io with tls-creds-psk over TLS 1.2");
-
-    // libnbd: nbdinfo and nbdsh with tls-psk-file.
-    let uri = psk_uri(&server, "alice", &client);
-    let out = nbdinfo(&["--json", &uri]);
-    assert!(out.status.success(), "nbdinfo {uri}:\n{}", text(&out));
-    assert_eq!(json(&String::from_utf8_lossy(&out.stdout))["exports"][0]["export-size"], 16 * MIB as u64);
-    let got = nbdsh_tls(&uri, "print(h.pread(4096, 2 << 20)[:4].hex())\nh.pwrite(b'\\x77' * 4096, 4 << 20)\nh.flush()");
-    assert_eq!(got.trim(), "44444444");
-
-    // A wrong key and an unknown user are refused, by both clients and both TLS versions.
-    let wrong = psk_dir(&dir, "wrong", &[("alice", &random_key())]);
-    let stranger = psk_dir(&dir, "stranger", &[("mallory", &key)]);
-    for (keys, user) in [(&wrong, "alice"), (&stranger, "mallory")] {
-        for prio in ["", TLS12_ONLY] {
-            let out = qemu_io_psk(&server, keys, user, prio, &["read -v 0 512"]);
-            assert!(
-                !out.status.success(),
-                "qemu-io as {user} from {} {prio} connected:\n{}",
-                keys.display(),
-                text(&out)
-            );
-            assert!(!String::from_utf8_lossy(&out.stdout).contains("5a 5a"), "{}", text(&out));
+    /// qemu-io with a tls-creds-psk object (`extra`: more of its properties, e.g. a GnuTLS priority).
+    fn qemu_io_psk(server: &Server, keys: &Path, user: &str, extra: &str, cmds: &[&str]) -> std::process::Output {
+        let obj = format!("tls-creds-psk,id=tls0,endpoint=client,dir={},username={user}{extra}", keys.display());
+        let opts =
+            format!("driver=nbd,server.type=unix,server.path={},export=disk,tls-creds=tls0", server.socket.display());
+        let mut args = vec!["--object", &obj, "--image-opts", &opts];
+        for c in cmds {
+            args.extend_from_slice(&["-c", c]);
         }
-        let out = nbdinfo(&[&psk_uri(&server, user, keys)]);
-        assert!(!out.status.success(), "nbdinfo as {user} from {} connected:\n{}", keys.display(), text(&out));
+        output("qemu-io", &args)
     }
 
-    // Plain clients get nothing with --tls=require.
-    let out = output("qemu-io", &["-f", "raw", &server.uri("disk"), "-c", "read -v 0 512"]);
-    assert!(!out.status.success(), "plain qemu-io read against --tls=require:\n{}", text(&out));
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("5a 5a"), "plain qemu-io got data:\n{}", text(&out));
-    let out = nbdinfo(&["--list", &server.uri("")]);
-    assert!(!out.status.success(), "plain nbdinfo --list succeeded:\n{}", text(&out));
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("disk"), "plain nbdinfo learnt the export name");
+    /// libnbd's PSK URI: the username is the URI's user part (libnbd 1.14 has no tls-username parameter).
+    fn psk_uri(server: &Server, user: &str, keys: &Path) -> String {
+        format!(
+            "nbds+unix://{user}@/disk?socket={}&tls-psk-file={}",
+            server.socket.display(),
+            keys.join("keys.psk").display()
+        )
+    }
 
-    // The server goes on serving the right client, and nothing else reached the disk.
-    let out = qemu_io_psk(&server, &client, "alice", "", &["read -P 0x77 4M 4k", "read -P 0x5a 0 1M"]);
-    assert_io_ok(&out, "reading back with the right key");
-    server.stop();
-}
+    /// GnuTLS limited to TLS 1.2 PSK suites (its default is TLS 1.3 external PSK).
+    const TLS12_ONLY: &str = ",priority=NORMAL:-VERS-ALL:+VERS-TLS1.2:+ECDHE-PSK:+DHE-PSK:+PSK";
 
-/// qemu's tls-creds-psk directory as --tls-certificates, with --tls=on: PSK
-/// and plain clients both served; nbdcopy (4 connections, many requests in
-/// flight) round-trips data through OpenSSL.
-#[test]
-fn psk_from_a_qemu_creds_dir_with_nbdcopy() {
-    let dir = TempDir::new("tls-psk-dir");
-    let keys = psk_dir(&dir, "keys", &[("bob", &random_key())]);
-    let img = dir.path("disk.img");
-    create_image(&img, "24M");
-    let server = Server::start(&dir, &[s(&img), "--tls=on", "--tls-certificates", s(&keys)]);
-    assert!(server.stdout.iter().any(|l| l.contains("PSK: 1 user")), "banner: {:#?}", server.stdout);
-    let data = pattern(24 * MIB, 0x2545_f491_4f6c_dd1d);
-    let src = dir.path("src.bin");
-    std::fs::write(&src, &data).unwrap();
-    let uri = psk_uri(&server, "bob", &keys);
-    run("nbdcopy", &["--connections=4", s(&src), &uri]);
-    let back = dir.path("back.bin");
-    run("nbdcopy", &["--connections=4", &uri, s(&back)]);
-    assert_same("nbdcopy over TLS-PSK", &read_file(&back), &data);
-    // A plain client is served too with --tls=on, and sees the same data.
-    let out = output("qemu-io", &["-f", "raw", &server.uri("disk"), "-c", "read -v 0 8"]);
-    let want: String = data[..8].iter().map(|b| format!("{b:02x} ")).collect();
-    assert!(text(&out).contains(want.trim()), "plain read with --tls=on (want {want}):\n{}", text(&out));
-    server.stop();
-    assert_same("the image", &read_file(&img), &data);
-}
+    #[test]
+    fn psk_serves_qemu_and_libnbd_and_refuses_wrong_keys() {
+        let dir = TempDir::new("tls-psk");
+        let key = random_key();
+        let keys = psk_dir(&dir, "server", &[("carol", &random_key()), ("alice", &key)]);
+        let img = dir.path("disk.img");
+        create_image(&img, "16M");
+        let file = keys.join("keys.psk");
+        let server = Server::start(&dir, &[s(&img), "--tls=require", "--tls-psk", s(&file)]);
+        assert!(server.stdout.iter().any(|l| l.contains("TLS required (PSK: 2 users")), "banner: {:#?}", server.stdout);
 
-#[test]
-fn bad_psk_settings_are_refused_at_startup() {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = TempDir::new("tls-psk-bad");
-    let img = dir.path("disk.img");
-    create_image(&img, "1M");
-    let keys = psk_dir(&dir, "keys", &[("alice", &random_key())]);
-    let file = keys.join("keys.psk");
-    let pki = Pki::new(&dir, "a");
-    std::fs::copy(&file, pki.server.join("keys.psk")).unwrap();
-    let garbage = psk_dir(&dir, "garbage", &[("alice", "12345")]).join("keys.psk");
-    let missing = dir.path("nope.psk");
-    let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["--tls-psk", s(&file), "--tls-verify-peer"], "cannot be used with"),
-        (vec!["--tls-certificates", s(&keys), "--tls-verify-peer"], "authenticate clients already"),
-        (vec!["--tls-certificates", s(&pki.server)], "both keys.psk and server-cert.pem"),
-        (vec!["--tls-psk", s(&garbage)], "line 1"),
-        (vec!["--tls-psk", s(&missing)], "nope.psk"),
-    ];
-    refused_at_startup(&img, &cases);
-    // Keys anyone may read are refused, naming the file and the fix.
-    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let world_readable = format!("{} is readable by every user", file.display());
-    refused_at_startup(&img, &[(vec!["--tls-psk", s(&file)], &world_readable), (vec!["--tls-psk", s(&file)], "chmod")]);
+        // qemu-io (GnuTLS, TLS 1.3 external PSK) writes and reads back; then over TLS 1.2 PSK suites.
+        let client = psk_dir(&dir, "client", &[("alice", &key)]);
+        let out = qemu_io_psk(
+            &server,
+            &client,
+            "alice",
+            "",
+            &["write -P 0x5a 0 1M", "write -P 0x33 8M 64k", "read -P 0x5a 0 1M", "read -P 0x33 8M 64k", "flush"],
+        );
+        assert_io_ok(&out, "qemu-io with tls-creds-psk");
+        let out = qemu_io_psk(&server, &client, "alice", TLS12_ONLY, &["read -P 0x33 8M 64k", "write -P 0x44 2M 4k"]);
+        assert_io_ok(&out, "qemu-io with tls-creds-psk over TLS 1.2");
+
+        // libnbd: nbdinfo and nbdsh with tls-psk-file.
+        let uri = psk_uri(&server, "alice", &client);
+        let out = nbdinfo(&["--json", &uri]);
+        assert!(out.status.success(), "nbdinfo {uri}:\n{}", text(&out));
+        assert_eq!(json(&String::from_utf8_lossy(&out.stdout))["exports"][0]["export-size"], 16 * MIB as u64);
+        let got =
+            nbdsh_tls(&uri, "print(h.pread(4096, 2 << 20)[:4].hex())\nh.pwrite(b'\\x77' * 4096, 4 << 20)\nh.flush()");
+        assert_eq!(got.trim(), "44444444");
+
+        // A wrong key and an unknown user are refused, by both clients and both TLS versions.
+        let wrong = psk_dir(&dir, "wrong", &[("alice", &random_key())]);
+        let stranger = psk_dir(&dir, "stranger", &[("mallory", &key)]);
+        for (keys, user) in [(&wrong, "alice"), (&stranger, "mallory")] {
+            for prio in ["", TLS12_ONLY] {
+                let out = qemu_io_psk(&server, keys, user, prio, &["read -v 0 512"]);
+                assert!(
+                    !out.status.success(),
+                    "qemu-io as {user} from {} {prio} connected:\n{}",
+                    keys.display(),
+                    text(&out)
+                );
+                assert!(!String::from_utf8_lossy(&out.stdout).contains("5a 5a"), "{}", text(&out));
+            }
+            let out = nbdinfo(&[&psk_uri(&server, user, keys)]);
+            assert!(!out.status.success(), "nbdinfo as {user} from {} connected:\n{}", keys.display(), text(&out));
+        }
+
+        // Plain clients get nothing with --tls=require.
+        let out = output("qemu-io", &["-f", "raw", &server.uri("disk"), "-c", "read -v 0 512"]);
+        assert!(!out.status.success(), "plain qemu-io read against --tls=require:\n{}", text(&out));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("5a 5a"), "plain qemu-io got data:\n{}", text(&out));
+        let out = nbdinfo(&["--list", &server.uri("")]);
+        assert!(!out.status.success(), "plain nbdinfo --list succeeded:\n{}", text(&out));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("disk"), "plain nbdinfo learnt the export name");
+
+        // The server goes on serving the right client, and nothing else reached the disk.
+        let out = qemu_io_psk(&server, &client, "alice", "", &["read -P 0x77 4M 4k", "read -P 0x5a 0 1M"]);
+        assert_io_ok(&out, "reading back with the right key");
+        server.stop();
+    }
+
+    /// qemu's tls-creds-psk directory as --tls-certificates, with --tls=on: PSK
+    /// and plain clients both served; nbdcopy (4 connections, many requests in
+    /// flight) round-trips data through OpenSSL.
+    #[test]
+    fn psk_from_a_qemu_creds_dir_with_nbdcopy() {
+        let dir = TempDir::new("tls-psk-dir");
+        let keys = psk_dir(&dir, "keys", &[("bob", &random_key())]);
+        let img = dir.path("disk.img");
+        create_image(&img, "24M");
+        let server = Server::start(&dir, &[s(&img), "--tls=on", "--tls-certificates", s(&keys)]);
+        assert!(server.stdout.iter().any(|l| l.contains("PSK: 1 user")), "banner: {:#?}", server.stdout);
+        let data = pattern(24 * MIB, 0x2545_f491_4f6c_dd1d);
+        let src = dir.path("src.bin");
+        std::fs::write(&src, &data).unwrap();
+        let uri = psk_uri(&server, "bob", &keys);
+        run("nbdcopy", &["--connections=4", s(&src), &uri]);
+        let back = dir.path("back.bin");
+        run("nbdcopy", &["--connections=4", &uri, s(&back)]);
+        assert_same("nbdcopy over TLS-PSK", &read_file(&back), &data);
+        // A plain client is served too with --tls=on, and sees the same data.
+        let out = output("qemu-io", &["-f", "raw", &server.uri("disk"), "-c", "read -v 0 8"]);
+        let want: String = data[..8].iter().map(|b| format!("{b:02x} ")).collect();
+        assert!(text(&out).contains(want.trim()), "plain read with --tls=on (want {want}):\n{}", text(&out));
+        server.stop();
+        assert_same("the image", &read_file(&img), &data);
+    }
+
+    #[test]
+    fn bad_psk_settings_are_refused_at_startup() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = TempDir::new("tls-psk-bad");
+        let img = dir.path("disk.img");
+        create_image(&img, "1M");
+        let keys = psk_dir(&dir, "keys", &[("alice", &random_key())]);
+        let file = keys.join("keys.psk");
+        let pki = Pki::new(&dir, "a");
+        std::fs::copy(&file, pki.server.join("keys.psk")).unwrap();
+        let garbage = psk_dir(&dir, "garbage", &[("alice", "12345")]).join("keys.psk");
+        let missing = dir.path("nope.psk");
+        let cases: Vec<(Vec<&str>, &str)> = vec![
+            (vec!["--tls-psk", s(&file), "--tls-verify-peer"], "cannot be used with"),
+            (vec!["--tls-certificates", s(&keys), "--tls-verify-peer"], "authenticate clients already"),
+            (vec!["--tls-certificates", s(&pki.server)], "both keys.psk and server-cert.pem"),
+            (vec!["--tls-psk", s(&garbage)], "line 1"),
+            (vec!["--tls-psk", s(&missing)], "nope.psk"),
+        ];
+        refused_at_startup(&img, &cases);
+        // Keys anyone may read are refused, naming the file and the fix.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let world_readable = format!("{} is readable by every user", file.display());
+        refused_at_startup(
+            &img,
+            &[(vec!["--tls-psk", s(&file)], &world_readable), (vec!["--tls-psk", s(&file)], "chmod")],
+        );
+    }
 }
