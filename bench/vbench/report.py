@@ -356,7 +356,7 @@ def md_rss(results):
             add(f"{k.split('|')[1]} (overlay)", c.get("rss_mib"))
     if not peak:
         return []
-    out = ["### 5. Peak RSS per server (largest VmHWM over all its runs)\n",
+    out = ["### 6. Peak RSS per server (largest VmHWM over all its runs)\n",
            "| server | peak RSS MiB |", "| --- | ---: |"]
     for label, v in peak.items():
         out.append(f"| {label} | {fmt_mib(v)} |")
