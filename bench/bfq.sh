@@ -37,7 +37,7 @@ sync
 run() {  # SCHED ENGINE JOB
     echo "$1" > "$sched"
     rm -f "$sock"
-    "$vdisk" serve "$img" --socket "$sock" --direct --engine "$2" -q >/dev/null &
+    "$vdisk" serve "$img" --socket "$sock" --direct --engine "$2" -q >/dev/null 2>&1 &
     pid=$!
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
     echo 3 > /proc/sys/vm/drop_caches
