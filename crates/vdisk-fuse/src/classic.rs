@@ -4,7 +4,9 @@
 //!
 //! A reader reads with two iovecs, 80 bytes then a 1 MiB pooled buffer: a
 //! WRITE's header is exactly 80 bytes, so its data lands 4 KiB-aligned in a
-//! buffer the engine takes as it is (no copy). A reader keeps reading until
+//! buffer the engine takes as it is (no copy; writes up to 64 KiB are copied
+//! into a buffer of their size instead, so small writes in flight do not each
+//! hold 1 MiB). A reader keeps reading until
 //! nothing is waiting (the descriptor is non-blocking), then hands the whole
 //! batch to the engine and waits in poll(2). Completions are answered by the
 //! engine thread that finished them, through [`FdSink`].
@@ -20,6 +22,10 @@ use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
 
 /// Most requests a reader hands the engine at once.
 const BATCH: usize = 64;
+/// WRITE data up to this size is copied out of the reader's 1 MiB buffer (a
+/// 4 KiB write would otherwise hold a whole 1 MiB buffer while in flight);
+/// larger writes take the buffer itself.
+const COPY_MAX: usize = 64 << 10;
 
 /// Answers on one /dev/fuse descriptor.
 pub struct FdSink {
@@ -159,8 +165,13 @@ impl Reader {
                         if data as u64 != req.len {
                             Action::Reply(libc::EINVAL, Vec::new())
                         } else {
-                            req.buf = std::mem::replace(&mut self.payload, fresh_payload());
-                            req.buf.set_len(data);
+                            req.buf = if data <= COPY_MAX {
+                                Buf::from_slice(&self.payload[..data])
+                            } else {
+                                let mut buf = std::mem::replace(&mut self.payload, fresh_payload());
+                                buf.set_len(data);
+                                buf
+                            };
                             Action::Submit(req)
                         }
                     }
