@@ -100,10 +100,15 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     };
     if let Some(path) = &socket {
         listeners.push(Listener::Unix(bind_unix(path, a.socket_mode, "--socket")?, path.clone()));
-        let uri = format!("nbd+unix:///{first}?socket={}", path.display());
         banner.push(format!("vdisk: listening on unix socket {}", path.display()));
-        banner.push(format!("  try: nbdinfo '{uri}'"));
-        banner.push(format!("       qemu-img info '{uri}'"));
+        if tls_summary.is_some() {
+            let uri = format!("nbds+unix:///{first}?socket={}", path.display());
+            banner.push(format!("  try: nbdinfo '{uri}'  (with the client's TLS credentials: README, Security)"));
+        } else {
+            let uri = format!("nbd+unix:///{first}?socket={}", path.display());
+            banner.push(format!("  try: nbdinfo '{uri}'"));
+            banner.push(format!("       qemu-img info '{uri}'"));
+        }
     }
     if let Some(addr) = &a.listen {
         let addr = parse_listen(addr)?;
@@ -114,7 +119,8 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         })?;
         listeners.push(Listener::Tcp(l));
         banner.push(format!("vdisk: listening on tcp {addr}"));
-        banner.push(format!("  try: nbdinfo nbd://{addr}/{first}"));
+        let scheme = if tls_summary.is_some() { "nbds" } else { "nbd" };
+        banner.push(format!("  try: nbdinfo {scheme}://{addr}/{first}"));
     }
 
     for e in &exports {
