@@ -287,6 +287,9 @@ impl Planner {
     /// Syncs the image's written file, then its metadata: data before the
     /// metadata that points at it.
     pub fn flush(&self) -> Result<()> {
+        if let Some(e) = self.faults.as_ref().and_then(|f| f.check_flush(&self.describe(0))) {
+            return Err(e);
+        }
         self.sync_files()?;
         self.image.sync_metadata()
     }

@@ -277,6 +277,12 @@ impl RingWorker {
         for &k in &keys {
             let slot = self.jobs.get_mut(k);
             if slot.job.0.op == Op::Flush {
+                if let Some(e) = self.planner.faults.as_ref().and_then(|f| f.check_flush(&self.planner.describe(0))) {
+                    // Failed before the fsync, like a failed fsync: no metadata round.
+                    slot.job.0.error = Some(e);
+                    self.finish(k);
+                    continue;
+                }
                 // File 0 is the only one writes reach.
                 slot.pending += 1;
                 let op = self.ops.insert(OpKind::Fsync { job: k });

@@ -1,7 +1,8 @@
-//! A failing backing store: a file system that fills up (a real 8 MiB tmpfs),
-//! a disk that fails reads and writes (the engine's fault injection,
-//! `VDISK_FAULTS`: this kernel has no device-mapper for dm-error), and a COW
-//! overlay's backing file deleted or truncated while it is served. The client
+//! A failing backing store: a file system that fills up (a real 8 MiB tmpfs,
+//! under a raw image or under a COW overlay alone), a disk that fails reads,
+//! writes and flushes (the engine's fault injection, `VDISK_FAULTS`: this
+//! kernel has no device-mapper for dm-error), and a COW overlay's backing file
+//! deleted or truncated while it is served. The client
 //! gets ENOSPC or EIO for the requests that failed, everything else keeps
 //! working, and the server neither panics nor hangs: each test ends with a
 //! clean SIGTERM stop (exit 0). docs/design.md ("Reliability") lists which
@@ -170,4 +171,208 @@ fn backing_file_deleted_or_truncated_under_a_running_overlay() {
     c.assert_alive();
     c.disconnect();
     server.stop();
+}
+
+const UMIB: usize = MIB as usize;
+const UKIB: usize = KIB as usize;
+
+/// An image to serve holding `base`: a raw file, or a new COW overlay (in
+/// `overlay_dir`) over one. Returns the file to serve and its export name.
+fn image_of(dir: &TempDir, cow: bool, base: &[u8], overlay_dir: &Path) -> (PathBuf, &'static str) {
+    let raw = dir.path("base.img");
+    std::fs::write(&raw, base).unwrap();
+    if !cow {
+        return (raw, "base");
+    }
+    let overlay = overlay_dir.join("vm.cow");
+    let out = vdisk(&["create", "--backing", s(&raw), s(&overlay)]);
+    assert!(out.status.success(), "vdisk create: {}", text(&out));
+    (overlay, "vm")
+}
+
+#[test]
+fn a_failed_flush_gets_its_error_and_the_next_flush_makes_the_writes_durable() {
+    // The second flush of the device fails with EIO, the third with ENOSPC;
+    // the fourth succeeds. Then the server is killed (SIGKILL: nothing more
+    // is synced) and a new one must read everything written before it.
+    let base = pattern(40, 8 * UMIB);
+    for engine in ENGINES {
+        for cow in [false, true] {
+            let what = format!("{engine} {}", if cow { "cow" } else { "raw" });
+            let dir = TempDir::new(&format!("flush-{engine}-{cow}"));
+            let (image, name) = image_of(&dir, cow, &base, &dir.0);
+            let args = [s(&image), "--engine", engine];
+            let server = Server::start_env(&dir, &args, &[("VDISK_FAULTS", "flush#2,flush#3=enospc")]);
+            let (mut c, _) = Client::open(&server.socket, name);
+            let writes = [(0u64, pattern(41, 65536)), (3 * MIB + 512, pattern(42, 1000)), (5 * MIB, pattern(43, 4096))];
+            c.write(writes[0].0, &writes[0].1, 0);
+            c.call(0, CMD_FLUSH, 0, 0, &[]).assert_ok("the first FLUSH");
+            c.write(writes[1].0, &writes[1].1, 0);
+            assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, EIO, "{what}: the second FLUSH");
+            assert_eq!(c.call(0, CMD_FLUSH, 0, 0, &[]).error, ENOSPC, "{what}: the third FLUSH");
+            // Writes and reads go on.
+            c.write(writes[2].0, &writes[2].1, 0);
+            for (off, data) in &writes {
+                assert_eq!(c.read(*off, data.len() as u32), *data, "{what}: read at {off} after the failed FLUSHes");
+            }
+            c.call(0, CMD_FLUSH, 0, 0, &[]).assert_ok("the FLUSH after the failed ones");
+            c.assert_alive();
+            drop(c);
+            let st = server.stop_with(libc::SIGKILL);
+            assert!(!st.success(), "{what}: SIGKILL");
+            let _ = std::fs::remove_file(dir.path("nbd.sock"));
+
+            let server = Server::start(&dir, &args);
+            let (mut c, _) = Client::open(&server.socket, name);
+            let mut want = base.clone();
+            for (off, data) in &writes {
+                want[*off as usize..*off as usize + data.len()].copy_from_slice(data);
+            }
+            let got = c.read(0, want.len() as u32);
+            assert!(
+                got == want,
+                "{what}: after the good FLUSH and a SIGKILL, the disk differs at byte {:?}",
+                first_diff(&got, &want)
+            );
+            c.disconnect();
+            server.stop();
+        }
+    }
+}
+
+fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+#[test]
+fn a_cow_overlay_on_a_full_file_system_never_points_at_data_it_did_not_write() {
+    // The overlay (not the base) lives on an 8 MiB tmpfs, with a 2 MiB filler
+    // file beside it to delete later.
+    const SIZE: usize = 32 * UMIB;
+    let base = pattern(50, SIZE);
+    for engine in ENGINES {
+        let dir = TempDir::new(&format!("cow-enospc-{engine}"));
+        let fs = SmallFs::mount(&dir, "8m");
+        let filler = fs.0.join("filler");
+        std::fs::write(&filler, vec![1u8; 2 * UMIB]).unwrap();
+        let (overlay, name) = image_of(&dir, true, &base, &fs.0);
+        let args = [s(&overlay), "--engine", engine];
+        let server = Server::start(&dir, &args);
+        let (mut c, _) = Client::open(&server.socket, name);
+
+        // What the disk must read: the base, with every acknowledged write.
+        // A failed write may leave each sector old or new, nothing else.
+        let mut want = base.clone();
+        let mut failed: Vec<(u64, Vec<u8>)> = Vec::new();
+        let write = |c: &mut Client,
+                     want: &mut Vec<u8>,
+                     failed: &mut Vec<(u64, Vec<u8>)>,
+                     off: u64,
+                     data: Vec<u8>,
+                     flags: u16| {
+            let r = c.call(flags, CMD_WRITE, off, data.len() as u32, &data);
+            if r.error == 0 {
+                want[off as usize..off as usize + data.len()].copy_from_slice(&data);
+            } else {
+                failed.push((off, data));
+            }
+            r.error
+        };
+        // Whole-sector writes (1 MiB, through the engine; 64 KiB) and
+        // unaligned ones (copy-up of both end sectors) until the file system
+        // is full.
+        let mut offset = 0u64;
+        let mut n = 0u64;
+        let error = loop {
+            let (at, len) = match n % 3 {
+                0 => (offset, UMIB),
+                1 => (offset, 64 * UKIB),
+                _ => (offset + 100, 5000),
+            };
+            let e = write(&mut c, &mut want, &mut failed, at, pattern(60 + n, len), 0);
+            if e != 0 {
+                break e;
+            }
+            offset = (at + len as u64).next_multiple_of(4096) + 4096;
+            n += 1;
+            assert!(offset < 20 * MIB, "{engine}: 20 MiB written to an 8 MiB file system without an error");
+        };
+        assert_eq!(error, ENOSPC, "{engine}: a write to a full overlay");
+        assert!(offset >= 2 * MIB, "{engine}: ENOSPC after only {offset} bytes");
+        // A partial write far away needs a copy-up, which cannot be written.
+        let far = 24 * MIB;
+        assert_eq!(
+            write(&mut c, &mut want, &mut failed, far + 700, pattern(70, 1000), 0),
+            ENOSPC,
+            "{engine}: a copy-up"
+        );
+        assert_eq!(
+            write(&mut c, &mut want, &mut failed, far + 8192, pattern(71, 8192), CMD_FLAG_FUA),
+            ENOSPC,
+            "{engine}: FUA"
+        );
+        // A FLUSH may fail (its bitmap block may need a page); it must not stop anything.
+        let flush = c.call(0, CMD_FLUSH, 0, 0, &[]).error;
+        assert!(flush == 0 || flush == ENOSPC, "{engine}: FLUSH on a full overlay got {flush}");
+        // Acknowledged writes read back, untouched areas read the base, and
+        // the sectors of failed writes read old or new data.
+        check_disk(&mut c, &want, &failed, &format!("{engine}, full"));
+
+        // Free space: delete the filler. Writes, the copy-up and FLUSH work again.
+        std::fs::remove_file(&filler).unwrap();
+        assert_eq!(
+            write(&mut c, &mut want, &mut failed, far + 700, pattern(72, 1000), 0),
+            0,
+            "{engine}: copy-up after freeing"
+        );
+        assert_eq!(
+            write(&mut c, &mut want, &mut failed, offset, pattern(73, 64 * UKIB), CMD_FLAG_FUA),
+            0,
+            "{engine}: a FUA write"
+        );
+        c.call(0, CMD_FLUSH, 0, 0, &[]).assert_ok("FLUSH after freeing space");
+        // TRIM of overlay data punches holes there; the range reads as zeros.
+        c.call(0, CMD_TRIM, 0, MIB as u32, &[]).assert_ok("TRIM");
+        want[..UMIB].fill(0);
+        c.call(0, CMD_FLUSH, 0, 0, &[]).assert_ok("FLUSH after TRIM");
+        check_disk(&mut c, &want, &failed, &format!("{engine}, freed"));
+        c.disconnect();
+        server.stop();
+
+        // A new server reads the same: the bitmap on disk points only at data
+        // that was written.
+        let server = Server::start(&dir, &args);
+        let (mut c, _) = Client::open(&server.socket, name);
+        check_disk(&mut c, &want, &failed, &format!("{engine}, re-served"));
+        c.disconnect();
+        server.stop();
+        drop(fs);
+    }
+}
+
+/// The whole disk equals `want`, except that each 512-byte sector a failed
+/// write touched may hold that write's data instead.
+fn check_disk(c: &mut Client, want: &[u8], failed: &[(u64, Vec<u8>)], what: &str) {
+    let mut got = Vec::with_capacity(want.len());
+    for at in (0..want.len()).step_by(4 * UMIB) {
+        got.extend(c.read(at as u64, (4 * UMIB).min(want.len() - at) as u32));
+    }
+    for sector in (0..want.len()).step_by(512) {
+        let (g, w) = (&got[sector..sector + 512], &want[sector..sector + 512]);
+        if g == w {
+            continue;
+        }
+        // The failed write covering this sector, laid over what it held.
+        let ok = failed.iter().any(|(off, data)| {
+            let (off, end) = (*off as usize, *off as usize + data.len());
+            if end <= sector || off >= sector + 512 {
+                return false;
+            }
+            let mut new = w.to_vec();
+            let (from, to) = (off.max(sector), end.min(sector + 512));
+            new[from - sector..to - sector].copy_from_slice(&data[from - off..to - off]);
+            g == new
+        });
+        assert!(ok, "{what}: sector at byte {sector} holds data never written");
+    }
 }
