@@ -213,15 +213,17 @@ pub struct ServeArgs {
     /// Also (or only, without --socket) listen on TCP; HOST:PORT, :PORT or PORT. Default 127.0.0.1:10809.
     #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:10809", value_name = "HOST:PORT")]
     pub listen: Option<String>,
-    /// Also serve the image as a regular file at PATH through FUSE (created if
-    /// missing; `losetup` turns it into a block device). Once per image, in order.
+    /// Serve the image as a regular file at PATH through FUSE (created if
+    /// missing; `losetup` turns it into a block device). Once per image, in
+    /// order; with --socket or --listen, NBD serves the same device too.
     #[arg(long, value_name = "PATH")]
     pub fuse: Vec<PathBuf>,
     /// Use FUSE-over-io_uring for --fuse (Linux 6.14+, enable_uring=Y) instead of /dev/fuse reads.
     #[arg(long, requires = "fuse")]
     pub fuse_uring: bool,
-    /// Also serve the image to a VM as a vhost-user-blk backend on the unix socket
-    /// SOCKET. Once per image, in order.
+    /// Serve the image to a VM as a vhost-user-blk backend on the unix socket
+    /// SOCKET (QEMU: -chardev socket,path=SOCKET -device vhost-user-blk-pci; guest
+    /// memory must be shared). Once per image, in order; combines with the others.
     #[arg(long, value_name = "SOCKET")]
     pub vhost_user_blk: Vec<PathBuf>,
     /// Virtqueues offered to the VM for --vhost-user-blk (default: one per CPU).
