@@ -18,6 +18,7 @@ mod faults;
 mod plan;
 mod queue;
 mod request;
+pub mod slab;
 mod sys;
 mod threads;
 mod uring;

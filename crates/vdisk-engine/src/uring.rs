@@ -22,6 +22,7 @@ use vdisk_image::{Error, Result};
 
 use crate::plan::{Planner, Run};
 use crate::queue::{deliver, Job, Queue, Waker};
+use crate::slab::Slab;
 use crate::sys::Segment;
 use crate::Op;
 
@@ -51,44 +52,6 @@ const CANCEL: u64 = u64::MAX - 1;
 pub struct RingConfig {
     pub entries: u32,
     pub sqpoll: bool,
-}
-
-/// A small slab: stable keys, reused slots.
-struct Slab<T> {
-    slots: Vec<Option<T>>,
-    free: Vec<usize>,
-    live: usize,
-}
-
-impl<T> Slab<T> {
-    fn new() -> Self {
-        Slab { slots: Vec::new(), free: Vec::new(), live: 0 }
-    }
-
-    fn insert(&mut self, v: T) -> usize {
-        self.live += 1;
-        match self.free.pop() {
-            Some(k) => {
-                self.slots[k] = Some(v);
-                k
-            }
-            None => {
-                self.slots.push(Some(v));
-                self.slots.len() - 1
-            }
-        }
-    }
-
-    fn remove(&mut self, k: usize) -> T {
-        let v = self.slots[k].take().expect("a live slab key");
-        self.free.push(k);
-        self.live -= 1;
-        v
-    }
-
-    fn get_mut(&mut self, k: usize) -> &mut T {
-        self.slots[k].as_mut().expect("a live slab key")
-    }
 }
 
 /// A request in flight and how many of its operations are still in the ring.
@@ -199,7 +162,7 @@ impl RingWorker {
                 self.start(&mut new)?;
             }
             deliver(&mut self.done);
-            if !open && self.jobs.live == 0 {
+            if !open && self.jobs.is_empty() {
                 break;
             }
             // About to sleep in the kernel: say so, then look once more so no
@@ -257,7 +220,7 @@ impl RingWorker {
             let mut jobs = run.jobs.clone();
             jobs.dedup();
             for &j in &jobs {
-                self.jobs.get_mut(j).pending += 1;
+                self.jobs[j].pending += 1;
             }
             let iov: Vec<libc::iovec> =
                 run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
@@ -275,7 +238,7 @@ impl RingWorker {
             unsafe { self.ring.push(&entry.user_data(op as u64))? };
         }
         for &k in &keys {
-            let slot = self.jobs.get_mut(k);
+            let slot = &mut self.jobs[k];
             if slot.job.0.op == Op::Flush {
                 if let Some(e) = self.planner.faults.as_ref().and_then(|f| f.check_flush(&self.planner.describe(0))) {
                     // Failed before the fsync, like a failed fsync: no metadata round.
@@ -294,7 +257,7 @@ impl RingWorker {
             } else {
                 self.planner.perform_other(&mut slot.job.0);
             }
-            if self.jobs.get_mut(k).pending == 0 {
+            if self.jobs[k].pending == 0 {
                 self.finish(k);
             }
         }
@@ -308,7 +271,7 @@ impl RingWorker {
                 self.arm_wake()?;
                 continue;
             }
-            match self.ops.remove(ud as usize) {
+            match self.ops.remove(ud as usize).expect("a live slab key") {
                 OpKind::Data { run, iov: _, jobs } => {
                     self.data_done(&run, res);
                     for j in jobs {
@@ -319,7 +282,7 @@ impl RingWorker {
                     if res < 0 {
                         let e = std::io::Error::from_raw_os_error(-res);
                         let err = Error::io(e, format!("flush of {}", self.planner.describe(0)));
-                        self.jobs.get_mut(job).job.0.error.get_or_insert(err);
+                        self.jobs[job].job.0.error.get_or_insert(err);
                     }
                     self.release(job);
                 }
@@ -351,14 +314,14 @@ impl RingWorker {
         let mut at = run.offset;
         for (seg, &job) in run.segs.iter().zip(&run.jobs) {
             if let Err(e) = self.planner.perform_segs(run, std::slice::from_ref(seg), at) {
-                self.jobs.get_mut(job).job.0.error.get_or_insert(e);
+                self.jobs[job].job.0.error.get_or_insert(e);
             }
             at += seg.len as u64;
         }
     }
 
     fn release(&mut self, k: usize) {
-        let slot = self.jobs.get_mut(k);
+        let slot = &mut self.jobs[k];
         slot.pending -= 1;
         if slot.pending == 0 {
             if self.planner.write_done(&mut slot.job.0) {
@@ -374,7 +337,7 @@ impl RingWorker {
     }
 
     fn finish(&mut self, k: usize) {
-        let slot = self.jobs.remove(k);
+        let slot = self.jobs.remove(k).expect("a live slab key");
         self.done.push(slot.job);
     }
 }

@@ -18,6 +18,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
+use vdisk_engine::slab::Slab;
 use vdisk_engine::{Buf, Device, Op, Request, Sink};
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
@@ -66,44 +67,11 @@ struct Pending {
     failed: bool,
 }
 
-/// A slab of pending requests; the engine tag is the slot.
-#[derive(Default)]
-struct Slab {
-    slots: Vec<Option<Pending>>,
-    free: Vec<usize>,
-}
-
-impl Slab {
-    fn insert(&mut self, p: Pending) -> usize {
-        match self.free.pop() {
-            Some(i) => {
-                self.slots[i] = Some(p);
-                i
-            }
-            None => {
-                self.slots.push(Some(p));
-                self.slots.len() - 1
-            }
-        }
-    }
-
-    fn get_mut(&mut self, i: usize) -> Option<&mut Pending> {
-        self.slots.get_mut(i)?.as_mut()
-    }
-
-    fn remove(&mut self, i: usize) -> Option<Pending> {
-        let p = self.slots.get_mut(i)?.take();
-        if p.is_some() {
-            self.free.push(i);
-        }
-        p
-    }
-}
-
 pub struct QueueCtx {
     shared: Arc<Shared>,
     vring: OnceLock<Vring>,
-    pending: Mutex<Slab>,
+    /// Pending requests; the engine tag is the slot.
+    pending: Mutex<Slab<Pending>>,
     inflight: Mutex<usize>,
     idle: Condvar,
 }

@@ -10,27 +10,22 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-const REQUEST_MAGIC: u32 = 0x2560_9513;
-const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-const OPT_GO: u32 = 7;
-const REP_ACK: u32 = 1;
-const REP_INFO: u32 = 3;
-const INFO_EXPORT: u16 = 0;
+use vdisk_nbd::proto::{
+    CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, IHAVEOPT, INFO_EXPORT, NBDMAGIC, OPT_GO,
+    OPT_REPLY_MAGIC, REP_ACK, REP_INFO, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC,
+};
 
 /// NBD_CMD_FLAG_FUA.
-pub const FUA: u16 = 1;
+pub use vdisk_nbd::proto::CMD_FLAG_FUA as FUA;
 
 /// The commands the soak sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Cmd {
-    Read = 0,
-    Write = 1,
-    Flush = 3,
-    Trim = 4,
-    Zero = 6,
+    Read = CMD_READ as isize,
+    Write = CMD_WRITE as isize,
+    Flush = CMD_FLUSH as isize,
+    Trim = CMD_TRIM as isize,
+    Zero = CMD_WRITE_ZEROES as isize,
 }
 
 /// One answered request.
