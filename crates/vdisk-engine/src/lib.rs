@@ -30,7 +30,7 @@ use std::thread::JoinHandle;
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
-pub use request::{Flags, Op, Request, Sink};
+pub use request::{Op, Request, Sink};
 
 use queue::Queue;
 
@@ -223,7 +223,7 @@ impl Device {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
                 let (small, large): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| !matches!(r.op, Op::Read | Op::Write) || r.len <= INLINE_MAX);
+                    batch.into_iter().partition(|r| !r.op.is_data() || r.len <= INLINE_MAX);
                 let first = done.len();
                 done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();

@@ -66,7 +66,7 @@ impl Planner {
         for (key, req) in jobs {
             let write = match req.op {
                 Op::Read => false,
-                Op::Write => true,
+                Op::Write { .. } => true,
                 _ => continue,
             };
             if let Err(e) = self.map_one(key, req, write, &mut pieces) {
@@ -97,7 +97,7 @@ impl Planner {
         } else {
             self.image.map_read(req.offset, req.len, &mut self.extents)?;
         }
-        let dsync = write && (self.sync || req.flags.fua);
+        let dsync = write && (self.sync || req.op.fua());
         let can_direct = !self.image.direct_files().is_empty();
         let mut at = 0usize;
         for ext in &self.extents {
@@ -200,10 +200,10 @@ impl Planner {
     /// `false`, untouched): trim, write zeroes, cache, block status.
     pub fn perform_other(&mut self, req: &mut Request) -> bool {
         let r = match req.op {
-            Op::Read | Op::Write | Op::Flush => return false,
-            Op::Trim | Op::WriteZeroes => self.deallocate(req),
+            Op::Read | Op::Write { .. } | Op::Flush => return false,
+            Op::Trim { .. } | Op::WriteZeroes { .. } => self.deallocate(req),
             Op::Cache => self.cache(req),
-            Op::BlockStatus => self.image.allocation(req.offset, req.len, req.max_status.max(1), &mut req.status),
+            Op::BlockStatus { max } => self.image.allocation(req.offset, req.len, max.max(1), &mut req.status),
         };
         if let Err(e) = r {
             req.error.get_or_insert(e);
@@ -221,9 +221,10 @@ impl Planner {
         for ext in &self.extents {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
             let file = &self.image.files()[f];
-            let at =
-                |e| Error::io(e, format!("{:?} of {len} bytes at offset {offset} of {}", req.op, self.describe(f)));
-            if req.op == Op::Trim {
+            let at = |e| {
+                Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op.name(), self.describe(f)))
+            };
+            let Op::WriteZeroes { no_hole, fast_zero, .. } = req.op else {
                 match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
                     Ok(()) => {}
                     // TRIM is advisory: a file system that cannot punch keeps the data.
@@ -231,10 +232,10 @@ impl Planner {
                     Err(e) => return Err(at(e)),
                 }
                 continue;
-            }
-            zero_range(file, offset, len, req.flags.no_hole, req.flags.fast_zero).map_err(at)?;
+            };
+            zero_range(file, offset, len, no_hole, fast_zero).map_err(at)?;
         }
-        let durable = self.sync || req.flags.fua;
+        let durable = self.sync || req.op.fua();
         if durable {
             self.sync_files()?;
         }
@@ -247,14 +248,14 @@ impl Planner {
     /// caller makes the metadata durable once for the whole batch with
     /// [`Planner::settle_metadata`] before any reply goes out.
     pub fn write_done(&self, req: &mut Request) -> bool {
-        if req.op != Op::Write || req.error.is_some() {
+        if !matches!(req.op, Op::Write { .. }) || req.error.is_some() {
             return false;
         }
         if let Err(e) = self.image.write_done(req.offset, req.len, false) {
             req.error = Some(e);
             return false;
         }
-        self.sync || req.flags.fua
+        self.sync || req.op.fua()
     }
 
     /// One metadata sync for the durable writes of a batch; if it fails, they fail.

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use vdisk_engine::{Buf, Op, Request, Sink};
 
 use crate::proto::{self, Wire};
-use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
+use crate::session::{Action, ReplyBody, Session, MAX_IO};
 
 /// Most requests a reader hands the engine at once.
 const BATCH: usize = 64;
@@ -52,7 +52,7 @@ impl FdSink {
     }
 
     fn answer(&self, req: &Request) {
-        let (errno, body) = reply_of(req);
+        let (errno, body) = self.session.reply_of(req, req.tag);
         match body {
             ReplyBody::Empty => self.send(req.tag, errno, &[]),
             ReplyBody::Data => self.send(req.tag, errno, &req.buf[..req.len as usize]),
@@ -160,7 +160,7 @@ impl Reader {
             let action = if h.opcode == proto::WRITE && n >= proto::WRITE_HEADER {
                 let action = session.dispatch(&h, &self.head[40..]);
                 match action {
-                    Action::Submit(mut req) if req.op == Op::Write => {
+                    Action::Submit(mut req) if matches!(req.op, Op::Write { .. }) => {
                         let data = n - proto::WRITE_HEADER;
                         if data as u64 != req.len {
                             Action::Reply(libc::EINVAL, Vec::new())

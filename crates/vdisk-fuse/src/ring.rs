@@ -23,7 +23,7 @@ use vdisk_engine::{Buf, Op, Request, Sink};
 
 use crate::proto::{self, Wire};
 use crate::ring_entry::{self, Header};
-use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
+use crate::session::{Action, ReplyBody, Session, MAX_IO};
 
 /// Entries per queue: 128 in all, spread over the queues, 8 to 64 each. A
 /// request waits for an entry of its own CPU's queue, so with few CPUs each
@@ -259,8 +259,8 @@ impl Queue {
             Action::Nothing => self.reply(i, 0, &[]),
             Action::Submit(mut req) => {
                 req.tag = i as u64;
-                if matches!(req.op, Op::Read | Op::Write) {
-                    if req.op == Op::Write && ent.payload_sz as u64 != req.len {
+                if req.op.is_data() {
+                    if req.op != Op::Read && ent.payload_sz as u64 != req.len {
                         return self.reply(i, libc::EINVAL, &[]);
                     }
                     let mut buf = slot.payload.take().expect("an idle entry has its payload");
@@ -278,7 +278,7 @@ impl Queue {
         self.session.ended(1);
         let i = req.tag as usize;
         let mut body_len = 0;
-        if matches!(req.op, Op::Read | Op::Write) {
+        if req.op.is_data() {
             let mut buf = std::mem::take(&mut req.buf);
             if buf.as_ptr() != self.slots[i].payload_ptr {
                 // The kernel holds this entry's payload address: had the engine
@@ -290,7 +290,7 @@ impl Queue {
             body_len = req.len as usize;
             self.slots[i].payload = Some(buf);
         }
-        let (errno, body) = reply_of(&req);
+        let (errno, body) = self.session.reply_of(&req, self.slots[i].unique);
         match body {
             // A READ's data is already in the payload: the engine read into it.
             ReplyBody::Data => self.commit(i, errno, body_len),

@@ -9,11 +9,13 @@
 //! needed. So in the common case a reply costs no thread hand-off, and a client
 //! that stops reading only ever blocks its own writer.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
-use vdisk_engine::{Request, Sink};
+use vdisk_engine::{Op, Request, Sink};
 
 use crate::reply::{Encoder, OutMsg};
 use crate::stream::Stream;
@@ -24,8 +26,13 @@ pub struct Outbox {
     state: Mutex<State>,
     changed: Condvar,
     stream: Stream,
-    pub encoder: Encoder,
+    encoder: Encoder,
     batching: bool,
+    /// Cookies of reads in flight whose reply must be one chunk (NBD's DF
+    /// flag, rarely set): the reply needs it, the engine does not. `df_count`
+    /// lets every other read skip the lock.
+    df: Mutex<HashMap<u64, usize>>,
+    df_count: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -52,14 +59,45 @@ struct State {
 
 impl Sink for Outbox {
     fn complete(&self, done: Vec<Request>) {
-        let msgs = done.into_iter().map(|r| self.encoder.encode(r)).collect();
+        let msgs = done.into_iter().map(|r| self.encode(r)).collect();
         self.deliver(msgs);
     }
 }
 
 impl Outbox {
     pub fn new(stream: Stream, encoder: Encoder, batching: bool) -> Self {
-        Outbox { state: Mutex::new(State::default()), changed: Condvar::new(), stream, encoder, batching }
+        Outbox {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stream,
+            encoder,
+            batching,
+            df: Mutex::new(HashMap::new()),
+            df_count: AtomicUsize::new(0),
+        }
+    }
+
+    /// Notes that the read with this cookie, about to be submitted, has DF set.
+    pub fn dont_fragment(&self, cookie: u64) {
+        *self.df.lock().unwrap().entry(cookie).or_default() += 1;
+        self.df_count.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The reply to a completed request (DF looked up for reads).
+    pub fn encode(&self, req: Request) -> OutMsg {
+        let mut df = false;
+        if req.op == Op::Read && self.df_count.load(Ordering::Acquire) > 0 {
+            let mut map = self.df.lock().unwrap();
+            if let Some(n) = map.get_mut(&req.tag) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&req.tag);
+                }
+                self.df_count.fetch_sub(1, Ordering::AcqRel);
+                df = true;
+            }
+        }
+        self.encoder.encode(req, df)
     }
 
     /// Wakes whoever has something to do now; a futex call only when owed.

@@ -137,13 +137,9 @@ impl QueueCtx {
                         };
                         answered.push(self.answer(mem, p.head, p.status, s, n));
                     }
-                    Action::Io { op, offset, len, flags, segs } => {
+                    Action::Io { op, offset, len, segs } => {
                         let read = op == Op::Read;
-                        let lent = if self.shared.zero_copy && matches!(op, Op::Read | Op::Write) {
-                            lend(mem, &segs)
-                        } else {
-                            None
-                        };
+                        let lent = if self.shared.zero_copy && op.is_data() { lend(mem, &segs) } else { None };
                         let mut pending = Pending {
                             head: p.head,
                             status: p.status,
@@ -160,15 +156,13 @@ impl QueueCtx {
                             for buf in bufs {
                                 let mut req = Request::new(op, at, buf.len() as u64, slot);
                                 at += buf.len() as u64;
-                                req.flags = flags;
                                 req.buf = buf;
                                 batch.push(req);
                             }
                             continue;
                         }
                         let mut req = Request::new(op, offset, len, 0);
-                        req.flags = flags;
-                        if op == Op::Write {
+                        if matches!(op, Op::Write { .. }) {
                             match copy_in(mem, &segs, len) {
                                 Some(buf) => req.buf = buf,
                                 None => {
@@ -253,7 +247,7 @@ impl Sink for QueueCtx {
                 let slot = req.tag as usize;
                 let Some(p) = slab.get_mut(slot) else { continue };
                 if let Some(e) = &req.error {
-                    log::warn!("vhost-user-blk: {:?} of {} bytes at {} failed: {e}", req.op, req.len, req.offset);
+                    log::warn!("vhost-user-blk: {} of {} bytes at {} failed: {e}", req.op.name(), req.len, req.offset);
                     p.failed = true;
                 } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
                     p.failed = true;
