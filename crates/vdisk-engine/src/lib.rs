@@ -15,13 +15,16 @@
 
 mod buf;
 mod faults;
+pub mod inflight;
 mod plan;
 mod queue;
 mod request;
 pub mod slab;
+pub mod submit;
 mod sys;
 mod threads;
 mod uring;
+pub mod wake;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

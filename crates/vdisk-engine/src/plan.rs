@@ -170,6 +170,26 @@ impl Planner {
         r.map_err(|e| self.run_error(run, e))
     }
 
+    /// Finishes a run whose vectored call did not do it all: after a short
+    /// transfer of `done` bytes, the rest with blocking calls; after a failure
+    /// (or if that fails too), piece by piece, so that only the requests that
+    /// really failed see an error (`fail(job, error)`).
+    pub fn finish_run(&self, run: &Run, done: Option<usize>, mut fail: impl FnMut(usize, Error)) {
+        if let Some(n) = done {
+            let rest = sys::skip(&run.segs, n);
+            if self.perform_segs(run, &rest, run.offset + n as u64).is_ok() {
+                return;
+            }
+        }
+        let mut at = run.offset;
+        for (seg, &job) in run.segs.iter().zip(&run.jobs) {
+            if let Err(e) = self.perform_segs(run, std::slice::from_ref(seg), at) {
+                fail(job, e);
+            }
+            at += seg.len as u64;
+        }
+    }
+
     /// Tries a read run from the page cache only. False when any of it would
     /// have to wait for the device (or the file system cannot tell).
     pub fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
@@ -282,17 +302,35 @@ impl Planner {
     /// Syncs file 0, the only one writes reach (the others, such as a COW
     /// overlay's backing file, are read-only).
     fn sync_files(&self) -> Result<()> {
-        sys::fdatasync(&self.image.files()[0]).map_err(|e| Error::io(e, format!("flush of {}", self.describe(0))))
+        sys::fdatasync(&self.image.files()[0]).map_err(|e| self.flush_error(e))
     }
 
     /// Syncs the image's written file, then its metadata: data before the
-    /// metadata that points at it.
+    /// metadata that points at it. The one flush path: the thread engine runs
+    /// it as is; the ring engine runs [`Planner::flush_begin`], its own
+    /// `IORING_OP_FSYNC` of file 0, then [`Planner::flush_end`].
     pub fn flush(&self) -> Result<()> {
-        if let Some(e) = self.faults.as_ref().and_then(|f| f.check_flush(&self.describe(0))) {
-            return Err(e);
+        self.flush_begin()?;
+        self.flush_end(sys::fdatasync(&self.image.files()[0]))
+    }
+
+    /// What must pass before a flush syncs anything (an injected failure, in tests).
+    pub fn flush_begin(&self) -> Result<()> {
+        match self.faults.as_ref().and_then(|f| f.check_flush(&self.describe(0))) {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        self.sync_files()?;
+    }
+
+    /// The rest of a flush once file 0's data sync returned `synced`: its
+    /// metadata, only if the data is durable.
+    pub fn flush_end(&self, synced: std::io::Result<()>) -> Result<()> {
+        synced.map_err(|e| self.flush_error(e))?;
         self.image.sync_metadata()
+    }
+
+    fn flush_error(&self, e: std::io::Error) -> Error {
+        Error::io(e, format!("flush of {}", self.describe(0)))
     }
 }
 

@@ -22,33 +22,33 @@ fn iovecs(segs: &[Segment]) -> Vec<libc::iovec> {
     segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect()
 }
 
-/// Drops the first `n` bytes from a list of iovecs (after a short transfer).
-fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
-    let mut skip = 0;
-    while skip < iov.len() && n >= iov[skip].iov_len {
-        n -= iov[skip].iov_len;
-        skip += 1;
+/// The segments left after the first `n` bytes of `segs` (after a short transfer).
+pub fn skip(segs: &[Segment], mut n: usize) -> Vec<Segment> {
+    let mut out = Vec::with_capacity(segs.len());
+    for s in segs {
+        if n >= s.len {
+            n -= s.len;
+            continue;
+        }
+        // SAFETY: n < s.len, so the pointer stays inside the same buffer.
+        out.push(Segment { ptr: unsafe { s.ptr.add(n) }, len: s.len - n });
+        n = 0;
     }
-    iov.drain(..skip);
-    if n > 0 {
-        let first = &mut iov[0];
-        // SAFETY: n < iov_len, so the new base stays inside the same buffer.
-        first.iov_base = unsafe { first.iov_base.cast::<u8>().add(n) }.cast();
-        first.iov_len -= n;
-    }
+    out
 }
 
 /// Runs one vectored call (`call(iovecs, count, offset)`, returning bytes or
 /// -1 with errno) until every byte of `segs` is done, retrying after EINTR and
-/// short transfers. Returns the iovecs left when a call moved no bytes (end of
-/// file), empty when all is done.
+/// short transfers. Returns the bytes left when a call moved none (end of
+/// file), 0 when all is done.
 fn vectored_full(
     segs: &[Segment],
     mut offset: u64,
     mut call: impl FnMut(*const libc::iovec, i32, i64) -> isize,
-) -> io::Result<Vec<libc::iovec>> {
-    let mut iov = iovecs(segs);
-    while !iov.is_empty() {
+) -> io::Result<usize> {
+    let mut rest = std::borrow::Cow::Borrowed(segs);
+    while !rest.is_empty() {
+        let iov = iovecs(&rest);
         let r = call(iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64);
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -60,10 +60,10 @@ fn vectored_full(
         if r == 0 {
             break;
         }
-        advance(&mut iov, r as usize);
+        rest = std::borrow::Cow::Owned(skip(&rest, r as usize));
         offset += r as u64;
     }
-    Ok(iov)
+    Ok(rest.iter().map(|s| s.len).sum())
 }
 
 /// Reads the whole of `segs` from `offset`. The image maps reads only inside
@@ -74,7 +74,7 @@ pub fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()>
     // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
     // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
     let rest = vectored_full(segs, offset, |iov, n, at| unsafe { libc::preadv(file.as_raw_fd(), iov, n, at) })?;
-    if !rest.is_empty() {
+    if rest > 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ends before the image does (truncated?)"));
     }
     Ok(())
@@ -86,7 +86,7 @@ pub fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> 
     // SAFETY: each iovec points at memory the caller's `Segment`s vouch for; the kernel only reads it.
     let rest =
         vectored_full(segs, offset, |iov, n, at| unsafe { libc::pwritev2(file.as_raw_fd(), iov, n, at, flags) })?;
-    if !rest.is_empty() {
+    if rest > 0 {
         return Err(io::Error::new(io::ErrorKind::WriteZero, "the file took no bytes"));
     }
     Ok(())
@@ -149,14 +149,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn advance_skips_whole_and_partial_iovecs() {
+    fn skip_drops_whole_and_partial_segments() {
         let mut a = [0u8; 4];
         let mut b = [0u8; 8];
         let segs = [Segment { ptr: a.as_mut_ptr(), len: 4 }, Segment { ptr: b.as_mut_ptr(), len: 8 }];
-        let mut iov = iovecs(&segs);
-        advance(&mut iov, 6);
-        assert_eq!(iov.len(), 1);
-        assert_eq!(iov[0].iov_len, 6);
-        assert_eq!(iov[0].iov_base as usize, b.as_ptr() as usize + 2);
+        let rest = skip(&segs, 6);
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].len, 6);
+        assert_eq!(rest[0].ptr as usize, b.as_ptr() as usize + 2);
+        assert!(skip(&segs, 12).is_empty());
     }
 }

@@ -68,7 +68,7 @@ impl Sink for FdSink {
             self.answer(req);
         }
         drop(done);
-        self.session.ended(n);
+        self.session.inflight.end(n, 0);
     }
 }
 
@@ -203,7 +203,7 @@ impl Reader {
             return;
         }
         let session = &self.sink.session;
-        session.began(batch.len());
+        session.inflight.begin(batch.len(), 0);
         session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done);
         if !done.is_empty() {
             self.sink.complete(std::mem::take(done));

@@ -5,10 +5,10 @@
 //! bytes, this module owns the meaning.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::{Device, Op, Request};
 
 use crate::proto::{self, Wire};
@@ -36,7 +36,7 @@ pub struct Session {
     gid: u32,
     started: u64,
     /// Requests with the engine; stop waits for none.
-    pub inflight: AtomicUsize,
+    pub inflight: InFlight,
     /// LSEEKs with the engine, by FUSE `unique`: whether each wants a hole
     /// (SEEK_HOLE) or data (SEEK_DATA). The engine's BLOCK_STATUS does not
     /// carry it; the reply needs it.
@@ -54,7 +54,7 @@ impl Session {
             uid,
             gid,
             started,
-            inflight: AtomicUsize::new(0),
+            inflight: InFlight::new(),
             seeks: Mutex::new(HashMap::new()),
         }
     }
@@ -193,14 +193,6 @@ impl Session {
             return Action::Reply(0, Vec::new());
         }
         Action::Submit(Request::new(op, f.offset, len, h.unique))
-    }
-
-    pub fn began(&self, n: usize) {
-        self.inflight.fetch_add(n, Ordering::AcqRel);
-    }
-
-    pub fn ended(&self, n: usize) {
-        self.inflight.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// The reply of a request the engine completed (the FUSE request

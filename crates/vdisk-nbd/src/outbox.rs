@@ -15,6 +15,7 @@ use std::net::Shutdown;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
+use vdisk_engine::inflight::Counts;
 use vdisk_engine::{Op, Request, Sink};
 
 use crate::reply::{Encoder, OutMsg};
@@ -43,8 +44,8 @@ struct State {
     sent: usize,
     /// Someone is sending right now.
     sending: bool,
-    inflight: usize,
-    inflight_bytes: usize,
+    /// Requests read and not yet answered, and their cost.
+    inflight: Counts,
     /// The writer thread is blocked on `changed`.
     writer_waiting: bool,
     /// The reader is blocked on `changed`, over its in-flight budget.
@@ -103,7 +104,7 @@ impl Outbox {
     /// Wakes whoever has something to do now; a futex call only when owed.
     fn notify(&self, st: &State) {
         let writer_has_work =
-            !st.sending && (!st.queue.is_empty() || st.flush_owed || (st.reader_done && st.inflight == 0));
+            !st.sending && (!st.queue.is_empty() || st.flush_owed || (st.reader_done && st.inflight.is_idle()));
         if st.reader_waiting || (st.writer_waiting && writer_has_work) {
             self.changed.notify_all();
         }
@@ -161,15 +162,14 @@ impl Outbox {
     }
 
     fn release(&self, st: &mut State, msgs: &[OutMsg]) {
-        st.inflight -= msgs.len();
-        st.inflight_bytes -= msgs.iter().map(|m| m.cost).sum::<usize>();
+        st.inflight.remove(msgs.len(), msgs.iter().map(|m| m.cost).sum::<usize>());
     }
 
     /// Adds a request to the in-flight count. Without `wait`, refuses (false)
     /// when over budget; with it, blocks until replies drain.
     pub fn charge(&self, cost: usize, wait: bool) -> bool {
         let mut st = self.state.lock().unwrap();
-        while st.inflight > 0 && st.inflight_bytes + cost > MAX_INFLIGHT_BYTES {
+        while !st.inflight.admits(cost, MAX_INFLIGHT_BYTES) {
             if !wait {
                 return false;
             }
@@ -177,8 +177,7 @@ impl Outbox {
             st = self.changed.wait(st).unwrap();
             st.reader_waiting = false;
         }
-        st.inflight += 1;
-        st.inflight_bytes += cost;
+        st.inflight.add(1, cost);
         true
     }
 
@@ -195,7 +194,7 @@ impl Outbox {
         let mut st = self.state.lock().unwrap();
         loop {
             if (st.queue.is_empty() && !st.flush_owed) || st.sending {
-                if st.reader_done && st.inflight == 0 && !st.sending && !st.flush_owed {
+                if st.reader_done && st.inflight.is_idle() && !st.sending && !st.flush_owed {
                     return;
                 }
                 st.writer_waiting = true;

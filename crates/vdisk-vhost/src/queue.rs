@@ -16,8 +16,9 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::slab::Slab;
 use vdisk_engine::{Buf, Device, Op, Request, Sink};
 use vhost_user_backend::{VringRwLock, VringT};
@@ -72,8 +73,8 @@ pub struct QueueCtx {
     vring: OnceLock<Vring>,
     /// Pending requests; the engine tag is the slot.
     pending: Mutex<Slab<Pending>>,
-    inflight: Mutex<usize>,
-    idle: Condvar,
+    /// Virtio requests with the engine.
+    inflight: InFlight,
 }
 
 impl QueueCtx {
@@ -82,8 +83,7 @@ impl QueueCtx {
             shared,
             vring: OnceLock::new(),
             pending: Mutex::new(Slab::default()),
-            inflight: Mutex::new(0),
-            idle: Condvar::new(),
+            inflight: InFlight::new(),
         })
     }
 
@@ -115,7 +115,7 @@ impl QueueCtx {
             // Counted under the ring's lock: a stop that marked the queue not
             // ready before this drain sees nothing; one after it sees these.
             let engine = parsed.iter().filter(|p| matches!(p.action, Action::Io { .. })).count();
-            *self.inflight.lock().unwrap() += engine;
+            self.inflight.begin(engine, 0);
         }
         self.dispatch(parsed, &mem);
     }
@@ -221,20 +221,12 @@ impl QueueCtx {
     }
 
     fn release(&self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let mut inflight = self.inflight.lock().unwrap();
-        *inflight -= n;
-        if *inflight == 0 {
-            self.idle.notify_all();
-        }
+        self.inflight.end(n, 0);
     }
 
     /// Waits until the engine holds no request of this queue.
     pub fn wait_idle(&self) {
-        let inflight = self.inflight.lock().unwrap();
-        drop(self.idle.wait_while(inflight, |n| *n > 0).unwrap());
+        self.inflight.wait_idle();
     }
 }
 
