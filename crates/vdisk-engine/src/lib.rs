@@ -16,6 +16,7 @@
 mod buf;
 mod faults;
 pub mod inflight;
+mod lent;
 mod plan;
 mod queue;
 mod request;
@@ -33,6 +34,7 @@ use std::thread::JoinHandle;
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
+pub use lent::Lent;
 pub use request::{Op, Request, Sink};
 
 use queue::Queue;
@@ -240,7 +242,8 @@ impl Device {
                 let runs = planner.plan(reads.iter_mut().enumerate());
                 let mut missed = vec![false; reads.len()];
                 for run in &runs {
-                    let hit = match planner.perform_cached(run) {
+                    // SAFETY: the runs point into `reads`, alive and untouched until after the loop.
+                    let hit = match unsafe { planner.perform_cached(run) } {
                         Ok(hit) => hit,
                         Err(e) => {
                             if e.raw_os_error() == Some(libc::EOPNOTSUPP) {

@@ -24,6 +24,10 @@ struct Piece {
 }
 
 /// One vectored call: pieces contiguous in one file, all reads or all writes.
+///
+/// Its segments point into the buffers (or lent memory) of the requests it
+/// was planned from: performing it is `unsafe`, and sound only while those
+/// requests are alive and nothing else touches their data.
 pub(crate) struct Run {
     pub write: bool,
     pub dsync: bool,
@@ -83,12 +87,15 @@ impl Planner {
         if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, req.offset, req.len)) {
             return Err(e);
         }
-        if req.buf.len() as u64 != req.len {
-            if write {
-                return Err(Error::invalid("write buffer does not match its length"));
+        match &req.lent {
+            Some(lent) if lent.len() as u64 != req.len => {
+                return Err(Error::invalid("lent memory does not match the request's length"));
             }
+            Some(_) => {}
+            None if req.buf.len() as u64 == req.len => {}
+            None if write => return Err(Error::invalid("write buffer does not match its length")),
             // The read fills every byte: a pooled buffer needs no zeroing.
-            req.buf = crate::Buf::for_io(req.len as usize);
+            None => req.buf = crate::Buf::for_io(req.len as usize),
         }
         self.extents.clear();
         if write {
@@ -102,19 +109,24 @@ impl Planner {
         let mut at = 0usize;
         for ext in &self.extents {
             let len = ext.len() as usize;
-            let region = &mut req.buf[at..at + len];
             let aligned = |v: usize| v.is_multiple_of(ALIGN);
             match *ext {
-                Extent::Data { file, offset, .. } => pieces.push(Piece {
-                    write,
-                    dsync,
-                    direct: can_direct && aligned(offset as usize) && aligned(len) && aligned(region.as_ptr() as usize),
-                    file,
-                    offset,
-                    job: key,
-                    seg: Segment { ptr: region.as_mut_ptr(), len },
-                }),
-                Extent::Zero { .. } if !write => region.fill(0),
+                Extent::Data { file, offset, .. } => {
+                    let seg = segment(req, at, len);
+                    pieces.push(Piece {
+                        write,
+                        dsync,
+                        direct: can_direct && aligned(offset as usize) && aligned(len) && aligned(seg.ptr as usize),
+                        file,
+                        offset,
+                        job: key,
+                        seg,
+                    })
+                }
+                Extent::Zero { .. } if !write => match &req.lent {
+                    Some(lent) => lent.zero(at, len),
+                    None => req.buf[at..at + len].fill(0),
+                },
                 Extent::Zero { .. } => {}
             }
             at += len;
@@ -153,19 +165,27 @@ impl Planner {
     }
 
     /// Performs a run with blocking vectored calls.
-    pub fn perform(&self, run: &Run) -> Result<()> {
-        self.perform_segs(run, &run.segs, run.offset)
+    ///
+    /// # Safety
+    /// The requests `run` was planned from are alive, and nothing else touches
+    /// their data, until this returns (see [`Run`]).
+    pub unsafe fn perform(&self, run: &Run) -> Result<()> {
+        // SAFETY: the caller's contract above.
+        unsafe { self.perform_segs(run, &run.segs, run.offset) }
     }
 
     /// Performs part of a run (segments starting at `offset`) with blocking calls.
-    pub fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
+    ///
+    /// # Safety
+    /// `segs` are (parts of) `run`'s, under [`Planner::perform`]'s contract.
+    unsafe fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
         let file = self.file_of(run);
-        // The segments point into buffers of requests the engine owns until it
-        // completes them, and no two overlap: `Segment`'s promise holds.
         let r = if run.write {
-            sys::pwritev_full(file, segs, offset, run.dsync)
+            // SAFETY: the segments point into data of live requests (the caller's contract).
+            unsafe { sys::pwritev_full(file, segs, offset, run.dsync) }
         } else {
-            sys::preadv_full(file, segs, offset)
+            // SAFETY: as above, and no two segments of a plan overlap.
+            unsafe { sys::preadv_full(file, segs, offset) }
         };
         r.map_err(|e| self.run_error(run, e))
     }
@@ -174,16 +194,21 @@ impl Planner {
     /// transfer of `done` bytes, the rest with blocking calls; after a failure
     /// (or if that fails too), piece by piece, so that only the requests that
     /// really failed see an error (`fail(job, error)`).
-    pub fn finish_run(&self, run: &Run, done: Option<usize>, mut fail: impl FnMut(usize, Error)) {
+    ///
+    /// # Safety
+    /// As for [`Planner::perform`].
+    pub unsafe fn finish_run(&self, run: &Run, done: Option<usize>, mut fail: impl FnMut(usize, Error)) {
         if let Some(n) = done {
             let rest = sys::skip(&run.segs, n);
-            if self.perform_segs(run, &rest, run.offset + n as u64).is_ok() {
+            // SAFETY: the rest of `run`'s segments, under the caller's contract.
+            if unsafe { self.perform_segs(run, &rest, run.offset + n as u64) }.is_ok() {
                 return;
             }
         }
         let mut at = run.offset;
         for (seg, &job) in run.segs.iter().zip(&run.jobs) {
-            if let Err(e) = self.perform_segs(run, std::slice::from_ref(seg), at) {
+            // SAFETY: one of `run`'s segments, under the caller's contract.
+            if let Err(e) = unsafe { self.perform_segs(run, std::slice::from_ref(seg), at) } {
                 fail(job, e);
             }
             at += seg.len as u64;
@@ -192,10 +217,13 @@ impl Planner {
 
     /// Tries a read run from the page cache only. False when any of it would
     /// have to wait for the device (or the file system cannot tell).
-    pub fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
+    ///
+    /// # Safety
+    /// As for [`Planner::perform`].
+    pub unsafe fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
         let file = self.file_of(run);
-        // Same promise as `perform_segs`.
-        Ok(sys::preadv_nowait(file, &run.segs, run.offset)? == run.len())
+        // SAFETY: the run's segments point into data of live requests (the caller's contract).
+        Ok(unsafe { sys::preadv_nowait(file, &run.segs, run.offset) }? == run.len())
     }
 
     /// The file a run goes to: the O_DIRECT twin for a direct run.
@@ -334,6 +362,14 @@ impl Planner {
     }
 }
 
+/// Bytes `[at, at + len)` of a read's or write's data, wherever it lives.
+fn segment(req: &mut Request, at: usize, len: usize) -> Segment {
+    match &req.lent {
+        Some(lent) => lent.segment(at, len),
+        None => Segment { ptr: req.buf[at..at + len].as_mut_ptr(), len },
+    }
+}
+
 fn read_only() -> Error {
     Error::new(ErrorKind::ReadOnly, "the device is read-only")
 }
@@ -361,7 +397,8 @@ fn zero_range(file: &File, offset: u64, len: u64, no_hole: bool, fast: bool) -> 
     while at < len {
         let n = CHUNK.min(len - at) as usize;
         let seg = Segment { ptr: zeros.as_mut_ptr(), len: n };
-        sys::pwritev_full(file, &[seg], offset + at, false)?;
+        // SAFETY: the segment is the first `n` bytes of `zeros`, ours until the loop ends.
+        unsafe { sys::pwritev_full(file, &[seg], offset + at, false)? };
         at += n as u64;
     }
     Ok(())

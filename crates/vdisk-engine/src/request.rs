@@ -10,7 +10,7 @@
 
 use vdisk_image::{Allocation, Error};
 
-use crate::Buf;
+use crate::{Buf, Lent};
 
 /// The operations every export maps its own commands onto, each with its own parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,6 +74,9 @@ pub struct Request {
     pub len: u64,
     /// Read: filled by the engine (must be `len` bytes). Write: the data. Others: empty.
     pub buf: Buf,
+    /// Read or write in memory the export lends instead (a VM guest's), of
+    /// exactly `len` bytes; `buf` then stays empty.
+    pub lent: Option<Lent>,
     /// BlockStatus: the runs found, at most its `max`. Others: empty.
     pub status: Vec<Allocation>,
     pub tag: u64,
@@ -83,7 +86,7 @@ pub struct Request {
 
 impl Request {
     pub fn new(op: Op, offset: u64, len: u64, tag: u64) -> Self {
-        Request { op, offset, len, buf: Buf::new(), status: Vec::new(), tag, error: None }
+        Request { op, offset, len, buf: Buf::new(), lent: None, status: Vec::new(), tag, error: None }
     }
 }
 

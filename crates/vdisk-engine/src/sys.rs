@@ -1,5 +1,8 @@
-//! Thin wrappers over the system calls the engine uses. Every unsafe call of
-//! the engine lives here, each with the rule that makes it sound.
+//! Thin wrappers over the system calls the engine uses, each with the rule
+//! that makes it sound. Those that take [`Segment`]s (raw memory) are
+//! `unsafe fn`: the caller vouches for the memory. The other unsafe code of
+//! the engine is the ring submission (`submit`, `uring`), the buffer pool
+//! (`buf`) and lent memory (`lent`).
 
 use std::fs::File;
 use std::io;
@@ -8,10 +11,9 @@ use std::os::unix::io::AsRawFd;
 /// The most iovecs one vectored call takes (Linux's UIO_MAXIOV).
 pub const IOV_MAX: usize = 1024;
 
-/// A region of memory a vectored call reads into or writes from.
-///
-/// Holding a `Segment` is a promise made by the engine: the memory stays valid
-/// and is touched by nobody else until the call that uses it returns.
+/// A region of memory a vectored call reads into or writes from: an address
+/// and a length, nothing more. Making one is safe; passing it to a call is
+/// not (see the `# Safety` of each function that takes segments).
 #[derive(Clone, Copy)]
 pub struct Segment {
     pub ptr: *mut u8,
@@ -30,8 +32,7 @@ pub fn skip(segs: &[Segment], mut n: usize) -> Vec<Segment> {
             n -= s.len;
             continue;
         }
-        // SAFETY: n < s.len, so the pointer stays inside the same buffer.
-        out.push(Segment { ptr: unsafe { s.ptr.add(n) }, len: s.len - n });
+        out.push(Segment { ptr: s.ptr.wrapping_add(n), len: s.len - n });
         n = 0;
     }
     out
@@ -70,9 +71,13 @@ fn vectored_full(
 /// its files, so reaching the end of a file means it shrank under us (a
 /// backing file truncated while served): that is an error (EIO at the edge),
 /// never zeros the disk did not hold.
-pub fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()> {
-    // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
-    // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
+///
+/// # Safety
+/// Every segment must be valid for writes of its length, and touched by
+/// nothing else in this process, until this returns.
+pub unsafe fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()> {
+    // SAFETY: each iovec points at memory the caller vouches for (above); the
+    // kernel writes at most iov_len bytes.
     let rest = vectored_full(segs, offset, |iov, n, at| unsafe { libc::preadv(file.as_raw_fd(), iov, n, at) })?;
     if rest > 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ends before the image does (truncated?)"));
@@ -81,9 +86,12 @@ pub fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()>
 }
 
 /// Writes the whole of `segs` at `offset`; with `dsync` each call is durable on return.
-pub fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> io::Result<()> {
+///
+/// # Safety
+/// Every segment must be valid for reads of its length until this returns.
+pub unsafe fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> io::Result<()> {
     let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-    // SAFETY: each iovec points at memory the caller's `Segment`s vouch for; the kernel only reads it.
+    // SAFETY: each iovec points at memory the caller vouches for (above); the kernel only reads it.
     let rest =
         vectored_full(segs, offset, |iov, n, at| unsafe { libc::pwritev2(file.as_raw_fd(), iov, n, at, flags) })?;
     if rest > 0 {
@@ -94,9 +102,12 @@ pub fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> 
 
 /// One `preadv2(RWF_NOWAIT)`: reads only what is already in the page cache.
 /// Returns the bytes read (possibly fewer than asked); EAGAIN when it would block.
-pub fn preadv_nowait(file: &File, segs: &[Segment], offset: u64) -> io::Result<usize> {
+///
+/// # Safety
+/// As for [`preadv_full`].
+pub unsafe fn preadv_nowait(file: &File, segs: &[Segment], offset: u64) -> io::Result<usize> {
     let iov = iovecs(segs);
-    // SAFETY: as in `preadv_full`: the segments vouch for the memory.
+    // SAFETY: the caller vouches for the memory (above).
     let r = unsafe {
         libc::preadv2(file.as_raw_fd(), iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64, libc::RWF_NOWAIT)
     };

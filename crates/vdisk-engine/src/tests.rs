@@ -374,13 +374,14 @@ impl Lender {
         Lender { mem, base }
     }
 
-    /// A borrowed Buf over `len` bytes at `at` of the lent memory.
-    fn lend(&self, at: usize, len: usize) -> Buf {
+    /// `len` bytes at `at` of the lent memory.
+    fn lend(&self, at: usize, len: usize) -> Option<Lent> {
         assert!(at + len <= self.mem.lock().unwrap().len());
-        // SAFETY: the range lies inside the Buf that `mem` keeps alive (the borrowed
-        // Buf holds `mem`); the test lends disjoint ranges and reads them only after
+        let ptr = self.base.as_ptr().wrapping_add(at);
+        // SAFETY: the range lies inside the Buf that `mem` keeps alive (the Lent
+        // holds `mem`); the test lends disjoint ranges and reads them only after
         // the requests are back.
-        unsafe { Buf::borrowed(self.base.add(at), len, self.mem.clone()) }
+        Some(unsafe { Lent::new(std::ptr::NonNull::new(ptr).unwrap(), len, self.mem.clone()) })
     }
 
     fn bytes(&self, at: usize, len: usize) -> Vec<u8> {
@@ -401,23 +402,23 @@ fn borrowed_buffers_are_read_into_and_written_from_in_place() {
         let mut reqs = Vec::new();
         for i in 0..3u64 {
             let mut r = Request::new(Op::WRITE, 65536 + i * 4096, 4096, i);
-            r.buf = lender.lend(i as usize * 4096, 4096);
+            r.lent = lender.lend(i as usize * 4096, 4096);
             reqs.push(r);
         }
         let mut odd = Request::new(Op::WRITE, 131072, 1536, 3);
-        odd.buf = lender.lend(100_000 + 3, 1536);
+        odd.lent = lender.lend(100_000 + 3, 1536);
         reqs.push(odd);
         let done = rig.run(reqs);
-        assert!(done.iter().all(|r| r.error.is_none() && r.buf.is_borrowed()), "{name}: {done:?}");
+        assert!(done.iter().all(|r| r.error.is_none() && r.lent.is_some() && r.buf.is_empty()), "{name}: {done:?}");
         drop(done);
         let mut reqs = Vec::new();
         for i in 0..3u64 {
             let mut r = Request::new(Op::Read, 65536 + i * 4096, 4096, i);
-            r.buf = lender.lend(524288 + i as usize * 4096, 4096);
+            r.lent = lender.lend(524288 + i as usize * 4096, 4096);
             reqs.push(r);
         }
         let mut odd = Request::new(Op::Read, 131072, 1536, 3);
-        odd.buf = lender.lend(700_000 + 1, 1536);
+        odd.lent = lender.lend(700_000 + 1, 1536);
         reqs.push(odd);
         let done = rig.run(reqs);
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");

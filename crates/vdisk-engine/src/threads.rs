@@ -35,10 +35,14 @@ impl Worker {
 pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
     let runs = planner.plan(reqs.iter_mut().map(|r| &mut **r).enumerate());
     for run in &runs {
-        if planner.perform(run).is_err() {
-            planner.finish_run(run, None, |job, e| {
+        // SAFETY: the runs point into `reqs`, which this function borrows mutably
+        // throughout: alive, and touched by nothing else until it returns.
+        if unsafe { planner.perform(run) }.is_err() {
+            let fail = |job: usize, e| {
                 reqs[job].error.get_or_insert(e);
-            });
+            };
+            // SAFETY: as above.
+            unsafe { planner.finish_run(run, None, fail) };
         }
     }
     let durable: Vec<bool> = reqs.iter_mut().map(|r| planner.write_done(r)).collect();

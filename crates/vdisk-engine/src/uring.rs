@@ -293,9 +293,12 @@ impl RingWorker {
             return;
         }
         let jobs = &mut self.jobs;
-        self.planner.finish_run(run, usize::try_from(res).ok(), |job, e| {
+        let fail = |job: usize, e| {
             jobs[job].job.0.error.get_or_insert(e);
-        });
+        };
+        // SAFETY: the run's requests are in `jobs` until this op is released,
+        // after this returns; the kernel is done with them (the CQE is reaped).
+        unsafe { self.planner.finish_run(run, usize::try_from(res).ok(), fail) };
     }
 
     fn release(&mut self, k: usize) {

@@ -97,12 +97,11 @@ fn fresh_payload() -> Buf {
 
 impl Reader {
     pub fn new(fd: OwnedFd, session: Arc<Session>) -> io::Result<Reader> {
-        // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
-        unsafe {
-            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-            if fl < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
-                return Err(io::Error::last_os_error());
-            }
+        // SAFETY: F_GETFL on a descriptor we own; it touches no memory.
+        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        // SAFETY: F_SETFL on a descriptor we own; it touches no memory.
+        if fl < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
         }
         let sink = Arc::new(FdSink { fd, session });
         Ok(Reader { dyn_sink: sink.clone(), sink, head: [0; proto::WRITE_HEADER], payload: fresh_payload() })

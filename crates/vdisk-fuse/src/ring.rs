@@ -324,10 +324,9 @@ impl Drop for Queue {
         for s in self.slots.drain(..) {
             if all_dead {
                 // SAFETY: allocated by Box::into_raw in `start`; the kernel let go of every entry.
-                unsafe {
-                    drop(Box::from_raw(s.header));
-                    drop(Box::from_raw(s.iovs));
-                }
+                drop(unsafe { Box::from_raw(s.header) });
+                // SAFETY: as above, for the entry's iovecs.
+                drop(unsafe { Box::from_raw(s.iovs) });
             } else {
                 // The kernel may still write to these: leak them rather than free them under it.
                 std::mem::forget(s.payload);

@@ -45,8 +45,10 @@ pub struct Session {
 
 impl Session {
     pub fn new(device: Arc<Device>) -> Session {
-        // SAFETY: getuid/getgid cannot fail and touch no memory.
-        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        // SAFETY: getuid cannot fail and touches no memory.
+        let uid = unsafe { libc::getuid() };
+        // SAFETY: getgid cannot fail and touches no memory.
+        let gid = unsafe { libc::getgid() };
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         Session {
             read_only: device.read_only(),

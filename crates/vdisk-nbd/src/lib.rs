@@ -117,8 +117,10 @@ impl Server {
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: both fds were just created by pipe2 and are owned by nobody else.
-        let wake = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: fds[0] was just created by pipe2 and is owned by nobody else.
+        let read_end = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+        // SAFETY: the same for fds[1].
+        let wake = (read_end, unsafe { OwnedFd::from_raw_fd(fds[1]) });
         Ok(Arc::new(Server {
             exports,
             options,

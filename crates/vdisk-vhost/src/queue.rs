@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use vdisk_engine::inflight::InFlight;
 use vdisk_engine::slab::Slab;
-use vdisk_engine::{Buf, Device, Op, Request, Sink};
+use vdisk_engine::{Buf, Device, Lent, Op, Request, Sink};
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
@@ -149,14 +149,14 @@ impl QueueCtx {
                             parts: 1,
                             failed: false,
                         };
-                        if let Some(bufs) = lent {
-                            pending.parts = bufs.len();
+                        if let Some(pieces) = lent {
+                            pending.parts = pieces.len();
                             let slot = slab.insert(pending) as u64;
                             let mut at = offset;
-                            for buf in bufs {
-                                let mut req = Request::new(op, at, buf.len() as u64, slot);
-                                at += buf.len() as u64;
-                                req.buf = buf;
+                            for piece in pieces {
+                                let mut req = Request::new(op, at, piece.len() as u64, slot);
+                                at += piece.len() as u64;
+                                req.lent = Some(piece);
                                 batch.push(req);
                             }
                             continue;
@@ -244,7 +244,7 @@ impl Sink for QueueCtx {
                 } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
                     p.failed = true;
                 }
-                // A borrowed buffer lets go of the guest memory here, before the guest sees the request done.
+                // Lent guest memory is let go of here, before the guest sees the request done.
                 drop(req);
                 p.parts -= 1;
                 if p.parts > 0 {
@@ -260,10 +260,10 @@ impl Sink for QueueCtx {
     }
 }
 
-/// Engine buffers over the guest memory of `segs`, one per segment, when each
-/// lies in one memory region and is a whole number of sectors (so no two
+/// The guest memory of `segs` lent to the engine, one piece per segment, when
+/// each lies in one memory region and is a whole number of sectors (so no two
 /// engine requests share a sector); None otherwise.
-fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Buf>> {
+fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Lent>> {
     let mut bufs = Vec::with_capacity(segs.len());
     for &(addr, n) in segs {
         if !u64::from(n).is_multiple_of(SECTOR) {
@@ -273,12 +273,11 @@ fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Buf>> {
         let ptr = NonNull::new(slice.ptr_guard_mut().as_ptr())?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = mem.clone();
         // SAFETY: `ptr` is the host mapping of `n` bytes of guest memory inside one
-        // region of `mem`; the mapping lives as long as `mem`, which the Buf holds.
+        // region of `mem`; the mapping lives as long as `mem`, which the Lent holds.
         // While the engine has the request, nothing in this process touches those
         // bytes (the parser is done with them and the status byte is elsewhere);
-        // the guest must not either until the request is completed (virtio's rule),
-        // and if it does, only the data is affected.
-        bufs.push(unsafe { Buf::borrowed(ptr, n as usize, owner) });
+        // the guest may, which `Lent` allows: it never makes a reference to them.
+        bufs.push(unsafe { Lent::new(ptr, n as usize, owner) });
     }
     Some(bufs)
 }
