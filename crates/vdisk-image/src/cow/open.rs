@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use super::{parse_header, CowImage, CowMap, Header, OverlayOptions, MAX_HEADER_LEN};
-use crate::{Error, ErrorKind, Result};
+use crate::{Advice, Error, ErrorKind, Result};
 
 pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
     Error::io(e, format!("{what} {}", path.display()))
@@ -82,7 +82,7 @@ pub fn ambiguous_backing(overlay: &Path, written: &Path) -> Option<String> {
     }
     Some(format!(
         "the header of {} names the relative path {}: from the overlay's directory that is {}, from the current \
-         directory another file; name the one you mean with --backing PATH",
+         directory another file",
         overlay.display(),
         written.display(),
         resolved.display()
@@ -128,7 +128,7 @@ impl CowImage {
         };
         let named = if o.backing.is_some() {
             format!(
-                "{} (given with --backing; the header of {} names {})",
+                "{} (named by the caller; the header of {} names {})",
                 backing.display(),
                 path.display(),
                 written.display()
@@ -145,12 +145,16 @@ impl CowImage {
         };
         if o.backing.is_none() {
             if let Some(why) = ambiguous_backing(path, written) {
-                return Err(Error::invalid(why));
+                return Err(Error::invalid(why).advise(Advice::NameBacking));
             }
         }
         let bmeta = std::fs::metadata(&backing).map_err(|e| {
-            let hint = if o.backing.is_some() { "" } else { "; if it moved, name it with --backing PATH" };
-            Error::io(e, format!("backing file {named} cannot be opened{hint}"))
+            let e = Error::io(e, format!("backing file {named} cannot be opened"));
+            if o.backing.is_some() {
+                e
+            } else {
+                e.advise(Advice::NameBacking)
+            }
         })?;
         if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
             return Err(Error::invalid(format!("backing file {named} is not a regular file or block device")));
@@ -186,21 +190,22 @@ impl CowImage {
         if bsize != header.size {
             return Err(Error::invalid(format!(
                 "backing file {} is {bsize} bytes but overlay {} was made over {} bytes: it is not the file \
-                 the overlay was made over (name the right one with --backing PATH)",
+                 the overlay was made over",
                 backing.display(),
                 path.display(),
                 header.size
-            )));
+            ))
+            .advise(Advice::NameBacking));
         }
         if mtime32(&bmeta) != header.mtime && !o.ignore_mtime {
             return Err(Error::invalid(format!(
-                "backing file {} was modified after overlay {} was made (mtime {} vs {} in the header); \
-                 if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH",
+                "backing file {} was modified after overlay {} was made (mtime {} vs {} in the header)",
                 backing.display(),
                 path.display(),
                 mtime32(&bmeta),
                 header.mtime
-            )));
+            ))
+            .advise(Advice::IgnoreBackingMtime));
         }
         Ok(CowImage {
             overlay: path.to_owned(),
@@ -266,14 +271,7 @@ impl CowImage {
                 .write(write)
                 .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
                 .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
-                .map_err(|e| {
-                    let why = if e.raw_os_error() == Some(libc::EINVAL) {
-                        "its file system does not support O_DIRECT; serve it without --direct".to_owned()
-                    } else {
-                        e.to_string()
-                    };
-                    Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", path.display()))
-                })
+                .map_err(|e| crate::raw::direct_io_error(path, e))
         };
         self.direct =
             vec![open(&self.overlay, &self.files[0], !self.read_only)?, open(&self.backing, &self.files[1], false)?];
