@@ -69,10 +69,6 @@ impl Pki {
     }
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 /// qemu's --image-opts for an NBD export over the unix socket, with TLS object `tls0` when `tls`.
 fn qemu_opts(server: &Server, export: &str, tls: bool) -> String {
     let mut o = format!("driver=nbd,server.type=unix,server.path={},export={export}", server.socket.display());
