@@ -78,6 +78,9 @@ def main():
                    help="run only these sections (comma-separated or repeated): " + ", ".join(SECTIONS))
     p.add_argument("--repeat", type=int, default=1, help="run each fio job N times, report the median (default 1)")
     p.add_argument("--runtime", type=int, default=0, help="seconds per fio job (default 10, --quick 2)")
+    p.add_argument("--tune-seconds", type=int, default=None,
+                   help="fio matrix: try each peer configuration on each row for N s and keep the fastest "
+                        "(default 2, --quick 1; 0 runs each peer as configured before)")
     p.add_argument("--syscall-seconds", type=int, default=3, help="length of the syscall-count job (default 3)")
     p.add_argument("--syscalls", choices=["auto", "perf", "strace"], default="auto",
                    help="how to count system calls (default: perf if it works, else strace)")

@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import subprocess
+import threading
 import time
 
 from .common import IMAGE_SIZE, MiB, PIN, RAW, ROOT, fill_image, last_line, log, slug
@@ -48,9 +49,11 @@ def run_fio(name, args, timeout):
         os.unlink(path)
     except FileNotFoundError:
         pass
+    t0 = time.monotonic()
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=timeout, stdin=subprocess.DEVNULL)
+        wall = time.monotonic() - t0
     except subprocess.TimeoutExpired:
         raise FioError(f"fio timed out after {timeout:.0f} s")
     try:
@@ -62,15 +65,30 @@ def run_fio(name, args, timeout):
         raise FioError(f"fio error {job.get('error')}: {last_line(r.stdout)}")
     rd, wr = job["read"], job["write"]
     p50, p99 = percentiles_us(job)
+    # fio's group figures divide by one job's runtime. A server that takes its connections one
+    # at a time (qemu-nbd's default --shared=1) makes the jobs run one after another, and then
+    # those figures count every job's I/O against one job's time: scale them to the real wall time.
+    planned = expected_seconds(args)
+    scale = planned / wall if planned and wall > 1.5 * planned + 1 else 1.0
     return {
-        "iops": rd["iops"] + wr["iops"],
-        "mibs": (rd["bw_bytes"] + wr["bw_bytes"]) / MiB,
+        "iops": (rd["iops"] + wr["iops"]) * scale,
+        "mibs": (rd["bw_bytes"] + wr["bw_bytes"]) / MiB * scale,
+        "serialized": scale < 1.0,
+        "wall_s": wall,
         "p50_us": p50,
         "p99_us": p99,
         "total_ios": rd["total_ios"] + wr["total_ios"],
         "raw": str(path.relative_to(ROOT)),
         "cmd": "fio " + shlex.join(cmd[len(PIN["fio"]) + 3:]),
     }
+
+
+def expected_seconds(args):
+    """How long a time-based fio run with these options should take when its jobs run at once."""
+    opt = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+    if "runtime" not in opt:
+        return None
+    return int(opt["runtime"]) + int(opt.get("ramp_time", 0))
 
 
 # fio matrix jobs: (id, title, fio options, metric)
@@ -96,17 +114,18 @@ def fio_job_args(opts, runtime, ramp):
     return a
 
 
-def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=None, make_server=None):
+def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=None, make_server=None, repeat=None):
     """One fio cell, repeated, median by throughput. `make_server(label, kind, medium, extra)`
     replaces `b.server` (section overlay: a server that makes its own fresh overlay)."""
     runtime = runtime or b.runtime
     ramp = b.ramp if ramp is None else ramp
-    key = (label, medium)
+    repeat = repeat or b.repeat
+    key = (label, medium, tuple(extra))
     if key in b.failed_start:
         return {"error": f"failed: {b.failed_start[key]}"}
     runs = []
-    for i in range(b.repeat):
-        rname = f"{name}.{i}" if b.repeat > 1 else name
+    for i in range(repeat):
+        rname = f"{name}.{i}" if repeat > 1 else name
         b.prep(medium)
         args = fio_job_args(opts, runtime, ramp)
         timeout = runtime + ramp + 90
@@ -125,14 +144,23 @@ def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=N
                     log(f"  {label} ({medium}) failed to start: {e}")
                     return {"error": f"failed: {e}"}
                 try:
-                    c0, t0 = srv.cpu_seconds(), time.monotonic()
-                    r = run_fio(rname, args + ["--ioengine=nbd", f"--uri={b.uri(medium, srv.sock)}"], timeout)
+                    # fio counts requests only after its ramp: so does the server's CPU time.
+                    mark = {}
+                    timer = threading.Timer(ramp, lambda: mark.update(c0=srv.cpu_seconds(), t0=time.monotonic()))
+                    timer.start()
+                    try:
+                        r = run_fio(rname, args + ["--ioengine=nbd", f"--uri={b.uri(medium, srv.sock)}"], timeout)
+                    finally:
+                        timer.cancel()
                     c1, t1 = srv.cpu_seconds(), time.monotonic()
                 finally:
                     srv.stop()
                 r.update(srv.extra)
                 r["rss_mib"] = srv.rss_mib
-                r["cpu_pct"] = 100 * (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None else None
+                c0, t0 = mark.get("c0"), mark.get("t0")
+                ok = c0 is not None and c1 is not None and t1 > t0
+                r["cpu_pct"] = 100 * (c1 - c0) / (t1 - t0) if ok else None
+                r["cpu_us_per_req"] = 1e6 * (c1 - c0) / r["total_ios"] if ok and r["total_ios"] else None
                 r["server_cmd"] = shlex.join(srv.argv)
         except FioError as e:
             log(f"  {name}: {e}")
@@ -157,6 +185,36 @@ MATRIX_TARGETS = [  # label, kind, extra args (on disk, vdisk also gets --direct
 ]
 PEERS = ("qemu-nbd", "nbdkit")
 
+# The configurations each peer is tried in, per medium; every row keeps the fastest (section_fio).
+# The cache mode is fixed per medium so every server keeps the same durability and caching:
+# page cache on tmpfs (which has no O_DIRECT), O_DIRECT on disk (vdisk --direct, fio --direct=1).
+# qemu-nbd's own defaults are --shared=1 (one connection at a time) and --aio=threads; `()` is
+# the configuration this bench used before tuning (--aio=io_uring --shared=8).
+PEER_CONFIGS = {
+    ("qemu-nbd", "tmpfs"): [(), ("--shared=1", "--aio=threads"), ("--shared=8", "--aio=threads")],
+    ("qemu-nbd", "disk"): [(), ("--shared=8", "--aio=threads"), ("--shared=8", "--aio=native")],
+    ("nbdkit", "tmpfs"): [(), ("--threads=4",), ("--threads=64",)],
+    ("nbdkit", "disk"): [(), ("--threads=4",), ("--threads=64",)],
+}
+
+
+def peer_config_name(kind, extra):
+    if not extra:
+        return "--aio=io_uring --shared=8" if kind == "qemu-nbd" else "defaults (16 threads)"
+    return " ".join(extra)
+
+
+def tune_peer(b, label, kind, medium, jid, opts, metric):
+    """Try every configuration of a peer on one row for b.tune_seconds each; the fastest's extra
+    arguments and every configuration's figure."""
+    tried = {}
+    for extra in PEER_CONFIGS[(kind, medium)]:
+        name = f"tune-{medium}-{jid}-{slug(label + '-' + '-'.join(extra))}"
+        r = cell(b, name, label, kind, medium, extra, opts, metric, runtime=b.tune_seconds, ramp=1, repeat=1)
+        tried[extra] = None if "error" in r else r[metric]
+    best = max((e for e in tried if tried[e] is not None), key=lambda e: tried[e], default=())
+    return best, {peer_config_name(kind, e): v for e, v in tried.items()}
+
 
 def section_fio(b, res):
     res.update({"cells": {}, "media": ["tmpfs", "disk"]})
@@ -165,8 +223,14 @@ def section_fio(b, res):
         fill_image(b.images[medium], IMAGE_SIZE, medium == "disk")
         for jid, _title, opts, metric in JOBS:
             for label, kind, extra in MATRIX_TARGETS:
+                tried = None
+                if kind in PEERS and b.tune_seconds:
+                    extra, tried = tune_peer(b, label, kind, medium, jid, opts, metric)
                 name = f"fio-{medium}-{jid}-{slug(label)}"
                 r = cell(b, name, label, kind, medium, extra, opts, metric)
                 r["metric"] = metric
+                if kind in PEERS:
+                    r["config"] = peer_config_name(kind, extra)
+                    r["tuning"] = tried
                 res["cells"][f"{medium}|{jid}|{label}"] = r
     return res

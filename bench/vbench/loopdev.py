@@ -53,6 +53,7 @@ def populate(root, nfiles=2000, ndirs=20, seed=1):
     return total
 
 
+RAW_FILE = "loop on the image file (limit)"
 # label, server kind, server args, how the file is made: "nbdfuse" (nbdfuse on the server's
 # NBD socket), "fuse" / "fuse-ring" (vdisk --fuse / --fuse-uring), "qsd" (the server's own FUSE export).
 LOOP_TARGETS = [
@@ -62,6 +63,8 @@ LOOP_TARGETS = [
     ("qemu-storage-daemon FUSE", "qsd", (), "qsd"),
     ("nbdfuse on qemu-nbd", "qemu-nbd", (), "nbdfuse"),
     ("nbdfuse on nbdkit", "nbdkit", (), "nbdfuse"),
+    # The kernel-only limit: the loop device straight on the image file, no userspace server.
+    (RAW_FILE, "none", (), "raw"),
 ]
 # What "vs best peer" compares with: the other projects' ways to the same loop device.
 LOOP_PEERS = ["qemu-storage-daemon FUSE", "nbdfuse on qemu-nbd", "nbdfuse on nbdkit"]
@@ -98,6 +101,17 @@ def qsd_server(b, label, medium, disk):
     return Server(f"{label} {medium}", argv, sock)
 
 
+class NoServer:
+    """The raw-file target's stand-in for a server: nothing runs, nothing to measure."""
+    rss_mib = None
+
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+
 def loop_one(b, label, kind, extra, how):
     medium = "tmpfs"
     rows = {}
@@ -122,6 +136,9 @@ def loop_one(b, label, kind, extra, how):
     elif how == "qsd":
         disk.touch()
         srv = qsd_server(b, label, medium, disk)
+    elif how == "raw":
+        srv = NoServer()
+        disk = b.images[medium]
     else:
         srv = b.server(label, kind, medium, extra)
     # A FUSE file left mounted by a server that did not stop is unmounted (after the server's own try).
@@ -275,10 +292,11 @@ def loop_one(b, label, kind, extra, how):
                 ent[1]()
             except Exception as e:  # noqa: BLE001
                 log(f"cleanup: {e}")
-        try:
-            disk.unlink()
-        except OSError:
-            pass
+        if how != "raw":
+            try:
+                disk.unlink()
+            except OSError:
+                pass
         for d in (fuse_dir, fs_dir):
             try:
                 d.rmdir()

@@ -13,7 +13,7 @@ from pathlib import Path
 from .ablations import ABL_JOBS, ABLATIONS
 from .common import IMAGE_SIZE, MiB, last_line, log, sh
 from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS
-from .loopdev import LOOP_PEERS, LOOP_TARGETS
+from .loopdev import LOOP_PEERS, LOOP_TARGETS, RAW_FILE
 from .overlay import OVERLAY_JOBS, OVERLAY_TARGETS
 from .vm import md_vm
 
@@ -77,10 +77,11 @@ def fmt_ratio(v):
 
 
 def measured(c, metric):
-    """The measured columns of a fio row: value with unit, p50, p99, server CPU, peak RSS."""
+    """The measured columns of a fio row: value with unit, p50, p99, server CPU, CPU per request, peak RSS."""
     unit = "IOPS" if metric == "iops" else "MiB/s"
-    return (f"{fmt_num(c[metric])} {unit} | {fmt_num(c['p50_us'])} | {fmt_num(c['p99_us'])} | "
-            f"{fmt_pct(c.get('cpu_pct'))} | {fmt_mib(c.get('rss_mib'))}")
+    star = "§" if c.get("serialized") else ""
+    return (f"{fmt_num(c[metric])} {unit}{star} | {fmt_num(c['p50_us'])} | {fmt_num(c['p99_us'])} | "
+            f"{fmt_pct(c.get('cpu_pct'))} | {fmt_num(c.get('cpu_us_per_req'))} | {fmt_mib(c.get('rss_mib'))}")
 
 
 def best_peer(values):
@@ -127,9 +128,10 @@ def md_fio(res, meta):
         out.append(f"### 1{'a' if medium == 'tmpfs' else 'b'}. fio over NBD — {title}\n")
         mode = TMPFS_MODE if medium == "tmpfs" else DISK_MODE
         paged = False  # a vdisk row through the page cache (results from before --direct)
-        out.append("| job | server | I/O mode | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | peak RSS MiB | "
-                   "vs best peer | vs direct |")
-        out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out.append("| job | server | I/O mode | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | CPU µs / request | "
+                   "peak RSS MiB | vs best peer | vs direct |")
+        out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        serialized = False
         for jid, title_j, _opts, metric in JOBS:
             get = lambda lab: val(cells.get(f"{medium}|{jid}|{lab}"), metric)  # noqa: E731
             peer = best_peer([get(p) for p in PEERS])
@@ -137,13 +139,28 @@ def md_fio(res, meta):
             for label, _k, _e in MATRIX_TARGETS:
                 c = cells.get(f"{medium}|{jid}|{label}", {"error": "not run"})
                 m = "page cache†" if vdisk_paged(medium, label, c) else mode[label]
-                paged = paged or m == "page cache†"
+                if c.get("config"):
+                    m += f"; `{c['config']}`"
+                paged = paged or "page cache†" in m
                 if "error" in c:
-                    out.append(f"| {title_j} | {label} | {m} | {cell_err(c)} | | | | | | |")
+                    out.append(f"| {title_j} | {label} | {m} | {cell_err(c)} | | | | | | | |")
                     continue
                 v = c[metric]
-                out.append(f"| {title_j} | {label} | {m} | {measured(c, metric)} | {fmt_ratio(ratio(v, peer))} | "
+                serialized = serialized or bool(c.get("serialized"))
+                r = ratio(v, peer)
+                behind = " **behind**" if label.startswith("vdisk") and r is not None and r < 1 else ""
+                out.append(f"| {title_j} | {label} | {m} | {measured(c, metric)} | {fmt_ratio(r)}{behind} | "
                            f"{fmt_ratio(ratio(v, direct)) if label != 'direct' else '1.00×'} |")
+        out.append("")
+        out.append("Each peer row ran in the configuration that was fastest on that row: every configuration in "
+                   "`bench/vbench/fio.py` `PEER_CONFIGS` was tried first for a short run and the winner named in "
+                   "the I/O mode column. CPU µs / request: the server's user+system time from the end of fio's "
+                   "ramp to its exit, divided by the requests fio completed in that time.")
+        out += md_tuning(cells, medium) + md_goals(cells, medium)
+        if serialized:
+            out.append("§ The server took fio's connections one at a time (qemu-nbd's default `--shared=1`), so "
+                       "the jobs ran one after another; the figure is the I/O over the real wall time, not "
+                       "fio's group figure (which counts every job's I/O against one job's runtime).")
         out.append("")
         if medium == "disk" and paged:  # results from before vdisk had --direct
             out.append("† vdisk has no O_DIRECT mode yet: on disk it serves through the host page cache, "
@@ -168,6 +185,38 @@ def md_fio(res, meta):
                        "by up to 7× with where the scheduler happens to put fio and the server; `--pin same|split` "
                        "fixes the placement.\n")
     return out
+
+
+def md_tuning(cells, medium):
+    """What every peer configuration did on each row in its short trial."""
+    out = []
+    for jid, title_j, _opts, metric in JOBS:
+        tried = [(p, cells.get(f"{medium}|{jid}|{p}", {}).get("tuning")) for p in PEERS]
+        parts = [f"{p}: " + ", ".join(f"`{cfg}` {fmt_num(v)}" for cfg, v in t.items()) for p, t in tried if t]
+        if parts:
+            out.append(f"- {title_j} ({'IOPS' if metric == 'iops' else 'MiB/s'}, short trials): " + "; ".join(parts))
+    return (["", "Peer configurations tried:", ""] + out + [""]) if out else []
+
+
+def md_goals(cells, medium):
+    """The faster vdisk engine against the fastest peer on each row: throughput and CPU per request."""
+    out = []
+    for jid, title_j, _opts, metric in JOBS:
+        def pick(labels):
+            cs = [cells.get(f"{medium}|{jid}|{x}") for x in labels]
+            cs = [c for c in cs if c and "error" not in c]
+            return max(cs, key=lambda c: c[metric], default=None)
+        v, peer = pick([t[0] for t in MATRIX_TARGETS if t[0].startswith("vdisk")]), pick(PEERS)
+        if not v or not peer:
+            continue
+        cpu = ratio(v.get("cpu_us_per_req"), peer.get("cpu_us_per_req"))
+        p50 = ratio(v.get("p50_us"), peer.get("p50_us"))
+        out.append(f"| {title_j} | {fmt_ratio(ratio(v[metric], peer[metric]))} | {fmt_ratio(p50)} | {fmt_ratio(cpu)} |")
+    if not out:
+        return []
+    head = ["", "Faster vdisk engine against the fastest peer, per row:", "",
+            "| job | throughput | p50 latency | CPU µs / request |", "| --- | ---: | ---: | ---: |"]
+    return head + out + [""]
 
 
 def md_ablations(res, meta):
@@ -227,27 +276,29 @@ LOOP_ROWS = [  # key, title, metric, unit, higher is better
 def md_loop(res, meta):
     out = ["### 2. Through a loop device (a FUSE file → losetup --direct-io=on), tmpfs image\n"]
     servers = res["servers"]
-    out.append("| experiment | server | result | p50 µs | p99 µs | peak RSS MiB | vs best peer |")
-    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    out.append("| experiment | server | result | p50 µs | p99 µs | peak RSS MiB | vs best peer | vs raw file |")
+    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for key, title, metric, unit, higher in LOOP_ROWS:
         def get(lab):
             s = servers.get(lab, {})
             return None if "error" in s else val(s.get(key), metric)
         peers = [get(p) for p in LOOP_PEERS if get(p) is not None]
         peer = (max(peers) if higher else min(peers)) if peers else None
+        limit = get(RAW_FILE)
         for label, *_ in LOOP_TARGETS:
             s = servers.get(label, {"error": "not run"})
             c = s if "error" in s else s.get(key, {"error": "not run"})
             if "error" in c:
-                out.append(f"| {title} | {label} | {cell_err(c)} | | | | |")
+                out.append(f"| {title} | {label} | {cell_err(c)} | | | | | |")
                 continue
             v = c[metric]
             r = ratio(v, peer) if higher else ratio(peer, v)
+            lim = ratio(v, limit) if higher else ratio(limit, v)
             p50 = fmt_num(c.get("p50_us")) if "p50_us" in c else ""
             p99 = fmt_num(c.get("p99_us")) if "p99_us" in c else ""
             extra = f" (max lat {c['max_latency_ms']:.0f} ms)" if key == "dbench" else ""
             out.append(f"| {title} | {label} | {fmt_num(v)} {unit}{extra} | {p50} | {p99} | "
-                       f"{fmt_mib(s.get('rss_mib'))} | {fmt_ratio(r)} |")
+                       f"{fmt_mib(s.get('rss_mib'))} | {fmt_ratio(r)} | {fmt_ratio(lim)} |")
     out.append("")
     notes = []
     for label, s in servers.items():

@@ -197,13 +197,15 @@ class Bench:
         self.runtime = args.runtime or (2 if args.quick else 10)
         self.ramp = 1
         self.repeat = max(1, args.repeat)
+        # Seconds each peer configuration is tried for on each fio row (0: no tuning).
+        self.tune_seconds = args.tune_seconds if args.tune_seconds is not None else (1 if args.quick else 2)
         self.work_tmp = Path(args.tmpfs_dir) / f"vdisk-bench-{os.getpid()}"
         self.work_disk = Path(args.disk_dir) / f"vdisk-bench-{os.getpid()}"
         self.images = {"tmpfs": self.work_tmp / "tmpfs.img", "disk": self.work_disk / "disk.img"}
         self.sockdir = self.work_tmp / "sock"
         self.vdisk = None
         self.syscall_method = None
-        self.failed_start = {}  # (label, medium) -> reason: don't retry a server that cannot start
+        self.failed_start = {}  # (label, medium, extra) -> reason: don't retry a server that cannot start
 
     def server_argv(self, kind, medium, extra=()):
         img, name, sock = str(self.images[medium]), medium, self.sock(kind, medium, extra)
@@ -212,12 +214,13 @@ class Bench:
             # tmpfs has no O_DIRECT (vdisk refuses --direct there).
             direct = ["--direct"] if medium == "disk" else []
             return [str(self.vdisk), "serve", img, "--socket", sock] + list(extra) + direct
+        # A peer's `extra` is its tuning (fio.PEER_CONFIGS); without one it runs as it always did here.
         if kind == "qemu-nbd":
             cache = "none" if medium == "disk" else "writeback"  # tmpfs has no O_DIRECT
-            return ["qemu-nbd", "-t", "-f", "raw", "--aio=io_uring", f"--cache={cache}",
-                    "-k", sock, "-x", name, "--shared=8", img]
+            tuning = list(extra) or ["--aio=io_uring", "--shared=8"]
+            return ["qemu-nbd", "-t", "-f", "raw", f"--cache={cache}", "-k", sock, "-x", name] + tuning + [img]
         if kind == "nbdkit":
-            return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "--exportname", name, "file", img]
+            return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "--exportname", name] + list(extra) + ["file", img]
         raise ValueError(kind)
 
     def sock(self, kind, medium, extra=()):
