@@ -121,6 +121,21 @@ pub fn in_memory(file: &File) -> bool {
     matches!(st.f_type as i64, TMPFS | RAMFS | HUGETLBFS)
 }
 
+/// True when the file lives on a FUSE file system. There an *asynchronous*
+/// O_DIRECT write (io_uring) loses its RWF_DSYNC on the way: the kernel sends
+/// a plain WRITE and no FSYNC after it (see docs/design.md, "What the kernel
+/// carries"), so such writes need an explicit fdatasync.
+pub fn on_fuse(file: &File) -> bool {
+    const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+    // SAFETY: statfs is plain data; fstatfs fills it for a valid fd.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open and `st` is a valid out-pointer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    st.f_type as i64 == FUSE_SUPER_MAGIC
+}
+
 pub fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
     loop {
         // SAFETY: fallocate only reads its integer arguments.

@@ -11,7 +11,10 @@
 //! operations in the ring: it must cover only writes *completed* before it was
 //! submitted, and those are already in the page cache. The image's metadata is
 //! synced after the files' fsyncs complete. FUA and sync-mode writes carry
-//! `RWF_DSYNC` on their SQE and still run in parallel.
+//! `RWF_DSYNC` on their SQE and still run in parallel. Where the kernel drops
+//! that flag (an O_DIRECT write to a file on FUSE, see [`sys::on_fuse`]), a
+//! durable write to the O_DIRECT file is linked to an `IORING_OP_FSYNC`
+//! (datasync) of it, and completes only with that fsync.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -23,7 +26,7 @@ use vdisk_image::{Error, Result};
 use crate::plan::{Planner, Run};
 use crate::queue::{deliver, Job, Queue, Waker};
 use crate::slab::Slab;
-use crate::sys::Segment;
+use crate::sys::{self, Segment};
 use crate::Op;
 
 /// Builds an SQE on file number `$file` of the image (its O_DIRECT twin when
@@ -71,6 +74,9 @@ enum OpKind {
     },
     /// The fsync of one file for a FLUSH.
     Fsync { job: usize },
+    /// The fdatasync linked after a durable O_DIRECT write where RWF_DSYNC
+    /// is not carried; each job of the write waits for it too.
+    WriteSync { run: Run, jobs: Vec<usize> },
 }
 
 struct Ring {
@@ -110,6 +116,8 @@ pub(crate) struct RingWorker {
     /// Positions in `done` of durable writes whose metadata is not yet durable.
     owed: Vec<usize>,
     batch: usize,
+    /// Durable O_DIRECT writes need a linked fdatasync (the direct files are on FUSE).
+    sync_direct_writes: bool,
 }
 
 impl RingWorker {
@@ -125,6 +133,13 @@ impl RingWorker {
         let image = &planner.image;
         let fds: Vec<i32> = image.files().iter().chain(image.direct_files()).map(|f| f.as_raw_fd()).collect();
         let fixed_files = ring.submitter().register_files(&fds).is_ok();
+        let sync_direct_writes = image.direct_files().iter().any(sys::on_fuse);
+        if sync_direct_writes {
+            log::info!(
+                "{}: on FUSE, O_DIRECT writes lose RWF_DSYNC in io_uring; durable ones are followed by an fdatasync",
+                planner.describe(0)
+            );
+        }
         // SAFETY: eventfd returns a new fd that nobody else owns, or -1 (checked).
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if efd < 0 {
@@ -144,6 +159,7 @@ impl RingWorker {
             done: Vec::new(),
             owed: Vec::new(),
             batch: batch.max(1),
+            sync_direct_writes,
         })
     }
 
@@ -226,6 +242,22 @@ impl RingWorker {
                 run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
             let (fd, direct) = (run.file, run.direct);
             let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
+            // The linked fdatasync needs its own copy of the run, for error messages and retries.
+            let linked = (write && dsync && direct && self.sync_direct_writes).then(|| Run {
+                write: true,
+                dsync: true,
+                direct: true,
+                file: fd,
+                offset,
+                segs: Vec::new(),
+                jobs: Vec::new(),
+            });
+            if linked.is_some() {
+                for &j in &jobs {
+                    self.jobs[j].pending += 1;
+                }
+            }
+            let link_jobs = jobs.clone();
             let op = self.ops.insert(OpKind::Data { run, iov, jobs });
             let entry = if write {
                 let flags = if dsync { libc::RWF_DSYNC } else { 0 };
@@ -233,9 +265,28 @@ impl RingWorker {
             } else {
                 on_file!(self, fd, direct, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
             };
-            // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
-            // in `jobs`; both stay until this op's completion is reaped.
-            unsafe { self.ring.push(&entry.user_data(op as u64))? };
+            let entry = entry.user_data(op as u64);
+            let Some(run) = linked else {
+                // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
+                // in `jobs`; both stay until this op's completion is reaped.
+                unsafe { self.ring.push(&entry)? };
+                continue;
+            };
+            // Both entries must be in one submission for the link to hold.
+            let free = {
+                let sq = self.ring.ring.submission();
+                sq.capacity() - sq.len()
+            };
+            if free < 2 {
+                self.ring.ring.submit()?;
+            }
+            // SAFETY: as above, for the write.
+            unsafe { self.ring.push(&entry.flags(squeue::Flags::IO_LINK))? };
+            let sync = self.ops.insert(OpKind::WriteSync { run, jobs: link_jobs });
+            let entry = on_file!(self, fd, true, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
+                .user_data(sync as u64);
+            // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
+            unsafe { self.ring.push(&entry)? };
         }
         for &k in &keys {
             let slot = &mut self.jobs[k];
@@ -285,6 +336,19 @@ impl RingWorker {
                         self.jobs[job].job.0.error.get_or_insert(err);
                     }
                     self.release(job);
+                }
+                OpKind::WriteSync { run, jobs } => {
+                    // ECANCELED: the write failed or was short, and `data_done` finished
+                    // it with blocking RWF_DSYNC calls, which do carry the flag.
+                    if res < 0 && res != -libc::ECANCELED {
+                        let e = self.planner.run_error(&run, std::io::Error::from_raw_os_error(-res));
+                        for &j in &jobs {
+                            self.jobs[j].job.0.error.get_or_insert(Error::new(e.kind(), e.to_string()));
+                        }
+                    }
+                    for j in jobs {
+                        self.release(j);
+                    }
                 }
             }
         }

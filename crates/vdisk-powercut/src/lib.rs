@@ -416,6 +416,28 @@ impl Filesystem for Fs {
         reply.ok();
     }
 
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: fuser::PollNotifier,
+        events: fuser::PollEvents,
+        _flags: fuser::PollFlags,
+        reply: fuser::ReplyPoll,
+    ) {
+        // A regular file is always ready.
+        reply.poll(events);
+    }
+
+    fn getxattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, _size: u32, reply: fuser::ReplyXattr) {
+        reply.error(Errno::from_i32(libc::ENODATA));
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: fuser::ReplyXattr) {
+        reply.size(0);
+    }
+
     fn fsyncdir(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
         reply.ok();
     }
@@ -503,6 +525,16 @@ impl Filesystem for Fs {
     }
 }
 
+/// Tells whether the storage is dead (cut and not yet restarted).
+#[derive(Clone)]
+pub struct Probe(Arc<Mutex<State>>);
+
+impl Probe {
+    pub fn is_dead(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).dead
+    }
+}
+
 /// A mounted power-loss file system and its state, which outlives mounts.
 pub struct Storage {
     state: Arc<Mutex<State>>,
@@ -572,6 +604,11 @@ impl Storage {
 
     pub fn is_dead(&self) -> bool {
         self.state().dead
+    }
+
+    /// A handle other threads can ask whether the power is off.
+    pub fn probe(&self) -> Probe {
+        Probe(self.state.clone())
     }
 
     pub fn stats(&self) -> Stats {

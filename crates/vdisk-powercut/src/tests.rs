@@ -15,7 +15,7 @@ fn mountpoint(tag: &str) -> PathBuf {
 #[test]
 fn only_fsynced_writes_survive_a_cut() {
     let mut s = Storage::mount(&mountpoint("rules")).unwrap();
-    let f = OpenOptions::new().create(true).read(true).write(true).open(s.path("a")).unwrap();
+    let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(s.path("a")).unwrap();
     f.write_all_at(&[1u8; 4096], 0).unwrap();
     f.sync_data().unwrap();
     f.write_all_at(&[2u8; 4096], 0).unwrap();
@@ -35,7 +35,7 @@ fn only_fsynced_writes_survive_a_cut() {
 #[test]
 fn random_survival_tears_at_sector_boundaries() {
     let mut s = Storage::mount(&mountpoint("random")).unwrap();
-    let f = OpenOptions::new().create(true).read(true).write(true).open(s.path("a")).unwrap();
+    let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(s.path("a")).unwrap();
     f.write_all_at(&vec![0u8; 64 << 10], 0).unwrap();
     f.sync_all().unwrap();
     f.write_all_at(&vec![9u8; 64 << 10], 0).unwrap();
