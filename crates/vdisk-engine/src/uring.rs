@@ -297,6 +297,14 @@ impl RingWorker {
                     self.finish(k);
                     continue;
                 }
+                if vdisk_image::breakage::active(vdisk_image::breakage::Breakage::SkipDataSync) {
+                    // A test build told to break durability: no fsync, only the metadata round.
+                    if let Err(e) = self.planner.image.sync_metadata() {
+                        slot.job.0.error = Some(e);
+                    }
+                    self.finish(k);
+                    continue;
+                }
                 // File 0 is the only one writes reach.
                 slot.pending += 1;
                 let op = self.ops.insert(OpKind::Fsync { job: k });
