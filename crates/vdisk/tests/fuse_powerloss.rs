@@ -1,0 +1,223 @@
+//! The FUSE export with its image on storage that loses power
+//! (crates/vdisk-powercut): a client of vdisk's FUSE file writes through
+//! O_DSYNC, O_SYNC and O_DIRECT|O_DSYNC descriptors, with an asynchronous
+//! io_uring RWF_DSYNC write, and with plain writes followed by fsync or
+//! fdatasync; then the storage's power is cut (vdisk is killed after it),
+//! and every one of those writes must be in what the storage kept. Both
+//! transports (/dev/fuse, FUSE-over-io_uring), both engines, and --direct.
+//!
+//! Also: starting and stopping the FUSE export in a loop, with a `stat` of
+//! the new file each time, on both transports.
+//!
+//! These tests mount file systems, so they run one at a time and need root.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use common::{Server, TempDir, MIB};
+use vdisk_powercut::{Storage, Survival};
+
+const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
+const DISK: usize = 16 * MIB;
+const PIECE: usize = 64 << 10;
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    // SAFETY: geteuid only returns a number.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "these tests mount file systems and need root (CI runs as root)");
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Turns FUSE-over-io_uring on, and back to what it was when dropped.
+struct UringSwitch(String);
+
+impl UringSwitch {
+    fn on() -> UringSwitch {
+        let old = std::fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| panic!("{ENABLE_URING}: {e}"));
+        std::fs::write(ENABLE_URING, "Y").unwrap_or_else(|e| panic!("cannot write Y to {ENABLE_URING}: {e}"));
+        UringSwitch(old.trim().to_owned())
+    }
+}
+
+impl Drop for UringSwitch {
+    fn drop(&mut self) {
+        let _ = std::fs::write(ENABLE_URING, &self.0);
+    }
+}
+
+fn pattern(round: u64, piece: u64) -> Vec<u8> {
+    let mut x = (round << 32 ^ piece).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..PIECE)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A page-aligned copy of `data`, for O_DIRECT.
+struct Aligned(*mut u8, usize);
+
+impl Aligned {
+    fn new(data: &[u8]) -> Aligned {
+        let layout = std::alloc::Layout::from_size_align(data.len(), 4096).unwrap();
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        assert!(!p.is_null());
+        // SAFETY: p holds data.len() bytes, freshly allocated, not overlapping data.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) };
+        Aligned(p, data.len())
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.0, std::alloc::Layout::from_size_align(self.1, 4096).unwrap()) };
+    }
+}
+
+/// How one piece is written; each must be durable once the call returns.
+const WAYS: [&str; 7] = [
+    "O_DSYNC write",
+    "O_SYNC write",
+    "O_DIRECT|O_DSYNC write",
+    "write + fsync",
+    "write + fdatasync",
+    "pwritev2(RWF_DSYNC)",
+    "io_uring O_DIRECT RWF_DSYNC write",
+];
+
+/// Writes `data` at `offset` the way numbered `way`; returns the descriptor,
+/// which the caller keeps open until after the power cut (a close sends
+/// FLUSH, which vdisk makes a flush: it would hide a lost sync flag).
+fn write_piece(file: &Path, way: usize, offset: u64, data: &[u8]) -> std::fs::File {
+    let open = |flags: i32| OpenOptions::new().read(true).write(true).custom_flags(flags).open(file).unwrap();
+    match way {
+        0 => {
+            let f = open(libc::O_DSYNC);
+            f.write_all_at(data, offset).unwrap();
+            f
+        }
+        1 => {
+            let f = open(libc::O_SYNC);
+            f.write_all_at(data, offset).unwrap();
+            f
+        }
+        2 => {
+            let f = open(libc::O_DIRECT | libc::O_DSYNC);
+            let buf = Aligned::new(data);
+            // SAFETY: buf holds data.len() readable bytes.
+            let n = unsafe { libc::pwrite(f.as_raw_fd(), buf.0.cast(), buf.1, offset as i64) };
+            assert_eq!(n as usize, data.len(), "{}", std::io::Error::last_os_error());
+            f
+        }
+        3 => {
+            let f = open(0);
+            f.write_all_at(data, offset).unwrap();
+            f.sync_all().unwrap();
+            f
+        }
+        4 => {
+            let f = open(0);
+            f.write_all_at(data, offset).unwrap();
+            f.sync_data().unwrap();
+            f
+        }
+        5 => {
+            let f = open(0);
+            let iov = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
+            // SAFETY: one iovec over live memory.
+            let n = unsafe { libc::pwritev2(f.as_raw_fd(), &iov, 1, offset as i64, libc::RWF_DSYNC) };
+            assert_eq!(n as usize, data.len(), "{}", std::io::Error::last_os_error());
+            f
+        }
+        _ => {
+            let f = open(libc::O_DIRECT);
+            let buf = Aligned::new(data);
+            let iov = libc::iovec { iov_base: buf.0.cast(), iov_len: buf.1 };
+            let mut ring = io_uring::IoUring::new(4).unwrap();
+            let e = io_uring::opcode::Writev::new(io_uring::types::Fd(f.as_raw_fd()), &iov, 1)
+                .offset(offset)
+                .rw_flags(libc::RWF_DSYNC)
+                .build();
+            // SAFETY: the iovec and its buffer outlive the completion, awaited here.
+            unsafe { ring.submission().push(&e).unwrap() };
+            ring.submit_and_wait(1).unwrap();
+            let res = ring.completion().next().unwrap().result();
+            assert_eq!(res as usize, data.len(), "io_uring write: {res}");
+            f
+        }
+    }
+}
+
+fn detach(path: &Path) {
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: umount2 only reads the path.
+    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+}
+
+/// One round per way of writing, cycling through the engine configurations:
+/// serve the image on the storage over FUSE, write one piece that way (and
+/// unsynced noise beside it), cut the power, kill vdisk, check the storage.
+/// One way per cut: a sync that works for one write makes every earlier
+/// write of the file durable too, and would hide another way's loss.
+fn sync_writes_survive(ring: bool) {
+    let configs: [&[&str]; 3] = [&["--engine", "uring"], &["--engine", "threads"], &["--engine", "uring", "--direct"]];
+    let dir = TempDir::new(if ring { "fuse-pl-ring" } else { "fuse-pl" });
+    let mut storage = Storage::mount(&dir.path("store")).unwrap();
+    std::fs::write(storage.path("disk.img"), vec![0u8; DISK]).unwrap();
+    storage.sync_all();
+    let img = storage.path("disk.img");
+    let file = dir.path("disk");
+    let mut lost = Vec::new();
+    for (round, way) in (0..WAYS.len()).chain(0..WAYS.len()).enumerate() {
+        let round = round as u64;
+        let extra = configs[round as usize % configs.len()];
+        let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
+        if ring {
+            args.push("--fuse-uring");
+        }
+        args.extend_from_slice(extra);
+        let server = Server::start(&dir, &args);
+        let offset = (way * MIB) as u64;
+        let plain = OpenOptions::new().write(true).open(&file).unwrap();
+        plain.write_all_at(&pattern(round, 100), offset + 4 * PIECE as u64).unwrap();
+        let synced = write_piece(&file, way, offset, &pattern(round, way as u64));
+        plain.write_all_at(&pattern(round, 101), offset + 8 * PIECE as u64).unwrap();
+        storage.cut(if round >= WAYS.len() as u64 { Survival::Random(round) } else { Survival::Nothing });
+        drop(server); // SIGKILL
+        drop((synced, plain));
+        detach(&file);
+        let _ = std::fs::remove_file(dir.path("nbd.sock"));
+        storage.restart().unwrap();
+        let disk = storage.durable("disk.img").unwrap();
+        assert_eq!(disk.len(), DISK);
+        if disk[way * MIB..way * MIB + PIECE] != pattern(round, way as u64)[..] {
+            lost.push(format!("{} ({extra:?})", WAYS[way]));
+        }
+    }
+    let _ = std::fs::remove_file(&file);
+    let transport = if ring { "FUSE-over-io_uring" } else { "/dev/fuse" };
+    assert!(lost.is_empty(), "{transport}: lost in a power cut although durable when the call returned: {lost:#?}");
+}
+
+#[test]
+fn fuse_sync_writes_survive_a_power_cut() {
+    let _s = serial();
+    sync_writes_survive(false);
+}
+
+#[test]
+fn fuse_uring_sync_writes_survive_a_power_cut() {
+    let _s = serial();
+    let _on = UringSwitch::on();
+    sync_writes_survive(true);
+}
