@@ -221,3 +221,68 @@ fn fuse_uring_sync_writes_survive_a_power_cut() {
     let _on = UringSwitch::on();
     sync_writes_survive(true);
 }
+
+/// Starts vdisk with a FUSE export, `stat`s the file from another thread
+/// from the moment the process starts until the file has the disk's size
+/// (so a stat lands while the transport comes up), stops it with SIGTERM,
+/// and again, `rounds` times. A stat that never returns fails the test.
+fn start_stop_loop(ring: bool, rounds: usize) {
+    let dir = TempDir::new(if ring { "fuse-loop-ring" } else { "fuse-loop" });
+    let img = dir.path("d.img");
+    common::create_image(&img, "16M");
+    let file = dir.path("disk");
+    let sock = dir.path("nbd.sock");
+    for i in 0..rounds {
+        let mut args = vec!["serve", img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
+        if ring {
+            args.push("--fuse-uring");
+        }
+        args.extend_from_slice(&["--socket", sock.to_str().unwrap()]);
+        let mut child = std::process::Command::new(common::vdisk_bin())
+            .args(&args)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let f = file.clone();
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while std::time::Instant::now() < deadline {
+                if std::fs::metadata(&f).is_ok_and(|m| m.len() == 16 * MIB as u64) {
+                    let _ = tx.send(true);
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            let _ = tx.send(false);
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(true) => {}
+            r => {
+                let _ = child.kill();
+                let _ = child.wait();
+                detach(&file);
+                let what =
+                    if r.is_err() { "a stat of the file never returned" } else { "the file never got the disk's size" };
+                panic!("{} start {i}: {what}", if ring { "--fuse-uring" } else { "--fuse" });
+            }
+        }
+        // SAFETY: kill only reads its integer arguments.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let st = child.wait().unwrap();
+        assert!(st.success(), "start {i}: vdisk exited with {st} after SIGTERM");
+    }
+}
+
+#[test]
+fn fuse_start_stat_stop_in_a_loop() {
+    let _s = serial();
+    start_stop_loop(false, 15);
+}
+
+#[test]
+fn fuse_uring_start_stat_stop_in_a_loop() {
+    let _s = serial();
+    let _on = UringSwitch::on();
+    start_stop_loop(true, 30);
+}
