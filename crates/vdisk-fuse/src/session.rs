@@ -265,6 +265,7 @@ pub fn init_reply(init: &proto::InitIn, want_uring: bool) -> Result<proto::InitO
         | proto::ASYNC_DIO
         | proto::PARALLEL_DIROPS
         | proto::MAX_PAGES
+        | proto::DIRECT_IO_ALLOW_MMAP
         | proto::INIT_EXT;
     if want_uring {
         if kernel & proto::OVER_IO_URING == 0 {

@@ -7,7 +7,7 @@
 //! transports (/dev/fuse, FUSE-over-io_uring), both engines, and --direct.
 //!
 //! Also: starting and stopping the FUSE export in a loop, with a `stat` of
-//! the new file each time, on both transports.
+//! the new file each time, on both transports; and shared mmap of the file.
 //!
 //! These tests mount file systems, so they run one at a time and need root.
 
@@ -285,4 +285,48 @@ fn fuse_uring_start_stat_stop_in_a_loop() {
     let _s = serial();
     let _on = UringSwitch::on();
     start_stop_loop(true, 30);
+}
+
+/// Shared mmap of the FUSE file (FUSE_DIRECT_IO_ALLOW_MMAP): stores through
+/// the mapping reach the image with msync, and a write(2) through another
+/// descriptor shows in the mapping.
+fn shared_mmap(ring: bool) {
+    let dir = TempDir::new(if ring { "fuse-mmap-ring" } else { "fuse-mmap" });
+    let img = dir.path("d.img");
+    common::create_image(&img, "16M");
+    let file = dir.path("disk");
+    let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
+    if ring {
+        args.push("--fuse-uring");
+    }
+    let server = Server::start(&dir, &args);
+    let f = OpenOptions::new().read(true).write(true).open(&file).unwrap();
+    let len = MIB;
+    // SAFETY: a fresh shared mapping of len bytes of an open file; unmapped below.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0)
+    };
+    assert_ne!(p, libc::MAP_FAILED, "shared mmap of the FUSE file: {}", std::io::Error::last_os_error());
+    // SAFETY: p maps len bytes, readable and writable, until munmap below.
+    let map = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) };
+    map[4096..4096 + 11].copy_from_slice(b"hello mmap!");
+    // SAFETY: p and len are the mapping's.
+    assert_eq!(unsafe { libc::msync(p, len, libc::MS_SYNC) }, 0, "{}", std::io::Error::last_os_error());
+    f.write_all_at(b"write(2) here", 8192).unwrap();
+    let seen = map[8192..8192 + 13].to_vec();
+    // SAFETY: p and len are the mapping's; `map` is not used after this.
+    unsafe { libc::munmap(p, len) };
+    assert_eq!(&seen, b"write(2) here", "the mapping does not show a write through another descriptor");
+    drop(f);
+    server.stop();
+    let disk = common::read_file(&img);
+    assert_eq!(&disk[4096..4096 + 11], b"hello mmap!", "a store through the mapping did not reach the image");
+}
+
+#[test]
+fn fuse_shared_mmap_is_coherent() {
+    let _s = serial();
+    shared_mmap(false);
+    let _on = UringSwitch::on();
+    shared_mmap(true);
 }
