@@ -1,7 +1,7 @@
 //! Durability broken on purpose, to prove the power-loss tests bite.
 //!
-//! Only a build with the `test-breakage` cargo feature (a test feature, never
-//! a user's flag) has it, and even there nothing changes unless the
+//! Only a build with the `faults` cargo feature (test machinery, never in a
+//! product build: the vdisk crate's tests turn it on) has it, and even there nothing changes unless the
 //! environment variable `VDISK_BREAK` names what to break, comma-separated:
 //! - `skip-data-sync`: a FLUSH (and a durable TRIM or WRITE_ZEROES) does not
 //!   fdatasync the image's written file;
@@ -23,7 +23,7 @@ pub enum Breakage {
 pub const ENV: &str = "VDISK_BREAK";
 
 /// Whether `b` is switched on in this process.
-#[cfg(feature = "test-breakage")]
+#[cfg(feature = "faults")]
 pub fn active(b: Breakage) -> bool {
     use std::sync::OnceLock;
     static ON: OnceLock<Vec<Breakage>> = OnceLock::new();
@@ -45,8 +45,8 @@ pub fn active(b: Breakage) -> bool {
     .contains(&b)
 }
 
-/// Whether `b` is switched on: never, in a build without `test-breakage`.
-#[cfg(not(feature = "test-breakage"))]
+/// Whether `b` is switched on: never, in a build without `faults`.
+#[cfg(not(feature = "faults"))]
 #[inline(always)]
 pub fn active(_b: Breakage) -> bool {
     false

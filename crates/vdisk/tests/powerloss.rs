@@ -9,10 +9,10 @@
 //!
 //! CI: 36 cuts, 3 per configuration ({raw, COW} x {uring, threads} x
 //! {normal, --sync, --direct}): 2 where nothing unsynced survives and 1
-//! where a random part of it does. With the `test-breakage` feature (a test
-//! build; `scripts/test` has it through --all-features) the same binary,
-//! told through VDISK_BREAK to skip its data fdatasync or to write the COW
-//! bitmap before its data is durable, must be caught within a few cuts.
+//! where a random part of it does. The same test binary (built with the
+//! `faults` feature, as every test build is), told through VDISK_BREAK to
+//! skip its data fdatasync or to write the COW bitmap before its data is
+//! durable, must be caught within a few cuts.
 
 mod common;
 
@@ -54,7 +54,6 @@ fn power_cuts_keep_every_flushed_write_on_every_configuration() {
 }
 
 /// Runs soak rounds with durability broken by `breakage`; returns the round that caught it.
-#[cfg(feature = "test-breakage")]
 fn caught(breakage: &str, args: &[&str]) -> u64 {
     let dir = TempDir::new(breakage);
     let out = soak(&dir, args, &[("VDISK_BREAK", breakage)]);
@@ -71,7 +70,6 @@ fn caught(breakage: &str, args: &[&str]) -> u64 {
     round
 }
 
-#[cfg(feature = "test-breakage")]
 #[test]
 fn a_build_that_skips_its_data_fdatasync_is_caught() {
     // 6 configurations (raw x 2 engines x 3 modes), at most 3 cuts each.
@@ -80,7 +78,6 @@ fn a_build_that_skips_its_data_fdatasync_is_caught() {
     assert!(round < 18);
 }
 
-#[cfg(feature = "test-breakage")]
 #[test]
 fn a_build_that_writes_the_cow_bitmap_before_its_data_is_durable_is_caught() {
     // Only a storage that keeps part of the unsynced writes can show this
