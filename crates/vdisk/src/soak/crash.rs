@@ -362,29 +362,7 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    // The kill (or the power cut) comes a few milliseconds to 200 ms into the
-    // writing; half the power cuts come instead with one of the first FSYNCs
-    // the storage sees, when the most data is waiting for it.
-    let survival =
-        if partial { vdisk_powercut::Survival::Random(rng.next()) } else { vdisk_powercut::Survival::Nothing };
-    let at_fsync = c.storage.is_some() && rng.below(2) == 0;
-    if let (Some(s), true) = (&c.storage, at_fsync) {
-        s.cut_at_fsync(1 + rng.below(8), survival);
-    }
-    let wait = Duration::from_micros(3_000 + rng.below(197_000));
-    let started = Instant::now();
-    while started.elapsed() < wait && !probe.as_ref().is_some_and(|p| p.is_dead()) {
-        std::thread::sleep(Duration::from_micros(500));
-    }
-    let tail = server.log_tail();
-    let alive = std::fs::metadata(format!("/proc/{}", server.pid())).is_ok();
-    if let Some(s) = &c.storage {
-        // The storage dies first, then the server.
-        if s.is_dead() {
-            report.cuts_at_fsync += 1;
-        }
-        s.cut(survival);
-    }
+    let (tail, alive) = end_round(c, &server, partial, rng, report);
     server.kill();
     for t in threads {
         t.join().map_err(|_| "a writer thread panicked".to_owned())?.map_err(|e| format!("{e}{tail}"))?;
@@ -402,24 +380,58 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         }
     }
     c.gens = std::mem::take(&mut st.gens);
-
-    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
-    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
-        .and_then(|mut conn| conn.read_all(0, DISK as u64))
-        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
-    server.stop()?;
-    check::verify(salt, c.bs, &c.prior, &now, &st.logs)?;
-    if let Some((base, bytes)) = &c.base {
-        if std::fs::read(base).map_err(|e| e.to_string())? != *bytes {
-            return Err(format!("the backing file {} changed", base.display()));
-        }
-    }
+    let now = read_back(c, salt, &st.logs)?;
     c.prior = now;
     report.writes_sent += st.sent;
     report.writes_acked += st.done;
     report.flushes += st.flushes;
     report.checked_blocks += st.logs.iter().filter(|l| l.floor > 0).count() as u64;
     Ok(())
+}
+
+/// Waits a few milliseconds to 200 ms into the writing, then ends the round:
+/// the power cut (storage first) if the images are on the power-loss
+/// storage, which half the time comes instead with one of the first FSYNCs
+/// it sees, when the most data is waiting for it; the caller then kills the
+/// server. Returns the server's log tail and whether it was still alive.
+fn end_round(c: &Combo, server: &Served, partial: bool, rng: &mut Rng, report: &mut CrashReport) -> (String, bool) {
+    let survival =
+        if partial { vdisk_powercut::Survival::Random(rng.next()) } else { vdisk_powercut::Survival::Nothing };
+    let probe = c.storage.as_ref().map(|s| s.probe());
+    if let Some(s) = c.storage.as_ref().filter(|_| rng.below(2) == 0) {
+        s.cut_at_fsync(1 + rng.below(8), survival);
+    }
+    let wait = Duration::from_micros(3_000 + rng.below(197_000));
+    let started = Instant::now();
+    while started.elapsed() < wait && !probe.as_ref().is_some_and(|p| p.is_dead()) {
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let tail = server.log_tail();
+    let alive = std::fs::metadata(format!("/proc/{}", server.pid())).is_ok();
+    if let Some(s) = &c.storage {
+        if s.is_dead() {
+            report.cuts_at_fsync += 1;
+        }
+        s.cut(survival);
+    }
+    (tail, alive)
+}
+
+/// Restarts the server on what survived, reads the whole disk back and
+/// judges it against `logs`; the backing file of an overlay must not have changed.
+fn read_back(c: &Combo, salt: u64, logs: &[BlockLog]) -> Result<Vec<u8>, String> {
+    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
+    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
+        .and_then(|mut conn| conn.read_all(0, DISK as u64))
+        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
+    server.stop()?;
+    check::verify(salt, c.bs, &c.prior, &now, logs)?;
+    if let Some((base, bytes)) = &c.base {
+        if std::fs::read(base).map_err(|e| e.to_string())? != *bytes {
+            return Err(format!("the backing file {} changed", base.display()));
+        }
+    }
+    Ok(now)
 }
 
 /// Runs `rounds` crash rounds over every combination of `formats`, `engines`
