@@ -52,12 +52,16 @@ pub(crate) struct Planner {
     pub coalesce: bool,
     /// Injected failures (tests only): `None` unless `VDISK_FAULTS` was set.
     pub faults: Option<Arc<crate::faults::Faults>>,
+    /// The written file lives on FUSE, where `RWF_DSYNC` may never reach the
+    /// file system (see [`sys::on_fuse`]): a durable write is followed by an
+    /// explicit fdatasync.
+    pub dsync_unreliable: bool,
     extents: Vec<Extent>,
 }
 
 impl Planner {
     pub fn new(image: Arc<dyn Image>, sync: bool, coalesce: bool) -> Self {
-        Planner { image, sync, coalesce, faults: None, extents: Vec::new() }
+        Planner { image, sync, coalesce, faults: None, dsync_unreliable: false, extents: Vec::new() }
     }
 
     /// Maps the reads and writes among `jobs` (keyed by the caller's index) to
@@ -182,7 +186,12 @@ impl Planner {
         let file = self.file_of(run);
         let r = if run.write {
             // SAFETY: the segments point into data of live requests (the caller's contract).
-            unsafe { sys::pwritev_full(file, segs, offset, run.dsync) }
+            let r = unsafe { sys::pwritev_full(file, segs, offset, run.dsync) };
+            if run.dsync && self.dsync_unreliable {
+                r.and_then(|()| sys::fdatasync(file))
+            } else {
+                r
+            }
         } else {
             // SAFETY: as above, and no two segments of a plan overlap.
             unsafe { sys::preadv_full(file, segs, offset) }

@@ -132,10 +132,11 @@ pub fn in_memory(file: &File) -> bool {
     matches!(st.f_type as i64, TMPFS | RAMFS | HUGETLBFS)
 }
 
-/// True when the file lives on a FUSE file system. There an *asynchronous*
-/// O_DIRECT write (io_uring) loses its RWF_DSYNC on the way: the kernel sends
-/// a plain WRITE and no FSYNC after it (see docs/design.md, "What the kernel
-/// carries"), so such writes need an explicit fdatasync.
+/// True when the file lives on a FUSE file system. There `RWF_DSYNC` may
+/// never reach the file system as an FSYNC: not after an *asynchronous*
+/// O_DIRECT write (io_uring), and not after any write when the file system
+/// answered the open with FOPEN_DIRECT_IO (see docs/design.md, "What the
+/// kernel carries"), so durable writes need an explicit fdatasync.
 pub fn on_fuse(file: &File) -> bool {
     const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
     // SAFETY: statfs is plain data; fstatfs fills it for a valid fd.

@@ -460,8 +460,17 @@ fn durable_writes_survive_a_power_cut_of_fuse_storage() {
     if unsafe { libc::geteuid() } != 0 || !std::path::Path::new("/dev/fuse").exists() {
         panic!("this test mounts a FUSE file system: it needs root and /dev/fuse (CI has both)");
     }
-    let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-powercut", std::process::id()));
-    let mut storage = vdisk_powercut::Storage::mount(&dir.join("store")).unwrap();
+    // Once as most FUSE file systems answer OPEN, once with FOPEN_DIRECT_IO
+    // (libfuse's direct_io, vdisk's own export): there no RWF_DSYNC write
+    // brings an FSYNC at all.
+    for fopen_direct_io in [false, true] {
+        power_cut_round(fopen_direct_io);
+    }
+}
+
+fn power_cut_round(fopen_direct_io: bool) {
+    let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-powercut-{fopen_direct_io}", std::process::id()));
+    let mut storage = vdisk_powercut::Storage::mount_with(&dir.join("store"), fopen_direct_io).unwrap();
     let path = storage.path("disk.img");
     std::fs::write(&path, vec![0u8; 4 << 20]).unwrap();
     storage.sync_all();
@@ -493,7 +502,11 @@ fn durable_writes_survive_a_power_cut_of_fuse_storage() {
             storage.restart().unwrap();
             let disk = storage.durable("disk.img").unwrap();
             let at = |o: u64, n: usize| &disk[(base + o) as usize..(base + o) as usize + n];
-            let what = format!("{name}{}", if direct { " --direct" } else { "" });
+            let what = format!(
+                "{name}{}{}",
+                if direct { " --direct" } else { "" },
+                if fopen_direct_io { ", storage with FOPEN_DIRECT_IO" } else { "" }
+            );
             assert!(at(0, 16384) == pattern(round, 16384), "{what}: a FUA write was lost");
             assert!(at(16384, 16384) == pattern(round ^ 0x55, 16384), "{what}: a flushed write was lost");
             assert!(at(40960, 8192) == pattern(round ^ 0xaa, 8192), "{what}: a FUA write after a flush was lost");

@@ -11,10 +11,10 @@
 //! operations in the ring: it must cover only writes *completed* before it was
 //! submitted, and those are already in the page cache. The image's metadata is
 //! synced after the files' fsyncs complete. FUA and sync-mode writes carry
-//! `RWF_DSYNC` on their SQE and still run in parallel. Where the kernel drops
-//! that flag (an O_DIRECT write to a file on FUSE, see [`sys::on_fuse`]), a
-//! durable write to the O_DIRECT file is linked to an `IORING_OP_FSYNC`
-//! (datasync) of it, and completes only with that fsync.
+//! `RWF_DSYNC` on their SQE and still run in parallel. Where the kernel may
+//! drop that flag (a file on FUSE, see [`crate::sys::on_fuse`]), a durable write is
+//! linked to an `IORING_OP_FSYNC` (datasync) of its file, and completes only
+//! with that fsync.
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -26,7 +26,6 @@ use vdisk_image::{Error, Result};
 use crate::plan::{Planner, Run};
 use crate::queue::{deliver, Job, Queue, Waker};
 use crate::slab::Slab;
-use crate::sys;
 use crate::wake::EventFd;
 use crate::Op;
 
@@ -112,8 +111,6 @@ pub(crate) struct RingWorker {
     /// Positions in `done` of durable writes whose metadata is not yet durable.
     owed: Vec<usize>,
     batch: usize,
-    /// Durable O_DIRECT writes need a linked fdatasync (the direct files are on FUSE).
-    sync_direct_writes: bool,
 }
 
 impl RingWorker {
@@ -129,10 +126,10 @@ impl RingWorker {
         let image = &planner.image;
         let fds: Vec<i32> = image.files().iter().chain(image.direct_files()).map(|f| f.as_raw_fd()).collect();
         let fixed_files = ring.submitter().register_files(&fds).is_ok();
-        let sync_direct_writes = image.direct_files().iter().any(sys::on_fuse);
-        if sync_direct_writes {
+        if planner.dsync_unreliable {
             log::info!(
-                "{}: on FUSE, O_DIRECT writes lose RWF_DSYNC in io_uring; durable ones are followed by an fdatasync",
+                "{}: on FUSE, where RWF_DSYNC may not reach the file system; durable writes are followed by an \
+                 fdatasync",
                 planner.describe(0)
             );
         }
@@ -149,7 +146,6 @@ impl RingWorker {
             done: Vec::new(),
             owed: Vec::new(),
             batch: batch.max(1),
-            sync_direct_writes,
         })
     }
 
@@ -238,12 +234,12 @@ impl RingWorker {
         Ok(())
     }
 
-    /// One vectored read or write; a durable write to an O_DIRECT file on
-    /// FUSE gets its linked fdatasync.
+    /// One vectored read or write; a durable write to a file on FUSE gets its
+    /// linked fdatasync.
     fn start_run(&mut self, run: Run) -> std::io::Result<()> {
         let mut jobs = run.jobs.clone();
         jobs.dedup();
-        let linked = run.write && run.dsync && run.direct && self.sync_direct_writes;
+        let linked = run.write && run.dsync && self.planner.dsync_unreliable;
         for &j in &jobs {
             self.jobs[j].pending += if linked { 2 } else { 1 };
         }
@@ -278,7 +274,7 @@ impl RingWorker {
         // SAFETY: as above, for the write.
         unsafe { self.ring.push(&entry.flags(squeue::Flags::IO_LINK))? };
         let sync = self.ops.insert(OpKind::WriteSync { run: sync_run, jobs: link_jobs });
-        let entry = on_file!(self, fd, true, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
+        let entry = on_file!(self, fd, direct, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
             .user_data(sync as u64);
         // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
         unsafe { self.ring.push(&entry) }
@@ -332,7 +328,7 @@ impl RingWorker {
                 }
                 OpKind::WriteSync { run, jobs } => {
                     // ECANCELED: the write failed or was short, and `data_done` finished
-                    // it with blocking RWF_DSYNC calls, which do carry the flag.
+                    // it with blocking calls, which sync it themselves (`dsync_unreliable`).
                     if res < 0 && res != -libc::ECANCELED {
                         let e = self.planner.run_error(&run, std::io::Error::from_raw_os_error(-res));
                         for &j in &jobs {

@@ -97,6 +97,8 @@ struct State {
     /// A cut armed for the Nth FSYNC from now.
     cut_at_fsync: Option<(u64, Survival)>,
     stats: Stats,
+    /// Answer OPEN with FOPEN_DIRECT_IO (no page cache in the kernel for these files).
+    direct_io: bool,
 }
 
 struct Rng(u64);
@@ -208,6 +210,14 @@ impl State {
         })
     }
 
+    fn open_flags(&self) -> FopenFlags {
+        if self.direct_io {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else {
+            FopenFlags::empty()
+        }
+    }
+
     fn find(&self, name: &OsStr) -> Option<u64> {
         self.nodes.iter().find(|(_, n)| n.name == name).map(|(&i, _)| i)
     }
@@ -314,7 +324,7 @@ impl Filesystem for Fs {
         if has(flags, libc::O_DIRECT) {
             st.stats.direct_opens += 1;
         }
-        reply.opened(FileHandle(0), FopenFlags::empty());
+        reply.opened(FileHandle(0), st.open_flags());
     }
 
     fn read(
@@ -485,7 +495,7 @@ impl Filesystem for Fs {
             st.stats.direct_opens += 1;
         }
         let a = st.attr(ino).expect("just made");
-        reply.created(&TTL, &a, Generation(0), FileHandle(0), FopenFlags::empty());
+        reply.created(&TTL, &a, Generation(0), FileHandle(0), st.open_flags());
     }
 
     fn fallocate(
@@ -545,6 +555,14 @@ pub struct Storage {
 impl Storage {
     /// Mounts an empty file system at `mountpoint` (created if missing).
     pub fn mount(mountpoint: &Path) -> io::Result<Storage> {
+        Self::mount_with(mountpoint, false)
+    }
+
+    /// [`Storage::mount`]; with `direct_io` every OPEN is answered with
+    /// FOPEN_DIRECT_IO, as file systems mounted with libfuse's `direct_io`
+    /// (and vdisk's own FUSE export) do: the kernel keeps no page cache for
+    /// the files and sends every read and write as it comes.
+    pub fn mount_with(mountpoint: &Path, direct_io: bool) -> io::Result<Storage> {
         std::fs::create_dir_all(mountpoint)?;
         let state = State {
             nodes: BTreeMap::new(),
@@ -552,6 +570,7 @@ impl Storage {
             dead: false,
             cut_at_fsync: None,
             stats: Stats::default(),
+            direct_io,
         };
         let mut s = Storage { state: Arc::new(Mutex::new(state)), mountpoint: mountpoint.to_owned(), session: None };
         s.attach()?;
@@ -604,6 +623,11 @@ impl Storage {
 
     pub fn is_dead(&self) -> bool {
         self.state().dead
+    }
+
+    /// Whether OPENs from now on are answered with FOPEN_DIRECT_IO.
+    pub fn set_direct_io(&self, on: bool) {
+        self.state().direct_io = on;
     }
 
     /// A handle other threads can ask whether the power is off.

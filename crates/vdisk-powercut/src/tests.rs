@@ -78,7 +78,30 @@ fn fsyncs_for_dsync_write(s: &Storage, f: &std::fs::File, ring: bool) -> u64 {
 
 #[test]
 fn what_the_kernel_sends_for_dsync_writes() {
-    let s = Storage::mount(&mountpoint("kernel")).unwrap();
+    kernel_rows(false);
+}
+
+/// The same with FOPEN_DIRECT_IO answered to every OPEN.
+#[test]
+fn what_the_kernel_sends_for_dsync_writes_with_fopen_direct_io() {
+    let rows = kernel_rows_of(true);
+    for (what, n) in &rows {
+        eprintln!("FOPEN_DIRECT_IO, {what}: {n} FSYNC");
+    }
+}
+
+fn kernel_rows(direct_io: bool) {
+    let rows = kernel_rows_of(direct_io);
+    for (what, n) in &rows {
+        eprintln!("{what}: {n} FSYNC");
+    }
+    // What vdisk relies on: a blocking RWF_DSYNC write is followed by an FSYNC.
+    assert_eq!(rows[0].1, 1);
+    assert_eq!(rows[1].1, 1);
+}
+
+fn kernel_rows_of(direct_io: bool) -> Vec<(&'static str, u64)> {
+    let s = Storage::mount_with(&mountpoint(if direct_io { "kernel-dio" } else { "kernel" }), direct_io).unwrap();
     std::fs::write(s.path("a"), vec![0u8; 1 << 20]).unwrap();
     let buffered = OpenOptions::new().read(true).write(true).open(s.path("a")).unwrap();
     let direct = OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(s.path("a")).unwrap();
@@ -88,13 +111,7 @@ fn what_the_kernel_sends_for_dsync_writes() {
         ("buffered io_uring WRITEV(RWF_DSYNC)", fsyncs_for_dsync_write(&s, &buffered, true)),
         ("O_DIRECT io_uring WRITEV(RWF_DSYNC)", fsyncs_for_dsync_write(&s, &direct, true)),
     ];
-    for (what, n) in rows {
-        eprintln!("{what}: {n} FSYNC");
-    }
     let st = s.stats();
-    eprintln!("{st:?}");
-    assert_eq!(st.dsync_writes, 4, "every one of them carried O_DSYNC in the WRITE's flags");
-    // What vdisk relies on: a blocking RWF_DSYNC write is followed by an FSYNC.
-    assert_eq!(rows[0].1, 1);
-    assert_eq!(rows[1].1, 1);
+    assert_eq!(st.dsync_writes, 4, "every one of them carried O_DSYNC in the WRITE's flags: {st:?}");
+    rows.to_vec()
 }

@@ -330,6 +330,11 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         args.push("--direct");
     }
     let probe = c.storage.as_ref().map(|s| s.probe());
+    if let Some(s) = &c.storage {
+        // Half the rounds the storage answers OPEN with FOPEN_DIRECT_IO, as
+        // libfuse's direct_io does: then no RWF_DSYNC write brings an FSYNC.
+        s.set_direct_io(rng.below(2) == 0);
+    }
     let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &args)?;
     let nblocks = c.gens.len();
     let state = Arc::new(Mutex::new(Round {
