@@ -183,7 +183,7 @@ impl Device {
             coalesce: config.coalesce,
             image: image.clone(),
             faults: faults::Faults::from_env(name),
-            dsync_unreliable: sys::on_fuse(&image.files()[0]),
+            dsync_unreliable: image.files().first().is_some_and(sys::on_fuse),
             queue,
             workers: Mutex::new(Vec::new()),
         };
