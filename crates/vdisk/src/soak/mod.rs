@@ -57,7 +57,8 @@ With --power-loss the images live on a FUSE file system this process mounts (nee
 random moment or when an FSYNC arrives (the storage dies first, then the server), then
 restarts the server on what the storage made durable (drop), or on that plus a random
 part of the unsynced writes, torn at 512-byte boundaries (partial). Only flushed, FUA
-and --sync writes must survive then. Rounds cycle through normal, --sync and --direct.
+and --sync writes must survive then. Rounds cycle through normal, --sync and --direct;
+half of them the storage answers OPEN with FOPEN_DIRECT_IO.
 
 The load serves --exports sparse images from one server to --connections clients,
 each in a region of its own, with mixed reads, writes, flushes, trims and zeroes; every
