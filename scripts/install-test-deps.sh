@@ -2,7 +2,10 @@
 # Installs the real clients the integration tests drive. Idempotent; needs root (CI runs as root).
 set -euo pipefail
 # libssl-dev and pkg-config: the openssl crate builds against the system OpenSSL (TLS-PSK).
-pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config)
+# openssl: tests/tls.rs makes RSA keys of odd sizes with it. (The power-loss storage, fuser, mounts
+# with mount(2) as root and needs no fusermount.)
+pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config
+    openssl)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -13,10 +16,11 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo mount umount losetup fallocate mkfs.ext4 \
-    fsck.ext4 qemu-storage-daemon nbdfuse; do
+    fsck.ext4 qemu-storage-daemon nbdfuse openssl; do
     command -v "$tool" >/dev/null || { echo "missing $tool after install" >&2; exit 1; }
 done
-# The FUSE tests (crates/vdisk/tests/fuse.rs) need the fuse module (/dev/fuse) and loop devices.
+# The FUSE tests (crates/vdisk/tests/fuse.rs, fuse_reliability.rs) and the power-loss tests
+# (powerloss.rs, whose storage is a FUSE file system) need the fuse module (/dev/fuse) and loop devices.
 [ -e /dev/fuse ] || modprobe fuse 2>/dev/null || true
 [ -e /dev/loop-control ] || modprobe loop 2>/dev/null || true
 # The fuzz targets (fuzz/run.sh) are built by cargo-fuzz; a stable toolchain is enough.

@@ -9,7 +9,8 @@
 //!
 //! Durability: a write completes once it is in the host page cache, unless it
 //! carries FUA or the device is in sync mode (then `RWF_DSYNC`, still in
-//! parallel). A FLUSH syncs every file of the image and then its metadata, so
+//! parallel, plus an fdatasync when the image is on FUSE, where the kernel may
+//! drop that flag). A FLUSH syncs every file of the image and then its metadata, so
 //! every write completed before the FLUSH was submitted, on any connection, is
 //! durable when the FLUSH completes.
 
@@ -141,6 +142,8 @@ pub struct Device {
     image: Arc<dyn Image>,
     /// Injected failures (tests only; see `faults`).
     faults: Option<Arc<faults::Faults>>,
+    /// The image's written file is on FUSE: durable writes get an explicit fdatasync.
+    dsync_unreliable: bool,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -180,12 +183,14 @@ impl Device {
             coalesce: config.coalesce,
             image: image.clone(),
             faults: faults::Faults::from_env(name),
+            dsync_unreliable: image.files().first().is_some_and(sys::on_fuse),
             queue,
             workers: Mutex::new(Vec::new()),
         };
         for i in 0..consumers {
             let mut planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
             planner.faults = dev.faults.clone();
+            planner.dsync_unreliable = dev.dsync_unreliable;
             let queue = dev.queue.clone();
             let handle = match kind {
                 EngineKind::Threads => {
@@ -251,6 +256,7 @@ impl Device {
     pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
         let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
         planner.faults = self.faults.clone();
+        planner.dsync_unreliable = self.dsync_unreliable;
         match self.inline {
             Inline::Never => self.submit(batch, sink),
             Inline::All => {

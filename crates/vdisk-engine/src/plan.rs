@@ -52,12 +52,16 @@ pub(crate) struct Planner {
     pub coalesce: bool,
     /// Injected failures (tests only): `None` unless `VDISK_FAULTS` was set.
     pub faults: Option<Arc<crate::faults::Faults>>,
+    /// The written file lives on FUSE, where `RWF_DSYNC` may never reach the
+    /// file system (see [`sys::on_fuse`]): a durable write is followed by an
+    /// explicit fdatasync.
+    pub dsync_unreliable: bool,
     extents: Vec<Extent>,
 }
 
 impl Planner {
     pub fn new(image: Arc<dyn Image>, sync: bool, coalesce: bool) -> Self {
-        Planner { image, sync, coalesce, faults: None, extents: Vec::new() }
+        Planner { image, sync, coalesce, faults: None, dsync_unreliable: false, extents: Vec::new() }
     }
 
     /// Maps the reads and writes among `jobs` (keyed by the caller's index) to
@@ -182,7 +186,12 @@ impl Planner {
         let file = self.file_of(run);
         let r = if run.write {
             // SAFETY: the segments point into data of live requests (the caller's contract).
-            unsafe { sys::pwritev_full(file, segs, offset, run.dsync) }
+            let r = unsafe { sys::pwritev_full(file, segs, offset, run.dsync) };
+            if run.dsync && self.dsync_unreliable {
+                r.and_then(|()| sys::fdatasync(file))
+            } else {
+                r
+            }
         } else {
             // SAFETY: as above, and no two segments of a plan overlap.
             unsafe { sys::preadv_full(file, segs, offset) }
@@ -330,7 +339,16 @@ impl Planner {
     /// Syncs file 0, the only one writes reach (the others, such as a COW
     /// overlay's backing file, are read-only).
     fn sync_files(&self) -> Result<()> {
-        sys::fdatasync(&self.image.files()[0]).map_err(|e| self.flush_error(e))
+        self.sync_data().map_err(|e| self.flush_error(e))
+    }
+
+    /// The fdatasync of file 0, unless a test build was told to break
+    /// durability ([`vdisk_image::breakage`]): then nothing.
+    fn sync_data(&self) -> std::io::Result<()> {
+        if skips_data_sync() {
+            return Ok(());
+        }
+        sys::fdatasync(&self.image.files()[0])
     }
 
     /// Syncs the image's written file, then its metadata: data before the
@@ -339,7 +357,7 @@ impl Planner {
     /// `IORING_OP_FSYNC` of file 0, then [`Planner::flush_end`].
     pub fn flush(&self) -> Result<()> {
         self.flush_begin()?;
-        self.flush_end(sys::fdatasync(&self.image.files()[0]))
+        self.flush_end(self.sync_data())
     }
 
     /// What must pass before a flush syncs anything (an injected failure, in tests).
@@ -368,6 +386,11 @@ fn segment(req: &mut Request, at: usize, len: usize) -> Segment {
         Some(lent) => lent.segment(at, len),
         None => Segment { ptr: req.buf[at..at + len].as_mut_ptr(), len },
     }
+}
+
+/// True only in a test build told to skip the data sync (VDISK_BREAK=skip-data-sync).
+pub(crate) fn skips_data_sync() -> bool {
+    vdisk_image::breakage::active(vdisk_image::breakage::Breakage::SkipDataSync)
 }
 
 fn read_only() -> Error {

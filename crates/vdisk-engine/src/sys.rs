@@ -132,6 +132,22 @@ pub fn in_memory(file: &File) -> bool {
     matches!(st.f_type as i64, TMPFS | RAMFS | HUGETLBFS)
 }
 
+/// True when the file lives on a FUSE file system. There `RWF_DSYNC` may
+/// never reach the file system as an FSYNC: not after an *asynchronous*
+/// O_DIRECT write (io_uring), and not after any write when the file system
+/// answered the open with FOPEN_DIRECT_IO (see docs/design.md, "What the
+/// kernel carries"), so durable writes need an explicit fdatasync.
+pub fn on_fuse(file: &File) -> bool {
+    const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+    // SAFETY: statfs is plain data; fstatfs fills it for a valid fd.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open and `st` is a valid out-pointer.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return false;
+    }
+    st.f_type as i64 == FUSE_SUPER_MAGIC
+}
+
 pub fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Result<()> {
     loop {
         // SAFETY: fallocate only reads its integer arguments.

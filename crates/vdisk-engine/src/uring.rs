@@ -11,7 +11,10 @@
 //! operations in the ring: it must cover only writes *completed* before it was
 //! submitted, and those are already in the page cache. The image's metadata is
 //! synced after the files' fsyncs complete. FUA and sync-mode writes carry
-//! `RWF_DSYNC` on their SQE and still run in parallel.
+//! `RWF_DSYNC` on their SQE and still run in parallel. Where the kernel may
+//! drop that flag (a file on FUSE, see [`crate::sys::on_fuse`]), a durable write is
+//! linked to an `IORING_OP_FSYNC` (datasync) of its file, and completes only
+//! with that fsync.
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -71,6 +74,9 @@ enum OpKind {
     },
     /// The fsync of one file for a FLUSH.
     Fsync { job: usize },
+    /// The fdatasync linked after a durable O_DIRECT write where RWF_DSYNC
+    /// is not carried; each job of the write waits for it too.
+    WriteSync { run: Run, jobs: Vec<usize> },
 }
 
 struct Ring {
@@ -120,6 +126,13 @@ impl RingWorker {
         let image = &planner.image;
         let fds: Vec<i32> = image.files().iter().chain(image.direct_files()).map(|f| f.as_raw_fd()).collect();
         let fixed_files = ring.submitter().register_files(&fds).is_ok();
+        if planner.dsync_unreliable {
+            log::info!(
+                "{}: on FUSE, where RWF_DSYNC may not reach the file system; durable writes are followed by an \
+                 fdatasync",
+                planner.describe(0)
+            );
+        }
         let waker = Arc::new(Waker { efd: EventFd::new()?, idle: false.into() });
         queue.add_waker(waker.clone());
         Ok(RingWorker {
@@ -206,51 +219,90 @@ impl RingWorker {
             for j in run.jobs.iter_mut() {
                 *j = keys[*j];
             }
-            let mut jobs = run.jobs.clone();
-            jobs.dedup();
-            for &j in &jobs {
-                self.jobs[j].pending += 1;
-            }
-            let iov: Vec<libc::iovec> =
-                run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
-            let (fd, direct) = (run.file, run.direct);
-            let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
-            let op = self.ops.insert(OpKind::Data { run, iov, jobs });
-            let entry = if write {
-                let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-                on_file!(self, fd, direct, |f| opcode::Writev::new(f, ptr, n).offset(offset).rw_flags(flags).build())
-            } else {
-                on_file!(self, fd, direct, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
-            };
-            // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
-            // in `jobs`; both stay until this op's completion is reaped.
-            unsafe { self.ring.push(&entry.user_data(op as u64))? };
+            self.start_run(run)?;
         }
         for &k in &keys {
-            let slot = &mut self.jobs[k];
-            if slot.job.0.op == Op::Flush {
-                if let Err(e) = self.planner.flush_begin() {
-                    // Failed before the fsync, like a failed fsync: no metadata round.
-                    slot.job.0.error = Some(e);
-                    self.finish(k);
-                    continue;
-                }
-                // File 0 is the only one writes reach.
-                slot.pending += 1;
-                let op = self.ops.insert(OpKind::Fsync { job: k });
-                let entry =
-                    on_file!(self, 0, false, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
-                        .user_data(op as u64);
-                // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
-                unsafe { self.ring.push(&entry)? };
+            if self.jobs[k].job.0.op == Op::Flush {
+                self.start_flush(k)?;
             } else {
-                self.planner.perform_other(&mut slot.job.0);
+                self.planner.perform_other(&mut self.jobs[k].job.0);
             }
             if self.jobs[k].pending == 0 {
                 self.finish(k);
             }
         }
         Ok(())
+    }
+
+    /// One vectored read or write; a durable write to a file on FUSE gets its
+    /// linked fdatasync.
+    fn start_run(&mut self, run: Run) -> std::io::Result<()> {
+        let mut jobs = run.jobs.clone();
+        jobs.dedup();
+        let linked = run.write && run.dsync && self.planner.dsync_unreliable;
+        for &j in &jobs {
+            self.jobs[j].pending += if linked { 2 } else { 1 };
+        }
+        let iov: Vec<libc::iovec> =
+            run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
+        let (fd, direct) = (run.file, run.direct);
+        let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
+        // The linked fdatasync keeps its own copy of the run's place, for error messages.
+        let sync_run = Run { segs: Vec::new(), jobs: Vec::new(), ..run };
+        let link_jobs = jobs.clone();
+        let op = self.ops.insert(OpKind::Data { run, iov, jobs });
+        let entry = if write {
+            let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+            on_file!(self, fd, direct, |f| opcode::Writev::new(f, ptr, n).offset(offset).rw_flags(flags).build())
+        } else {
+            on_file!(self, fd, direct, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
+        };
+        let entry = entry.user_data(op as u64);
+        if !linked {
+            // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
+            // in `jobs`; both stay until this op's completion is reaped.
+            return unsafe { self.ring.push(&entry) };
+        }
+        // Both entries must be in one submission for the link to hold.
+        let free = {
+            let sq = self.ring.ring.submission();
+            sq.capacity() - sq.len()
+        };
+        if free < 2 {
+            self.ring.ring.submit()?;
+        }
+        // SAFETY: as above, for the write.
+        unsafe { self.ring.push(&entry.flags(squeue::Flags::IO_LINK))? };
+        let sync = self.ops.insert(OpKind::WriteSync { run: sync_run, jobs: link_jobs });
+        let entry = on_file!(self, fd, direct, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
+            .user_data(sync as u64);
+        // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
+        unsafe { self.ring.push(&entry) }
+    }
+
+    /// A FLUSH: an fsync of file 0 in the ring (its metadata round follows in
+    /// `reap`), or an error now when an injected failure says so.
+    fn start_flush(&mut self, k: usize) -> std::io::Result<()> {
+        let slot = &mut self.jobs[k];
+        if let Err(e) = self.planner.flush_begin() {
+            // Failed before the fsync, like a failed fsync: no metadata round.
+            slot.job.0.error = Some(e);
+            return Ok(());
+        }
+        if crate::plan::skips_data_sync() {
+            // A test build told to break durability: no fsync, only the metadata round.
+            if let Err(e) = self.planner.flush_end(Ok(())) {
+                slot.job.0.error = Some(e);
+            }
+            return Ok(());
+        }
+        // File 0 is the only one writes reach.
+        slot.pending += 1;
+        let op = self.ops.insert(OpKind::Fsync { job: k });
+        let entry = on_file!(self, 0, false, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
+            .user_data(op as u64);
+        // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
+        unsafe { self.ring.push(&entry) }
     }
 
     fn reap(&mut self) -> std::io::Result<()> {
@@ -273,6 +325,19 @@ impl RingWorker {
                         self.jobs[job].job.0.error.get_or_insert(e);
                     }
                     self.release(job);
+                }
+                OpKind::WriteSync { run, jobs } => {
+                    // ECANCELED: the write failed or was short, and `data_done` finished
+                    // it with blocking calls, which sync it themselves (`dsync_unreliable`).
+                    if res < 0 && res != -libc::ECANCELED {
+                        let e = self.planner.run_error(&run, std::io::Error::from_raw_os_error(-res));
+                        for &j in &jobs {
+                            self.jobs[j].job.0.error.get_or_insert(e.clone());
+                        }
+                    }
+                    for j in jobs {
+                        self.release(j);
+                    }
                 }
             }
         }

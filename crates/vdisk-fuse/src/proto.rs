@@ -38,6 +38,9 @@ pub const ASYNC_DIO: u64 = 1 << 15;
 pub const PARALLEL_DIROPS: u64 = 1 << 18;
 pub const MAX_PAGES: u64 = 1 << 22;
 pub const INIT_EXT: u64 = 1 << 30;
+/// Shared mmap of a FOPEN_DIRECT_IO file (Linux 6.6+): the kernel keeps the
+/// page cache coherent with the direct I/O around it.
+pub const DIRECT_IO_ALLOW_MMAP: u64 = 1 << 36;
 pub const OVER_IO_URING: u64 = 1 << 41;
 
 // OPEN reply flags.

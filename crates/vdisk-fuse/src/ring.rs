@@ -90,6 +90,9 @@ pub struct Queue {
     efd_buf: &'static mut u64,
     efd_armed: bool,
     give_up: Arc<AtomicBool>,
+    /// Completions reaped while starting: once the last queue registers, the
+    /// kernel may hand an entry a request before `start` returns.
+    early: Vec<(u64, i32)>,
 }
 
 // SAFETY: the raw pointers are owned allocations used only by the thread that runs the queue.
@@ -138,6 +141,7 @@ impl Queue {
             efd_buf: Box::leak(Box::new(0u64)),
             efd_armed: false,
             give_up,
+            early: Vec::new(),
         };
         for i in 0..depth {
             let sqe = ring_entry::register(q.fd, qid, q.slots[i].iovs.cast(), i as u64);
@@ -147,13 +151,15 @@ impl Queue {
         }
         q.arm_wake()?;
         q.ring.submit()?;
-        // A REGISTER that works stays in the kernel; one that fails completes at once.
-        let failed: Vec<(u64, i32)> = q
-            .ring
-            .completion()
-            .filter(|c| c.user_data() != WAKE && c.result() < 0)
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
+        // A REGISTER that works stays in the kernel until a request arrives in
+        // its entry; one that fails completes at once. Registering this queue's
+        // first entry may make the ring ready (every queue has one), and the
+        // kernel then sends requests waiting for that at once: those
+        // completions must be served, not dropped with the check (dropping one
+        // left its caller, a `stat`, waiting forever in the kernel).
+        let reaped: Vec<(u64, i32)> = q.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        let failed: Vec<(u64, i32)> = reaped.iter().copied().filter(|&(ud, res)| ud != WAKE && res < 0).collect();
+        q.early = reaped;
         if let Some(&(_, res)) = failed.first() {
             // Entries that did register stay Waiting, so Drop leaks rather than frees them.
             for (i, _) in &failed {
@@ -193,19 +199,21 @@ impl Queue {
     }
 
     fn serve(&mut self) -> io::Result<()> {
-        let mut cqes = Vec::new();
+        let mut cqes = std::mem::take(&mut self.early);
         let mut batch = Vec::new();
         let mut done = Vec::new();
         while self.slots.iter().any(|s| s.state != State::Dead) {
             if self.give_up.load(Ordering::Acquire) {
                 return Ok(());
             }
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+            if cqes.is_empty() {
+                match self.ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                }
+                cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
             }
-            cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
             for (ud, res) in cqes.drain(..) {
                 if ud == WAKE {
                     self.efd_armed = false;

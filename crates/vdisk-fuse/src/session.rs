@@ -143,9 +143,19 @@ impl Session {
                 if w.offset.checked_add(w.size as u64).is_none_or(|end| end > self.size()) {
                     return fail(libc::ENOSPC);
                 }
-                Action::Submit(Request::new(Op::WRITE, w.offset, w.size as u64, h.unique))
+                // With FOPEN_DIRECT_IO the kernel sends no FSYNC after an O_DSYNC or
+                // O_SYNC write (nor one with RWF_DSYNC/RWF_SYNC): the flag is only
+                // here, in the WRITE's flags (O_SYNC includes the O_DSYNC bit). Such a
+                // write is durable before its reply.
+                let fua = w.flags as i32 & libc::O_DSYNC != 0;
+                Action::Submit(Request::new(Op::Write { fua }, w.offset, w.size as u64, h.unique))
             }
             proto::FLUSH | proto::FSYNC if self.read_only => ok(Vec::new()),
+            // FSYNC with or without FUSE_FSYNC_FDATASYNC: the engine's flush makes the
+            // data and the image's metadata (a COW bitmap) durable, which is all a
+            // full fsync adds to a datasync here (the file's attributes never change).
+            // FLUSH comes with each close(2); flushing there costs little and keeps
+            // a program that writes, closes and expects the data safe.
             proto::FLUSH | proto::FSYNC => Action::Submit(Request::new(Op::Flush, 0, 0, h.unique)),
             proto::FALLOCATE => {
                 let Some(f) = proto::FallocateIn::read(op) else { return fail(libc::EINVAL) };
@@ -262,6 +272,7 @@ pub fn init_reply(init: &proto::InitIn, want_uring: bool) -> Result<proto::InitO
         | proto::ASYNC_DIO
         | proto::PARALLEL_DIROPS
         | proto::MAX_PAGES
+        | proto::DIRECT_IO_ALLOW_MMAP
         | proto::INIT_EXT;
     if want_uring {
         if kernel & proto::OVER_IO_URING == 0 {

@@ -184,6 +184,70 @@ fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, Creden
     Ok(certs)
 }
 
+/// What a private key is, as far as an error message needs to say.
+#[derive(Debug, PartialEq, Eq)]
+enum KeyKind {
+    /// RSA with a modulus of this many bits.
+    Rsa(usize),
+    Other(&'static str),
+}
+
+/// One DER TLV: (tag, contents, what follows).
+fn der(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, b) = b.split_first()?;
+    let (&first, mut b) = b.split_first()?;
+    let len = if first < 0x80 {
+        first as usize
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 || b.len() < n {
+            return None;
+        }
+        let len = b[..n].iter().fold(0usize, |a, &x| a << 8 | x as usize);
+        b = &b[n..];
+        len
+    };
+    (b.len() >= len).then(|| (tag, &b[..len], &b[len..]))
+}
+
+/// The modulus size of a PKCS#1 RSAPrivateKey (SEQUENCE { version, modulus, ... }).
+fn rsa_bits(pkcs1: &[u8]) -> Option<usize> {
+    let (0x30, seq, _) = der(pkcs1)? else { return None };
+    let (0x02, _, rest) = der(seq)? else { return None };
+    let (0x02, n, _) = der(rest)? else { return None };
+    let n = &n[n.iter().position(|&x| x != 0)?..];
+    Some(n.len() * 8 - n[0].leading_zeros() as usize)
+}
+
+fn key_kind(key: &PrivateKeyDer<'_>) -> KeyKind {
+    const RSA_OID: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01];
+    let bits = match key {
+        PrivateKeyDer::Pkcs1(k) => rsa_bits(k.secret_pkcs1_der()),
+        PrivateKeyDer::Sec1(_) => return KeyKind::Other("an EC key (SEC1)"),
+        PrivateKeyDer::Pkcs8(k) => {
+            // PrivateKeyInfo: SEQUENCE { version, SEQUENCE { algorithm OID, ... }, OCTET STRING key }
+            let inner = || {
+                let (0x30, seq, _) = der(k.secret_pkcs8_der())? else { return None };
+                let (0x02, _, rest) = der(seq)? else { return None };
+                let (0x30, alg, rest) = der(rest)? else { return None };
+                let (0x06, oid, _) = der(alg)? else { return None };
+                if oid != RSA_OID {
+                    return Some(None);
+                }
+                let (0x04, key, _) = der(rest)? else { return None };
+                Some(rsa_bits(key))
+            };
+            match inner() {
+                Some(None) => return KeyKind::Other("not RSA (PKCS#8)"),
+                Some(bits) => bits,
+                None => None,
+            }
+        }
+        _ => None,
+    };
+    bits.map_or(KeyKind::Other("unreadable as DER"), KeyKind::Rsa)
+}
+
 impl Tls {
     /// Loads the PEM files; errors name the file and what is wrong with it.
     pub fn new(mode: TlsMode, files: &TlsFiles) -> Result<Tls, CredentialError> {
@@ -194,7 +258,7 @@ impl Tls {
                 files.key.display()
             ))
         })?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| CredentialError::new(CredentialErrorKind::Setup, format!("TLS setup: {e}")))?;
@@ -213,11 +277,20 @@ impl Tls {
                 builder.with_client_cert_verifier(verifier)
             }
         };
+        let kind = key_kind(&key);
         let config = builder.with_single_cert(chain, key).map_err(|e| {
             CredentialError::invalid(format!(
-                "{} and {} do not make a usable certificate and key: {e}",
+                "{} and {} do not make a usable certificate and key: {e}{}",
                 files.cert.display(),
-                files.key.display()
+                files.key.display(),
+                match kind {
+                    KeyKind::Rsa(bits) if !(2048..=8192).contains(&bits) => format!(
+                        " (the key is RSA with a {bits}-bit modulus; rustls with aws-lc-rs signs only with RSA keys \
+                         of 2048 to 8192 bits: make a new one, e.g. certtool --generate-privkey --bits 3072)"
+                    ),
+                    KeyKind::Rsa(bits) => format!(" (the key is RSA with a {bits}-bit modulus)"),
+                    KeyKind::Other(what) => format!(" (the key is {what})"),
+                }
             ))
         })?;
         let summary = format!(

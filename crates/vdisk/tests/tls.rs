@@ -550,3 +550,57 @@ mod psk {
         );
     }
 }
+
+/// A key and self-signed certificate for localhost made by `openssl req`,
+/// with an RSA modulus of `bits`, in qemu's layout (the certificate is its own CA).
+fn openssl_pki(dir: &TempDir, bits: u32) -> (PathBuf, PathBuf) {
+    let server = dir.path(&format!("rsa{bits}-server"));
+    let client = dir.path(&format!("rsa{bits}-client"));
+    std::fs::create_dir_all(&server).unwrap();
+    std::fs::create_dir_all(&client).unwrap();
+    let out = output(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            &format!("rsa:{bits}"),
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            s(&server.join("server-key.pem")),
+            "-out",
+            s(&server.join("server-cert.pem")),
+        ],
+    );
+    assert!(out.status.success(), "openssl req:\n{}", text(&out));
+    std::fs::copy(server.join("server-cert.pem"), server.join("ca-cert.pem")).unwrap();
+    std::fs::copy(server.join("server-cert.pem"), client.join("ca-cert.pem")).unwrap();
+    (server, client)
+}
+
+/// A 2432-bit RSA key (primes of 1216 bits, not a multiple of 512), which
+/// GnuTLS-based servers accept and rustls with ring refused, serves qemu;
+/// a 1024-bit one is refused with a message that says why.
+#[test]
+fn rsa_keys_of_odd_sizes_are_served_and_small_ones_refused_with_the_reason() {
+    let dir = TempDir::new("tls-rsa");
+    let img = dir.path("disk.img");
+    create_image(&img, "1M");
+    let (server_dir, client_dir) = openssl_pki(&dir, 2432);
+    let server = Server::start(&dir, &[s(&img), "--tls=on", "--tls-certificates", s(&server_dir)]);
+    let out = qemu_io_tls(&server, "disk", &client_dir, &["write -P 0x24 0 64k", "read -P 0x24 0 64k"]);
+    assert_io_ok(&out, "qemu-io over TLS with a 2432-bit RSA server key");
+    server.stop();
+
+    let (small, _) = openssl_pki(&dir, 1024);
+    let out = vdisk_bounded(&["serve", s(&img), "--tls=on", "--tls-certificates", s(&small)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(err.contains("RSA with a 1024-bit modulus") && err.contains("2048 to 8192"), "unclear refusal: {err}");
+}

@@ -160,12 +160,24 @@ impl CowImage {
         Ok(())
     }
 
+    /// Broken on purpose (a test build with `VDISK_BREAK=bitmap-first`):
+    /// writes the bitmap blocks of sectors [first, end) at once, before
+    /// their data is durable.
+    fn write_bits_now(&self, first: u64, end: u64) {
+        for b in first / 8 / bitmap::BLOCK..=(end - 1) / 8 / bitmap::BLOCK {
+            let (at, bytes) = self.map.block_bytes(b);
+            let _ = self.files[0].write_all_at(&bytes, self.header.bitmap_offset() + at);
+        }
+    }
+
     fn write_blocks(&self, copies: &[(u64, u64, Vec<u8>)]) -> Result<()> {
         let overlay = &self.files[0];
         let sync = |what: &str| {
             overlay.sync_data().map_err(|e| Error::io(e, format!("{what} of overlay {}", self.overlay.display())))
         };
-        sync("data sync")?;
+        if !crate::breakage::active(crate::breakage::Breakage::BitmapFirst) {
+            sync("data sync")?;
+        }
         let base = self.header.bitmap_offset();
         // Adjacent blocks go out in one write.
         let mut i = 0;
@@ -255,6 +267,9 @@ impl Image for CowImage {
         }
         let (first, end) = self.sectors_of(offset, len);
         self.map.set(first, end);
+        if crate::breakage::active(crate::breakage::Breakage::BitmapFirst) {
+            self.write_bits_now(first, end);
+        }
         if durable && !self.map.persisted(first, end) {
             self.sync_bitmap()?;
         }

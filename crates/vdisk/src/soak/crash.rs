@@ -5,6 +5,14 @@
 //! completed FLUSH covered lives here, in the soak process, never in the
 //! server.
 //!
+//! Power-loss rounds (`--power-loss`) put the images on a
+//! [`vdisk_powercut::Storage`] mounted by this process: a FUSE file system
+//! that keeps only what was fsynced. The power is cut (the storage dies
+//! first, at a random moment or when a random FSYNC arrives; then the server
+//! is killed), the storage comes back with only its durable state, or with a
+//! random part of the unsynced writes too, and the server restarts on that.
+//! There, only flushed, FUA and `--sync` writes must survive, on every image.
+//!
 //! What must survive: every write acknowledged before a FLUSH that
 //! completed, every acknowledged FUA write, every acknowledged write in
 //! `--sync` mode. On a raw image every acknowledged write survives a process
@@ -26,6 +34,8 @@ use super::Rng;
 
 /// Blocks are 1000 bytes: not sector-aligned, so neighbours share sectors.
 const BS: usize = 1000;
+/// With `--direct`, blocks are 4 KiB, so writes take the O_DIRECT path.
+const DIRECT_BS: usize = 4096;
 const DISK: usize = 4 << 20;
 const CONNECTIONS: usize = 4;
 const DEPTH: usize = 8;
@@ -36,12 +46,31 @@ pub enum Format {
     Cow,
 }
 
+/// How a round ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// SIGKILL; the host's page cache keeps everything written.
+    Kill,
+    /// Power cut: only what was fsynced survives.
+    PowerLoss,
+    /// Power cut: what was fsynced survives, and a random part of the rest.
+    PowerLossPartial,
+    /// Alternating between the two kinds of power cut.
+    PowerLossMixed,
+}
+
 /// One cell of the matrix: an image that lives through many rounds.
 struct Combo {
     format: Format,
     engine: String,
     sync: bool,
+    /// `--direct` (power-loss rounds only: tmpfs has no O_DIRECT).
+    direct: bool,
+    /// Block size: BS, or DIRECT_BS with `--direct`.
+    bs: usize,
     dir: PathBuf,
+    /// The power-loss storage the images live on, if any.
+    storage: Option<vdisk_powercut::Storage>,
     image: PathBuf,
     /// The COW overlay's backing file and its bytes (never to change).
     base: Option<(PathBuf, Vec<u8>)>,
@@ -53,7 +82,14 @@ struct Combo {
 
 impl Combo {
     fn name(&self) -> String {
-        format!("{:?}/{}{}", self.format, self.engine, if self.sync { "/sync" } else { "" }).to_lowercase()
+        let mode = if self.sync {
+            "/sync"
+        } else if self.direct {
+            "/direct"
+        } else {
+            ""
+        };
+        format!("{:?}/{}{mode}", self.format, self.engine).to_lowercase()
     }
 }
 
@@ -65,12 +101,16 @@ pub struct CrashReport {
     pub flushes: u64,
     /// Blocks that had to hold a particular generation after a round, summed over rounds.
     pub checked_blocks: u64,
+    /// Power cuts made when an FSYNC arrived (the others came at a random moment).
+    pub cuts_at_fsync: u64,
     pub elapsed: Duration,
 }
 
 /// What the connections of one round share.
 struct Round {
     salt: u64,
+    /// Block size of this combination.
+    bs: usize,
     sync: bool,
     gens: Vec<u64>,
     busy: Vec<bool>,
@@ -114,7 +154,7 @@ impl Round {
         let fua = rng.below(20) == 0;
         self.logs[block].attempts.push((gen, cmd != Cmd::Write));
         self.sent += 1;
-        (cmd, if fua { FUA } else { 0 }, Sent::Write { block, gen, fua }, (block * BS) as u64)
+        (cmd, if fua { FUA } else { 0 }, Sent::Write { block, gen, fua }, (block * self.bs) as u64)
     }
 
     fn acknowledged(&mut self, sent: Sent) {
@@ -144,13 +184,22 @@ impl Round {
 /// One connection's writer: keeps DEPTH requests in flight until the server
 /// goes away. Returns an error only for what a live server must never do
 /// (an error reply, a malformed reply).
-fn writer(socket: &Path, round: &Mutex<Round>, connected: &AtomicUsize, seed: u64) -> Result<(), String> {
+fn writer(
+    socket: &Path,
+    round: &Mutex<Round>,
+    connected: &AtomicUsize,
+    seed: u64,
+    power: Option<&vdisk_powercut::Probe>,
+) -> Result<(), String> {
     let mut conn = Conn::connect(socket, "", Duration::from_secs(30)).map_err(|e| format!("connect: {e}"))?;
     connected.fetch_add(1, Ordering::SeqCst);
     let mut rng = Rng::new(seed);
     let mut inflight: HashMap<u64, Sent> = HashMap::new();
-    let mut payload = vec![0u8; BS];
-    let salt = round.lock().unwrap().salt;
+    let (salt, bs) = {
+        let r = round.lock().unwrap();
+        (r.salt, r.bs)
+    };
+    let mut payload = vec![0u8; bs];
     let gone = |e: std::io::Error| -> Result<(), String> {
         if e.kind() == std::io::ErrorKind::InvalidData {
             Err(format!("malformed reply: {e}"))
@@ -165,9 +214,9 @@ fn writer(socket: &Path, round: &Mutex<Round>, connected: &AtomicUsize, seed: u6
                 (Sent::Flush { .. }, _) => conn.send(Cmd::Flush, 0, 0, 0, &[]),
                 (Sent::Write { block, gen, .. }, Cmd::Write) => {
                     check::content(salt, *block as u64, *gen, &mut payload);
-                    conn.send(cmd, flags, offset, BS as u32, &payload)
+                    conn.send(cmd, flags, offset, bs as u32, &payload)
                 }
-                _ => conn.send(cmd, flags, offset, BS as u32, &[]),
+                _ => conn.send(cmd, flags, offset, bs as u32, &[]),
             };
             match r {
                 Ok(cookie) => {
@@ -182,6 +231,10 @@ fn writer(socket: &Path, round: &Mutex<Round>, connected: &AtomicUsize, seed: u6
         };
         let sent = inflight.remove(&reply.cookie).ok_or("reply to a request never sent")?;
         if reply.error != 0 {
+            if power.is_some_and(|p| p.is_dead()) {
+                // The storage lost power: errors from here on are expected, and never acknowledge anything.
+                return Ok(());
+            }
             let what = match sent {
                 Sent::Flush { .. } => "FLUSH".to_owned(),
                 Sent::Write { block, gen, .. } => format!("write of block {block} generation {gen}"),
@@ -192,23 +245,47 @@ fn writer(socket: &Path, round: &Mutex<Round>, connected: &AtomicUsize, seed: u6
     }
 }
 
-fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Result<Combo, String> {
-    let tag = format!("{format:?}-{engine}{}", if sync { "-sync" } else { "" }).to_lowercase();
+fn setup(
+    root: &Path,
+    format: Format,
+    engine: &str,
+    (sync, direct): (bool, bool),
+    power: bool,
+    salt: u64,
+) -> Result<Combo, String> {
+    let mode = if sync {
+        "-sync"
+    } else if direct {
+        "-direct"
+    } else {
+        ""
+    };
+    let tag = format!("{format:?}-{engine}{mode}").to_lowercase();
     let dir = root.join(tag);
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let storage = if power {
+        let mnt = dir.join("mnt");
+        let s = vdisk_powercut::Storage::mount(&mnt)
+            .map_err(|e| format!("cannot mount the power-loss storage on {}: {e}", mnt.display()))?;
+        Some(s)
+    } else {
+        None
+    };
+    // The server's socket and log stay in `dir`; the images go on the storage.
+    let images = storage.as_ref().map_or(dir.clone(), |s| s.mountpoint().to_owned());
     let mut bytes = vec![0u8; DISK];
     check::content(salt, u64::MAX, 0, &mut bytes);
     let write = |p: &Path, b: &[u8]| std::fs::write(p, b).map_err(|e| format!("cannot write {}: {e}", p.display()));
     let (image, base) = match format {
         Format::Raw => {
-            let image = dir.join("crash.img");
+            let image = images.join("crash.img");
             write(&image, &bytes)?;
             (image, None)
         }
         Format::Cow => {
-            let base = dir.join("base.img");
+            let base = images.join("base.img");
             write(&base, &bytes)?;
-            let image = dir.join("crash.cow");
+            let image = images.join("crash.cow");
             let _ = std::fs::remove_file(&image);
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
             let out = std::process::Command::new(exe)
@@ -223,20 +300,46 @@ fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Re
             (image, Some((base, bytes.clone())))
         }
     };
-    let nblocks = DISK / BS - 10;
-    Ok(Combo { format, engine: engine.to_owned(), sync, dir, image, base, prior: bytes, gens: vec![0; nblocks] })
+    if let Some(s) = &storage {
+        s.sync_all();
+    }
+    let bs = if direct { DIRECT_BS } else { BS };
+    let nblocks = DISK / bs - 10;
+    Ok(Combo {
+        format,
+        engine: engine.to_owned(),
+        sync,
+        direct,
+        bs,
+        dir,
+        storage,
+        image,
+        base,
+        prior: bytes,
+        gens: vec![0; nblocks],
+    })
 }
 
 /// Runs one round on `combo`; returns what it checked.
-fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> Result<(), String> {
+fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut CrashReport) -> Result<(), String> {
     let mut args = vec!["--engine", c.engine.as_str(), "--format", if c.format == Format::Raw { "raw" } else { "cow" }];
     if c.sync {
         args.push("--sync");
+    }
+    if c.direct {
+        args.push("--direct");
+    }
+    let probe = c.storage.as_ref().map(|s| s.probe());
+    if let Some(s) = &c.storage {
+        // Half the rounds the storage answers OPEN with FOPEN_DIRECT_IO, as
+        // libfuse's direct_io does: then no RWF_DSYNC write brings an FSYNC.
+        s.set_direct_io(rng.below(2) == 0);
     }
     let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &args)?;
     let nblocks = c.gens.len();
     let state = Arc::new(Mutex::new(Round {
         salt,
+        bs: c.bs,
         sync: c.sync,
         gens: std::mem::take(&mut c.gens),
         busy: vec![false; nblocks],
@@ -253,7 +356,8 @@ fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> R
         .map(|i| {
             let (socket, state, connected) = (server.socket.clone(), state.clone(), connected.clone());
             let seed = rng.next() ^ i as u64;
-            std::thread::spawn(move || writer(&socket, &state, &connected, seed))
+            let probe = probe.clone();
+            std::thread::spawn(move || writer(&socket, &state, &connected, seed, probe.as_ref()))
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -263,10 +367,7 @@ fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> R
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    // The kill comes a few milliseconds to 200 ms into the writing.
-    std::thread::sleep(Duration::from_micros(3_000 + rng.below(197_000)));
-    let tail = server.log_tail();
-    let alive = std::fs::metadata(format!("/proc/{}", server.pid())).is_ok();
+    let (tail, alive) = end_round(c, &server, partial, rng, report);
     server.kill();
     for t in threads {
         t.join().map_err(|_| "a writer thread panicked".to_owned())?.map_err(|e| format!("{e}{tail}"))?;
@@ -275,25 +376,16 @@ fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> R
         return Err(format!("the server died before it was killed{tail}"));
     }
     let mut st = Arc::try_unwrap(state).ok().expect("writers are done").into_inner().unwrap();
-    if c.format == Format::Raw {
+    if let Some(s) = c.storage.as_mut() {
+        s.restart().map_err(|e| format!("cannot bring the storage back: {e}"))?;
+    } else if c.format == Format::Raw {
         // What was acknowledged is in the page cache, which a process crash leaves alone.
         for (log, &acked) in st.logs.iter_mut().zip(&st.acked) {
             log.floor = log.floor.max(acked);
         }
     }
     c.gens = std::mem::take(&mut st.gens);
-
-    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
-    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
-        .and_then(|mut conn| conn.read_all(0, DISK as u64))
-        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
-    server.stop()?;
-    check::verify(salt, BS, &c.prior, &now, &st.logs)?;
-    if let Some((base, bytes)) = &c.base {
-        if std::fs::read(base).map_err(|e| e.to_string())? != *bytes {
-            return Err(format!("the backing file {} changed", base.display()));
-        }
-    }
+    let now = read_back(c, salt, &st.logs)?;
     c.prior = now;
     report.writes_sent += st.sent;
     report.writes_acked += st.done;
@@ -302,24 +394,74 @@ fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> R
     Ok(())
 }
 
+/// Waits a few milliseconds to 200 ms into the writing, then ends the round:
+/// the power cut (storage first) if the images are on the power-loss
+/// storage, which half the time comes instead with one of the first FSYNCs
+/// it sees, when the most data is waiting for it; the caller then kills the
+/// server. Returns the server's log tail and whether it was still alive.
+fn end_round(c: &Combo, server: &Served, partial: bool, rng: &mut Rng, report: &mut CrashReport) -> (String, bool) {
+    let survival =
+        if partial { vdisk_powercut::Survival::Random(rng.next()) } else { vdisk_powercut::Survival::Nothing };
+    let probe = c.storage.as_ref().map(|s| s.probe());
+    if let Some(s) = c.storage.as_ref().filter(|_| rng.below(2) == 0) {
+        s.cut_at_fsync(1 + rng.below(8), survival);
+    }
+    let wait = Duration::from_micros(3_000 + rng.below(197_000));
+    let started = Instant::now();
+    while started.elapsed() < wait && !probe.as_ref().is_some_and(|p| p.is_dead()) {
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let tail = server.log_tail();
+    let alive = std::fs::metadata(format!("/proc/{}", server.pid())).is_ok();
+    if let Some(s) = &c.storage {
+        if s.is_dead() {
+            report.cuts_at_fsync += 1;
+        }
+        s.cut(survival);
+    }
+    (tail, alive)
+}
+
+/// Restarts the server on what survived, reads the whole disk back and
+/// judges it against `logs`; the backing file of an overlay must not have changed.
+fn read_back(c: &Combo, salt: u64, logs: &[BlockLog]) -> Result<Vec<u8>, String> {
+    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
+    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
+        .and_then(|mut conn| conn.read_all(0, DISK as u64))
+        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
+    server.stop()?;
+    check::verify(salt, c.bs, &c.prior, &now, logs)?;
+    if let Some((base, bytes)) = &c.base {
+        if std::fs::read(base).map_err(|e| e.to_string())? != *bytes {
+            return Err(format!("the backing file {} changed", base.display()));
+        }
+    }
+    Ok(now)
+}
+
 /// Runs `rounds` crash rounds over every combination of `formats`, `engines`
 /// and sync mode (normal, `--sync`), one after the other, in `root`.
+/// With power loss, `--direct` is a third mode beside normal and `--sync`.
 pub fn run(
     root: &Path,
     rounds: usize,
     formats: &[Format],
     engines: &[String],
+    ending: Ending,
     seed: u64,
     progress: bool,
 ) -> Result<CrashReport, String> {
     let started = Instant::now();
     let mut rng = Rng::new(seed);
     let salt = rng.next();
+    let power = ending != Ending::Kill;
+    let modes: &[(bool, bool)] =
+        if power { &[(false, false), (true, false), (false, true)] } else { &[(false, false), (true, false)] };
     let mut combos = Vec::new();
     for &format in formats {
         for engine in engines {
-            for sync in [false, true] {
-                combos.push(setup(root, format, engine, sync, salt)?);
+            for &mode in modes {
+                combos.push(setup(root, format, engine, mode, power, salt)?);
             }
         }
     }
@@ -327,7 +469,20 @@ pub fn run(
     for i in 0..rounds {
         let n = combos.len();
         let c = &mut combos[i % n];
-        round(c, salt, &mut rng, &mut report).map_err(|e| format!("crash round {i} ({}): {e}", c.name()))?;
+        let partial = match ending {
+            Ending::PowerLossPartial => true,
+            Ending::PowerLossMixed => (i / n) % 2 == 1,
+            Ending::Kill | Ending::PowerLoss => false,
+        };
+        let what = if partial {
+            ", power cut, some unsynced writes kept"
+        } else if power {
+            ", power cut"
+        } else {
+            ""
+        };
+        round(c, salt, partial, &mut rng, &mut report)
+            .map_err(|e| format!("crash round {i} ({}{what}): {e}", c.name()))?;
         report.rounds += 1;
         if progress && (report.rounds % 50 == 0 || report.rounds == rounds) {
             eprintln!(
@@ -339,7 +494,8 @@ pub fn run(
             );
         }
     }
-    for c in combos {
+    for mut c in combos {
+        drop(c.storage.take());
         let _ = std::fs::remove_dir_all(&c.dir);
     }
     report.elapsed = started.elapsed();

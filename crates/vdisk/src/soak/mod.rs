@@ -27,6 +27,19 @@ pub enum SoakFormat {
     Cow,
 }
 
+/// What ends a crash round.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PowerLoss {
+    /// SIGKILL only: the host keeps every write (the default).
+    Off,
+    /// The storage loses every write it was not asked to fsync.
+    Drop,
+    /// The storage keeps what was fsynced and a random part of the rest.
+    Partial,
+    /// Alternate drop and partial rounds.
+    Mixed,
+}
+
 /// Stress `vdisk serve` as production will: crash rounds and a many-client load.
 #[derive(Args)]
 #[command(
@@ -39,6 +52,14 @@ write acknowledged before a completed FLUSH (or with FUA, or under --sync) must 
 and no sector may hold data never written to it. Rounds cycle through raw and COW
 images, each engine, with and without --sync.
 
+With --power-loss the images live on a FUSE file system this process mounts (needs
+/dev/fuse and root) that keeps only what was fsynced: each round cuts its power at a
+random moment or when an FSYNC arrives (the storage dies first, then the server), then
+restarts the server on what the storage made durable (drop), or on that plus a random
+part of the unsynced writes, torn at 512-byte boundaries (partial). Only flushed, FUA
+and --sync writes must survive then. Rounds cycle through normal, --sync and --direct;
+half of them the storage answers OPEN with FOPEN_DIRECT_IO.
+
 The load serves --exports sparse images from one server to --connections clients,
 each in a region of its own, with mixed reads, writes, flushes, trims and zeroes; every
 read is checked as it comes, and every region again after a restart. Latency
@@ -48,6 +69,7 @@ request failed.
 Examples:
   vdisk soak                                  2000 rounds, then 60 s of load per engine
   vdisk soak --rounds 100 --seconds 0         crash rounds only
+  vdisk soak --rounds 60 --seconds 0 --power-loss mixed    power cuts
   vdisk soak --rounds 0 --seconds 300 --engine uring --json"
 )]
 pub struct SoakArgs {
@@ -72,6 +94,9 @@ pub struct SoakArgs {
     /// Image formats for the crash rounds, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw", "cow"])]
     pub format: Vec<SoakFormat>,
+    /// End crash rounds with a power cut of the images' storage instead of a SIGKILL alone.
+    #[arg(long, value_enum, default_value = "off")]
+    pub power_loss: PowerLoss,
     /// Directory for the images (default: a new one under $TMPDIR, removed afterwards).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -171,7 +196,13 @@ fn crash_phase(
             SoakFormat::Cow => crash::Format::Cow,
         })
         .collect();
-    let r = crash::run(dir, a.rounds, &formats, engines, seed, !a.json)?;
+    let ending = match a.power_loss {
+        PowerLoss::Off => crash::Ending::Kill,
+        PowerLoss::Drop => crash::Ending::PowerLoss,
+        PowerLoss::Partial => crash::Ending::PowerLossPartial,
+        PowerLoss::Mixed => crash::Ending::PowerLossMixed,
+    };
+    let r = crash::run(dir, a.rounds, &formats, engines, ending, seed, !a.json)?;
     if !a.json {
         println!(
             "crash: {} rounds in {:.1} s: {} writes sent, {} acknowledged, {} flushes; every round verified \
@@ -187,6 +218,7 @@ fn crash_phase(
     Ok(serde_json::json!({
         "rounds": r.rounds, "seconds": r.elapsed.as_secs_f64(), "writes_sent": r.writes_sent,
         "writes_acked": r.writes_acked, "flushes": r.flushes, "pinned_blocks": r.checked_blocks,
+        "cuts_at_fsync": r.cuts_at_fsync,
     }))
 }
 

@@ -1,0 +1,53 @@
+//! Durability broken on purpose, to prove the power-loss tests bite.
+//!
+//! Only a build with the `faults` cargo feature (test machinery, never in a
+//! product build: the vdisk crate's tests turn it on) has it, and even there nothing changes unless the
+//! environment variable `VDISK_BREAK` names what to break, comma-separated:
+//! - `skip-data-sync`: a FLUSH (and a durable TRIM or WRITE_ZEROES) does not
+//!   fdatasync the image's written file;
+//! - `bitmap-first`: a COW overlay writes a bitmap block as soon as a bit in
+//!   it is set, and its bitmap rounds write without first making the data
+//!   durable: bits may reach the disk before the data they point at.
+//!
+//! Without the feature [`active`] is a constant `false`: the checks compile
+//! away. The places that can break call [`active`]: the engine's flush (both
+//! engines) and the overlay's bitmap round.
+
+/// What `VDISK_BREAK` may break.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Breakage {
+    SkipDataSync,
+    BitmapFirst,
+}
+
+pub const ENV: &str = "VDISK_BREAK";
+
+/// Whether `b` is switched on in this process.
+#[cfg(feature = "faults")]
+pub fn active(b: Breakage) -> bool {
+    use std::sync::OnceLock;
+    static ON: OnceLock<Vec<Breakage>> = OnceLock::new();
+    ON.get_or_init(|| {
+        let Ok(spec) = std::env::var(ENV) else { return Vec::new() };
+        let on: Vec<Breakage> = spec
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| match s {
+                "skip-data-sync" => Breakage::SkipDataSync,
+                "bitmap-first" => Breakage::BitmapFirst,
+                _ => panic!("{ENV}={spec:?}: {s:?} is neither skip-data-sync nor bitmap-first"),
+            })
+            .collect();
+        log::warn!("{ENV}={spec}: durability is broken on purpose (a test build)");
+        on
+    })
+    .contains(&b)
+}
+
+/// Whether `b` is switched on: never, in a build without `faults`.
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub fn active(_b: Breakage) -> bool {
+    false
+}
