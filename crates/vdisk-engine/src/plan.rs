@@ -215,9 +215,22 @@ impl Planner {
         if self.image.read_only() {
             return Err(read_only());
         }
-        self.image.prepare_write(req.offset, req.len)?;
+        let rest = self.image.zero(req.offset, req.len, req.op == Op::Trim, req.flags.no_hole)?;
+        for (offset, len) in rest {
+            self.zero_files(req, offset, len)?;
+        }
+        let durable = self.sync || req.flags.fua;
+        if durable {
+            self.sync_files()?;
+        }
+        self.image.write_done(req.offset, req.len, durable)
+    }
+
+    /// Punches (TRIM) or zeroes (WRITE_ZEROES) the files under `len` bytes at `offset`.
+    fn zero_files(&mut self, req: &Request, offset: u64, len: u64) -> Result<()> {
+        self.image.prepare_write(offset, len)?;
         self.extents.clear();
-        self.image.map_write(req.offset, req.len, &mut self.extents)?;
+        self.image.map_write(offset, len, &mut self.extents)?;
         for ext in &self.extents {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
             let file = &self.image.files()[f];
@@ -234,11 +247,7 @@ impl Planner {
             }
             zero_range(file, offset, len, req.flags.no_hole, req.flags.fast_zero).map_err(at)?;
         }
-        let durable = self.sync || req.flags.fua;
-        if durable {
-            self.sync_files()?;
-        }
-        self.image.write_done(req.offset, req.len, durable)
+        Ok(())
     }
 
     /// Tells the image a write reached its files (see [`Image::write_done`]);

@@ -8,6 +8,7 @@
 
 pub mod cow;
 mod error;
+pub mod qcow2;
 pub mod raw;
 
 use std::fs::File;
@@ -15,6 +16,7 @@ use std::path::Path;
 
 pub use cow::CowImage;
 pub use error::{Error, ErrorKind, Result};
+pub use qcow2::Qcow2Image;
 pub use raw::RawImage;
 
 /// Where one piece of a request lives.
@@ -97,6 +99,16 @@ pub trait Image: Send + Sync {
     /// before replying, which gives the same guarantee for less.)
     fn write_done(&self, _offset: u64, _len: u64, _durable: bool) -> Result<()> {
         Ok(())
+    }
+
+    /// Records a TRIM (`trim`) or WRITE_ZEROES of `len` bytes at `offset` in
+    /// the image's own metadata where it can (a qcow2 zero cluster: no data
+    /// written), and returns the ranges it left for the engine to zero in the
+    /// files the usual way (prepare, map, punch or zero, `write_done`). With
+    /// `no_hole` the image keeps the storage allocated. The engine calls
+    /// `write_done` for the whole range afterwards either way.
+    fn zero(&self, offset: u64, len: u64, _trim: bool, _no_hole: bool) -> Result<Vec<(u64, u64)>> {
+        Ok(vec![(offset, len)])
     }
 
     /// Appends the allocation state of `len` bytes at `offset`, in order, at most

@@ -151,11 +151,11 @@ pub struct SecurityArgs {
     pub no_default_export: bool,
 }
 
-/// How to find a COW overlay's backing file.
+/// How to find a COW or qcow2 overlay's backing file.
 #[derive(Args, Clone, Default)]
 pub struct BackingArgs {
-    /// The backing file of the COW overlay(s), instead of the path in the header
-    /// (for a base that moved). Its size must still match the header.
+    /// The backing file of the COW or qcow2 overlay(s), instead of the path in
+    /// the header (for a base that moved). A COW overlay's must still match its size.
     #[arg(long, value_name = "PATH")]
     pub backing: Option<PathBuf>,
     /// Accept a backing file whose modification time differs from the one the
@@ -166,12 +166,14 @@ pub struct BackingArgs {
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum FormatArg {
-    /// A COW overlay if the file starts with the COW magic, raw otherwise.
+    /// qcow2 or a COW overlay if the file starts with their magic, raw otherwise.
     Auto,
     /// Raw, whatever the file starts with (use it for images a guest writes to).
     Raw,
     /// A UML COW v3 overlay.
     Cow,
+    /// A qcow2 image (qemu's format, version 2 or 3), with its backing chain.
+    Qcow2,
 }
 
 #[derive(Args)]

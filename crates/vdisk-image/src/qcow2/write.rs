@@ -1,0 +1,363 @@
+//! The write path of a qcow2 image: claiming clusters for writes, the
+//! copy-on-write of what a partial write leaves untouched, zero clusters,
+//! and the order in which metadata reaches the disk.
+//!
+//! A write into a cluster the image owns alone (L2 entry with COPIED, all
+//! units holding data) maps straight to it: one atomic load, no lock. Any
+//! other cluster is *claimed* first (`prepare_write`, under the cluster's
+//! stripe lock): a host cluster is allocated (or the zero cluster's own
+//! reused), the parts the write does not cover are copied in from what the
+//! guest sees there now (the backing image, zeros, an old cluster), and the
+//! claim is noted in `pending`. Writes map to the claimed cluster; once the
+//! data is in the file (`write_done`) the L2 entry in memory points at it.
+//!
+//! Durability ordering (`sync_round`, one round at a time, group commit):
+//!
+//! 1. take the changed L1 entries, then the changed L2 tables, then the
+//!    changed refcount blocks, as bytes: every L2 entry taken was set after
+//!    its data reached the file, and every cluster an L2 or L1 entry taken
+//!    points at was counted before that entry was set;
+//! 2. fdatasync: the data (and the copied-in parts) is durable;
+//! 3. write the refcount blocks (and a moved refcount table, then fdatasync
+//!    and the header naming it); fdatasync: refcounts durable before any
+//!    table that uses the clusters they count;
+//! 4. write the L2 tables; if the L1 table changed, fdatasync (new L2 tables
+//!    durable) and write it; fdatasync.
+//!
+//! A crash at any point leaves refcounts at least as high as what the tables
+//! on disk use (leaks at worst, never a cluster in use with refcount 0), and
+//! L2 entries pointing only at data that was durable before they were written.
+//! Clusters are never freed, so none is reused while an old entry may still
+//! point at it. What this module must never do: set an L2 entry before its
+//! data is written, or write an L2/L1 table before the refcounts it relies on.
+
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::Ordering;
+
+use super::l2::{Entry, TableBytes, Unit, ALL_ALLOCATED, COPIED, ZERO};
+use super::refcount::BlockBytes;
+use super::{header, Qcow2Image, STRIPES};
+use crate::{Error, ErrorKind, Extent, Image, Result};
+
+impl Qcow2Image {
+    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, u64>> {
+        self.pending[(c % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn io_err(&self, e: std::io::Error, what: &str, at: u64) -> Error {
+        Error::io(e, format!("{what} at {at:#x} of {}", self.path.display()))
+    }
+
+    /// Claims every cluster of a write that cannot be written in place.
+    pub(super) fn claim_range(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let cs = self.cs();
+        for c in offset / cs..(offset + len).div_ceil(cs) {
+            if self.l2.writable(self.entry(c)?).is_none() {
+                self.claim(c, offset, len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The host cluster a write to guest cluster `c` goes to (claimed or in place).
+    pub(super) fn claimed_host(&self, c: u64) -> Result<u64> {
+        if let Some(h) = self.l2.writable(self.entry(c)?) {
+            return Ok(h);
+        }
+        if let Some(&h) = self.stripe(c).get(&c) {
+            return Ok(h);
+        }
+        Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
+    }
+
+    fn claim(&self, c: u64, offset: u64, len: u64) -> Result<()> {
+        let mut stripe = self.stripe(c);
+        if stripe.contains_key(&c) {
+            return Ok(());
+        }
+        let e = self.entry(c)?;
+        if self.l2.writable(e).is_some() {
+            return Ok(());
+        }
+        let (host, fresh) = match self.l2.reusable(e) {
+            Some(h) => (h, false),
+            None => (self.allocate_for(c)?, true),
+        };
+        self.copy_in(c, host, fresh, offset, len)?;
+        stripe.insert(c, host);
+        Ok(())
+    }
+
+    /// A new host cluster for guest cluster `c`, with an L2 table for it.
+    fn allocate_for(&self, c: u64) -> Result<u64> {
+        let i = (c / self.header.l2_entries()) as usize;
+        let file = &self.files[0];
+        let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+        let l1 = self.l2.l1_entry(i);
+        if l1 != 0 && l1 & COPIED == 0 {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{}: L2 table {i} is shared with a snapshot; vdisk does not write such images",
+                    self.path.display()
+                ),
+            ));
+        }
+        if l1 == 0 {
+            let t = refs.allocate(file, &self.path, 1)?;
+            self.l2.install(i, t);
+        }
+        let host = refs.allocate(file, &self.path, 1)?;
+        let end = refs.next_free();
+        // The file covers every cluster counted, so tables and reads never meet its end.
+        if end > self.file_len.load(Ordering::Acquire) {
+            file.set_len(end).map_err(|e| self.io_err(e, "cannot extend the image", end))?;
+            self.file_len.store(end, Ordering::Release);
+        }
+        Ok(host)
+    }
+
+    /// Fills the parts of guest cluster `c` outside [offset, offset+len) into
+    /// host cluster `host` with what the guest reads there now. A `fresh`
+    /// cluster already reads as zeros.
+    fn copy_in(&self, c: u64, host: u64, fresh: bool, offset: u64, len: u64) -> Result<()> {
+        let cs = self.cs();
+        let (start, end) = (c * cs, ((c + 1) * cs).min(self.header.size));
+        let mut gaps = Vec::with_capacity(2);
+        if offset > start {
+            gaps.push((start, offset.min(end)));
+        }
+        if offset + len < end {
+            gaps.push(((offset + len).max(start), end));
+        }
+        for (from, to) in gaps {
+            let mut extents = Vec::new();
+            self.map_read(from, to - from, &mut extents)?;
+            let mut at = from;
+            for ext in extents {
+                let n = ext.len();
+                let dest = host + (at - start);
+                match ext {
+                    Extent::Data { file: 0, offset, .. } if offset == dest => {}
+                    Extent::Zero { .. } if fresh => {}
+                    Extent::Zero { .. } => self.write_at(&vec![0u8; n as usize], dest)?,
+                    Extent::Data { file, offset, .. } => {
+                        let mut buf = vec![0u8; n as usize];
+                        self.files[file].read_exact_at(&mut buf, offset).map_err(|e| {
+                            Error::io(
+                                e,
+                                format!("copy-on-write read at {offset:#x} of {}", self.file_path(file).display()),
+                            )
+                        })?;
+                        self.write_at(&buf, dest)?;
+                    }
+                }
+                at += n;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], at: u64) -> Result<()> {
+        self.files[0].write_all_at(buf, at).map_err(|e| self.io_err(e, "copy-on-write write", at))
+    }
+
+    /// Points the L2 entries of the clusters claimed for a finished write at
+    /// their new data.
+    pub(super) fn publish_range(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let cs = self.cs();
+        for c in offset / cs..(offset + len).div_ceil(cs) {
+            if self.l2.writable(self.entry(c)?).is_some() {
+                continue;
+            }
+            if let Some(host) = self.stripe(c).remove(&c) {
+                let bitmap = if self.header.extended_l2() { ALL_ALLOCATED } else { 0 };
+                self.l2.set(c, Entry { desc: host | COPIED, bitmap });
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a TRIM or WRITE_ZEROES of whole clusters as zero clusters
+    /// (version 3): the clusters this image owns keep their host cluster,
+    /// punched. Returns the ranges it could not handle (partial clusters,
+    /// or everything on version 2) for the caller to zero the ordinary way.
+    pub(super) fn zero_clusters(&self, offset: u64, len: u64, trim: bool, give_back: bool) -> Result<Vec<(u64, u64)>> {
+        let cs = self.cs();
+        let end = offset + len;
+        let (first, last) = (offset.div_ceil(cs), end / cs);
+        let whole_end = if end == self.header.size { end.div_ceil(cs) } else { last };
+        if first >= whole_end {
+            return Ok(vec![(offset, len)]);
+        }
+        if !self.header.has_zero_flag() {
+            if trim && give_back {
+                self.punch_owned(first, whole_end)?;
+            }
+            return Ok(vec![(offset, len)]);
+        }
+        let mut rest = Vec::new();
+        if offset < first * cs {
+            rest.push((offset, first * cs - offset));
+        }
+        if whole_end * cs < end {
+            rest.push((whole_end * cs, end - whole_end * cs));
+        }
+        for c in first..whole_end {
+            self.zero_cluster(c, give_back)?;
+        }
+        Ok(rest)
+    }
+
+    /// Gives back the space of the clusters in [first, end) this image owns
+    /// (version 2 TRIM: no zero flag, so they stay allocated and read as zeros).
+    fn punch_owned(&self, first: u64, end: u64) -> Result<()> {
+        for c in first..end {
+            if let Some(host) = self.l2.writable(self.entry(c)?) {
+                punch(&self.files[0], host, self.cs()).map_err(|e| self.io_err(e, "cannot punch", host))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn zero_cluster(&self, c: u64, give_back: bool) -> Result<()> {
+        let mut stripe = self.stripe(c);
+        let e = self.entry(c)?;
+        let keep = self.l2.reusable(e).or_else(|| stripe.get(&c).copied());
+        if keep.is_none() && self.backing.is_none() && self.l2.unit(e, 0) == Unit::Backing && !self.header.extended_l2()
+        {
+            return Ok(()); // already reads as zeros
+        }
+        if self.l2.l1_entry((c / self.header.l2_entries()) as usize) == 0 {
+            self.allocate_table(c)?;
+        }
+        let host = keep.unwrap_or(0);
+        if host != 0 && give_back {
+            punch(&self.files[0], host, self.cs())
+                .map_err(|e| self.io_err(e, "cannot punch the zeroed cluster", host))?;
+        }
+        stripe.remove(&c);
+        let next = if self.header.extended_l2() {
+            Entry { desc: if host != 0 { host | COPIED } else { 0 }, bitmap: 0xffff_ffff << 32 }
+        } else {
+            Entry { desc: if host != 0 { host | COPIED | ZERO } else { ZERO }, bitmap: 0 }
+        };
+        self.l2.set(c, next);
+        Ok(())
+    }
+
+    fn allocate_table(&self, c: u64) -> Result<()> {
+        let i = (c / self.header.l2_entries()) as usize;
+        let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+        if self.l2.l1_entry(i) == 0 {
+            let t = refs.allocate(&self.files[0], &self.path, 1)?;
+            let end = refs.next_free();
+            if end > self.file_len.load(Ordering::Acquire) {
+                self.files[0].set_len(end).map_err(|e| self.io_err(e, "cannot extend the image", end))?;
+                self.file_len.store(end, Ordering::Release);
+            }
+            self.l2.install(i, t);
+        }
+        Ok(())
+    }
+
+    /// One metadata round (see the module docs for the order). A caller whose
+    /// changes were made before a round started waits for it instead.
+    pub(super) fn sync_round(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let need = self.rounds_started.load(Ordering::SeqCst) + 1;
+        let mut done = self.rounds_done.lock().unwrap_or_else(|e| e.into_inner());
+        if *done >= need {
+            return Ok(());
+        }
+        let round = self.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let (l1, tables) = self.l2.take_dirty();
+        let (blocks, table, moved) = {
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            let (b, t) = refs.take_dirty();
+            (b, t.map(|t| (refs.table_at, t)), refs.moved)
+        };
+        let r = self.write_round(&l1, &tables, &blocks, &table, moved);
+        if let Err(e) = r {
+            self.l2.redirty(l1.is_some(), tables.iter().map(|t| t.0));
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            refs.redirty(blocks.iter().map(|b| b.0), table.is_some());
+            return Err(e);
+        }
+        if moved.is_some() {
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            if refs.moved == moved {
+                refs.moved = None;
+            }
+        }
+        *done = round;
+        Ok(())
+    }
+
+    fn write_round(
+        &self,
+        l1: &Option<Vec<u8>>,
+        tables: &[TableBytes],
+        blocks: &[BlockBytes],
+        table: &Option<(u64, Vec<u8>)>,
+        moved: Option<(u64, u32)>,
+    ) -> Result<()> {
+        if l1.is_none() && tables.is_empty() && blocks.is_empty() && table.is_none() {
+            return Ok(());
+        }
+        let file = &self.files[0];
+        let sync = |what: &str| file.sync_data().map_err(|e| self.io_err(e, what, 0));
+        let write = |b: &[u8], at: u64, what: &str| file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at));
+        sync("data sync")?;
+        for (_, at, bytes) in blocks {
+            write(bytes, *at, "refcount block write")?;
+        }
+        if let Some((at, bytes)) = table {
+            write(bytes, *at, "refcount table write")?;
+            if let Some((at, clusters)) = moved {
+                sync("refcount table sync")?;
+                let mut h = [0u8; 12];
+                h[..8].copy_from_slice(&at.to_be_bytes());
+                h[8..].copy_from_slice(&clusters.to_be_bytes());
+                write(&h, header::REFTABLE_AT, "header write")?;
+            }
+        }
+        if !blocks.is_empty() || table.is_some() {
+            sync("refcount sync")?;
+        }
+        for (_, at, bytes) in tables {
+            write(bytes, *at, "L2 table write")?;
+        }
+        if let Some(bytes) = l1 {
+            sync("L2 table sync")?;
+            write(bytes, self.header.l1_table_offset, "L1 table write")?;
+        }
+        sync("metadata sync")
+    }
+}
+
+/// Gives a zeroed cluster's space back to the file system. A file system that
+/// cannot punch keeps the old bytes: the zero flag hides them, and a later
+/// write fills the rest of the cluster with zeros itself (see `copy_in`).
+fn punch(file: &std::fs::File, at: u64, len: u64) -> std::io::Result<()> {
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate only reads its integer arguments; the fd is open for the call.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, at as libc::off_t, len as libc::off_t) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Ok(()),
+        _ => Err(e),
+    }
+}
