@@ -36,8 +36,9 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Create a new disk image (raw, sparse unless --preallocate), or with
-    /// --backing a copy-on-write overlay (UML COW v3) over a base image.
+    /// Create a new disk image (raw, sparse unless --preallocate; or qcow2 with
+    /// --format qcow2), or with --backing a copy-on-write overlay over a base
+    /// image (UML COW v3, or qcow2 with --format qcow2).
     Create(CreateArgs),
     /// Show an image's format, virtual size and allocated bytes (for an
     /// overlay: its backing file and the sectors it holds).
@@ -78,16 +79,32 @@ pub struct CreateArgs {
     /// Path of the new image; an existing file is never overwritten.
     pub image: PathBuf,
     /// Virtual size: bytes, or with a K, M, G or T suffix (binary units), e.g. 10G.
-    /// Required unless --backing is given (an overlay takes its size from BASE).
-    #[arg(long, short, value_parser = parse_size, conflicts_with = "backing")]
+    /// Required unless --backing is given (an overlay takes its size from BASE;
+    /// a qcow2 overlay may be made larger).
+    #[arg(long, short, value_parser = parse_size)]
     pub size: Option<u64>,
+    /// The new image's format: raw, or qcow2 (version 3, as `qemu-img create -f
+    /// qcow2` makes it). Default: raw, or a UML COW overlay with --backing.
+    #[arg(long, value_enum)]
+    pub format: Option<CreateFormat>,
+    /// Cluster size of a new qcow2 image (512 to 2M, a power of two; default 64K).
+    #[arg(long, value_parser = parse_size, requires = "format")]
+    pub cluster_size: Option<u64>,
     /// Reserve every block now (with a progress bar) instead of leaving the file sparse.
     #[arg(long, conflicts_with = "backing")]
     pub preallocate: bool,
-    /// Make IMAGE a copy-on-write overlay (UML COW v3, as uml_mkcow makes) over
-    /// BASE: it records BASE's absolute path, size and mtime; BASE is never written.
+    /// Make IMAGE a copy-on-write overlay over BASE: a UML COW v3 overlay (as
+    /// uml_mkcow makes: BASE's absolute path, size and mtime recorded), or with
+    /// --format qcow2 a qcow2 overlay (BASE's absolute path and format). BASE is never written.
     #[arg(long, value_name = "BASE")]
     pub backing: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum CreateFormat {
+    Raw,
+    Cow,
+    Qcow2,
 }
 
 #[derive(Args)]
