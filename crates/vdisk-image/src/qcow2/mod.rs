@@ -300,10 +300,10 @@ impl Image for Qcow2Image {
         Ok(())
     }
 
-    fn zero(&self, offset: u64, len: u64, trim: bool, no_hole: bool) -> Result<Vec<(u64, u64)>> {
-        let rest = self.zero_clusters(offset, len, trim, !no_hole)?;
-        // After a TRIM any content may be read: the partial clusters keep theirs.
-        Ok(if trim { Vec::new() } else { rest })
+    fn zero(&self, offset: u64, len: u64, _trim: bool, no_hole: bool) -> Result<Vec<(u64, u64)>> {
+        // A TRIM reads back as zeros too, as on raw images (the engine punches
+        // what is left, the partial clusters).
+        self.zero_clusters(offset, len, !no_hole)
     }
 
     fn sync_metadata(&self) -> Result<()> {

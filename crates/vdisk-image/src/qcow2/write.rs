@@ -187,20 +187,15 @@ impl Qcow2Image {
 
     /// Records a TRIM or WRITE_ZEROES of whole clusters as zero clusters
     /// (version 3): the clusters this image owns keep their host cluster,
-    /// punched. Returns the ranges it could not handle (partial clusters,
-    /// or everything on version 2) for the caller to zero the ordinary way.
-    pub(super) fn zero_clusters(&self, offset: u64, len: u64, trim: bool, give_back: bool) -> Result<Vec<(u64, u64)>> {
+    /// punched unless `give_back` is false. Returns the ranges it could not
+    /// handle (partial clusters, or everything on version 2, which has no
+    /// zero flag) for the engine to zero the ordinary way.
+    pub(super) fn zero_clusters(&self, offset: u64, len: u64, give_back: bool) -> Result<Vec<(u64, u64)>> {
         let cs = self.cs();
         let end = offset + len;
         let (first, last) = (offset.div_ceil(cs), end / cs);
         let whole_end = if end == self.header.size { end.div_ceil(cs) } else { last };
-        if first >= whole_end {
-            return Ok(vec![(offset, len)]);
-        }
-        if !self.header.has_zero_flag() {
-            if trim && give_back {
-                self.punch_owned(first, whole_end)?;
-            }
+        if !self.header.has_zero_flag() || first >= whole_end {
             return Ok(vec![(offset, len)]);
         }
         let mut rest = Vec::new();
@@ -214,17 +209,6 @@ impl Qcow2Image {
             self.zero_cluster(c, give_back)?;
         }
         Ok(rest)
-    }
-
-    /// Gives back the space of the clusters in [first, end) this image owns
-    /// (version 2 TRIM: no zero flag, so they stay allocated and read as zeros).
-    fn punch_owned(&self, first: u64, end: u64) -> Result<()> {
-        for c in first..end {
-            if let Some(host) = self.l2.writable(self.entry(c)?) {
-                punch(&self.files[0], host, self.cs()).map_err(|e| self.io_err(e, "cannot punch", host))?;
-            }
-        }
-        Ok(())
     }
 
     fn zero_cluster(&self, c: u64, give_back: bool) -> Result<()> {

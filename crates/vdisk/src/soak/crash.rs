@@ -11,7 +11,9 @@
 //! crash (it is in the host page cache once acknowledged; the server holds
 //! no written data of its own), and the round checks that too. A COW
 //! overlay's unflushed writes may be lost (their bitmap bits may not have
-//! reached the file), never invented.
+//! reached the file), never invented; so may a qcow2 overlay's (their L2
+//! entries), and after every kill `qemu-img check` must find no corruption
+//! in it (leaked clusters are allowed).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,6 +36,7 @@ const DEPTH: usize = 8;
 pub enum Format {
     Raw,
     Cow,
+    Qcow2,
 }
 
 /// One cell of the matrix: an image that lives through many rounds.
@@ -205,14 +208,15 @@ fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Re
             write(&image, &bytes)?;
             (image, None)
         }
-        Format::Cow => {
+        Format::Cow | Format::Qcow2 => {
             let base = dir.join("base.img");
             write(&base, &bytes)?;
-            let image = dir.join("crash.cow");
+            let (image, fmt) =
+                if format == Format::Cow { (dir.join("crash.cow"), "cow") } else { (dir.join("crash.qcow2"), "qcow2") };
             let _ = std::fs::remove_file(&image);
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
             let out = std::process::Command::new(exe)
-                .args(["create", "--backing"])
+                .args(["create", "--format", fmt, "--backing"])
                 .arg(&base)
                 .arg(&image)
                 .output()
@@ -229,7 +233,12 @@ fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Re
 
 /// Runs one round on `combo`; returns what it checked.
 fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> Result<(), String> {
-    let mut args = vec!["--engine", c.engine.as_str(), "--format", if c.format == Format::Raw { "raw" } else { "cow" }];
+    let fmt = match c.format {
+        Format::Raw => "raw",
+        Format::Cow => "cow",
+        Format::Qcow2 => "qcow2",
+    };
+    let mut args = vec!["--engine", c.engine.as_str(), "--format", fmt];
     if c.sync {
         args.push("--sync");
     }
@@ -282,6 +291,9 @@ fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> R
         }
     }
     c.gens = std::mem::take(&mut st.gens);
+    if c.format == Format::Qcow2 {
+        qemu_img_check(&c.image)?;
+    }
 
     let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
     let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
@@ -300,6 +312,26 @@ fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> R
     report.flushes += st.flushes;
     report.checked_blocks += st.logs.iter().filter(|l| l.floor > 0).count() as u64;
     Ok(())
+}
+
+/// `qemu-img check` on a qcow2 image just after a crash: exit 0 (clean) or 3
+/// (leaked clusters only) pass; corruption or a failed check is the round's error.
+fn qemu_img_check(image: &Path) -> Result<(), String> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(image)
+        .output()
+        .map_err(|e| format!("cannot run qemu-img check (install qemu-utils): {e}"))?;
+    match out.status.code() {
+        Some(0) | Some(3) => Ok(()),
+        _ => Err(format!(
+            "qemu-img check {} after the crash ({}):\n{}{}",
+            image.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
 }
 
 /// Runs `rounds` crash rounds over every combination of `formats`, `engines`

@@ -25,6 +25,8 @@ use crate::Failure;
 pub enum SoakFormat {
     Raw,
     Cow,
+    /// A qcow2 overlay over a raw base; `qemu-img check` judges it after every kill.
+    Qcow2,
 }
 
 /// Stress `vdisk serve` as production will: crash rounds and a many-client load.
@@ -139,6 +141,7 @@ pub fn run(a: SoakArgs) -> Result<(), Failure> {
             .map(|f| match f {
                 SoakFormat::Raw => crash::Format::Raw,
                 SoakFormat::Cow => crash::Format::Cow,
+                SoakFormat::Qcow2 => crash::Format::Qcow2,
             })
             .collect();
         let r = crash::run(&dir, a.rounds, &formats, &engines, seed, !a.json).map_err(keep)?;
