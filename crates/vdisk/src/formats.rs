@@ -85,7 +85,7 @@ fn open_qcow2(path: &Path, read_only: bool, direct: bool, backing: &BackingArgs)
             path.display()
         )));
     }
-    let options = Qcow2Options { read_only, backing: backing.backing.clone(), depth: 0 };
+    let options = Qcow2Options { read_only, backing: backing.backing.clone(), ..Default::default() };
     let image = Qcow2Image::open_with(path, &options)?;
     let over = match (image.backing_path(), image.backing_format()) {
         (Some(p), Some(f)) => format!(" over {} ({f})", p.display()),

@@ -166,7 +166,7 @@ pub fn parse_header(b: &[u8]) -> Result<Header> {
     let version = be32(b, 4);
     if version != 2 && version != 3 {
         return Err(Error::new(
-            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
             format!("qcow2 version {version} is not supported (only 2 and 3 are)"),
         ));
     }
@@ -261,7 +261,7 @@ fn check_geometry(h: &Header) -> Result<()> {
 fn check_features(h: &Header) -> Result<()> {
     if h.crypt_method != 0 {
         return Err(Error::new(
-            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
             "the image is encrypted (qcow2 crypt_method set): vdisk does not serve encrypted qcow2; \
              decrypt it with `qemu-img convert --object secret,... --image-opts ... -O qcow2 NEW`",
         ));
@@ -269,19 +269,19 @@ fn check_features(h: &Header) -> Result<()> {
     let unknown = h.incompatible & !INCOMPAT_KNOWN;
     if unknown != 0 {
         return Err(Error::new(
-            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
             format!("the image uses incompatible features vdisk does not know ({unknown:#x})"),
         ));
     }
     if h.incompatible & INCOMPAT_DATA_FILE != 0 {
         return Err(Error::new(
-            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
             "the image keeps its data in an external data file, which vdisk does not support",
         ));
     }
     if h.incompatible & INCOMPAT_COMPRESSION != 0 && h.compression_type > 1 {
         return Err(Error::new(
-            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
             format!("compression type {} is unknown (0 is zlib, 1 zstd)", h.compression_type),
         ));
     }

@@ -36,6 +36,8 @@ pub struct Qcow2Options {
     pub backing: Option<PathBuf>,
     /// How deep in a backing chain this image is (0: the image served).
     pub depth: usize,
+    /// The (device, inode) of every image above this one in the chain.
+    pub above: Vec<(u64, u64)>,
 }
 
 fn at(path: &Path, e: std::io::Error, what: &str) -> Error {
@@ -74,7 +76,7 @@ fn refuse_features(h: &Header, path: &Path, read_only: bool) -> Result<()> {
     }
     if h.nb_snapshots > 0 && !read_only {
         return Err(Error::new(
-            ErrorKind::Unsupported,
+            ErrorKind::InvalidInput,
             format!(
                 "{p} has {} internal snapshots, which vdisk does not write around: serve it with --readonly, \
                  or delete them with `qemu-img snapshot -d`",
@@ -180,7 +182,7 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
             let s = w.to_string_lossy();
             if s.starts_with("json:") || (s.contains("://") && !w.exists()) {
                 return Err(Error::new(
-                    ErrorKind::Unsupported,
+                    ErrorKind::InvalidInput,
                     format!(
                         "{}: the backing file {s} is not a local file; vdisk opens only local files",
                         path.display()
@@ -203,13 +205,16 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
     if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
         return Err(Error::invalid(format!("{named} is the image itself")));
     }
+    if o.above.contains(&(bmeta.dev(), bmeta.ino())) {
+        return Err(Error::invalid(format!("{named}: the backing chain loops back to an image above it")));
+    }
     let format = match h.backing_format.as_deref() {
         Some("qcow2") => "qcow2",
         Some("raw") => "raw",
         Some("cow") => "cow",
         Some(f) => {
             return Err(Error::new(
-                ErrorKind::Unsupported,
+                ErrorKind::InvalidInput,
                 format!("{named} is in format {f:?}, which vdisk does not serve (raw, qcow2 and cow are)"),
             ))
         }
@@ -218,7 +223,12 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
     let image: Box<dyn Image> = match format {
         "qcow2" => Box::new(Qcow2Image::open_with(
             &backing,
-            &Qcow2Options { read_only: true, backing: None, depth: o.depth + 1 },
+            &Qcow2Options {
+                read_only: true,
+                backing: None,
+                depth: o.depth + 1,
+                above: o.above.iter().copied().chain([(meta.dev(), meta.ino())]).collect(),
+            },
         )?),
         "cow" => Box::new(CowImage::open(&backing, true, None, false)?),
         _ => Box::new(RawImage::open(&backing, true)?),
