@@ -21,6 +21,7 @@
 //! extents the engine performs like any other.
 
 mod create;
+pub mod fuzzing;
 pub mod header;
 mod l2;
 mod open;

@@ -177,7 +177,10 @@ type Backing = (Option<Box<dyn Image>>, Option<PathBuf>, Option<&'static str>);
 fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Options) -> Result<Backing> {
     let written = h.backing.as_ref().map(|b| PathBuf::from(OsStr::from_bytes(b)));
     let backing = match (&o.backing, &written) {
-        (Some(b), _) => b.clone(),
+        (Some(b), Some(_)) => b.clone(),
+        (Some(_), None) => {
+            return Err(Error::invalid(format!("{} has no backing file: drop --backing", path.display())));
+        }
         (None, Some(w)) => {
             let s = w.to_string_lossy();
             if s.starts_with("json:") || (s.contains("://") && !w.exists()) {
