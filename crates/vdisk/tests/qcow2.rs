@@ -218,6 +218,28 @@ fn vdisk_created_images_read_the_same_in_qemu() {
 }
 
 #[test]
+fn compressed_images_zlib_and_zstd_read_and_rewrite() {
+    let dir = TempDir::new("qcow2-compressed");
+    let raw = dir.path("src.raw");
+    let mut model = base_data(8 * MIB, 11);
+    model[..MIB].iter_mut().enumerate().for_each(|(i, b)| *b = b"compressible"[i % 12]);
+    std::fs::write(&raw, &model).unwrap();
+    for (name, opts) in [("zlib", "compression_type=zlib"), ("zstd", "compression_type=zstd")] {
+        let img = dir.path(&format!("{name}.qcow2"));
+        run("qemu-img", &["convert", "-q", "-c", "-O", "qcow2", "-o", opts, s(&raw), s(&img)]);
+        let server = Server::start(&dir, &[s(&img)]);
+        let uri = server.uri(name);
+        assert_same(&format!("{name}: compressed clusters read"), &read_export(&dir, &uri), &model);
+        let mut want = model.clone();
+        qemu_io(&uri, &client_ops(&mut want));
+        assert_same(&format!("{name}: rewritten"), &read_export(&dir, &uri), &want);
+        server.stop();
+        check_clean(&img);
+        compare(&dir, &img, &want);
+    }
+}
+
+#[test]
 fn backing_chains_qcow2_over_qcow2_over_cow_and_raw() {
     let dir = TempDir::new("qcow2-chain");
     let raw = dir.path("base.raw");

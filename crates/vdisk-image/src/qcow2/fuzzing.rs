@@ -12,7 +12,7 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::os::unix::io::{AsRawFd, FromRawFd};
+use std::os::unix::io::AsRawFd;
 use std::path::PathBuf;
 
 use super::header::parse_header;
@@ -21,13 +21,7 @@ use crate::{Extent, Image};
 
 /// An anonymous in-memory file holding `bytes`.
 fn memfd(bytes: &[u8]) -> Option<File> {
-    // SAFETY: the name is a NUL-terminated literal; memfd_create reads only it and the flags.
-    let fd = unsafe { libc::memfd_create(c"vdisk-fuzz".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: fd was just returned by memfd_create and is owned by nothing else.
-    let f = unsafe { File::from_raw_fd(fd) };
+    let f = super::compressed::memfd(c"vdisk-fuzz").ok()?;
     f.write_all_at(bytes, 0).ok()?;
     Some(f)
 }

@@ -259,6 +259,19 @@ impl L2Cache {
         (e.desc & COPIED != 0 && !e.compressed() && e.host() != 0).then_some(e.host())
     }
 
+    /// The host clusters entry `e` refers to (a compressed cluster may span two).
+    pub fn held(&self, e: Entry) -> Vec<u64> {
+        let cs = 1u64 << self.cluster_bits;
+        match self.unit(e, 0) {
+            Unit::Compressed { at, len } => {
+                let first = at / cs * cs;
+                (first..at + len.max(1)).step_by(cs as usize).collect()
+            }
+            _ if e.host() != 0 && !e.compressed() => vec![e.host()],
+            _ => Vec::new(),
+        }
+    }
+
     /// Points guest cluster `cluster` at `e`. Its table must be in memory.
     pub fn set(&self, cluster: u64, e: Entry) {
         let (i, k) = self.index(cluster);

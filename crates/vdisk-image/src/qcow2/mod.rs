@@ -16,10 +16,12 @@
 //! that is not durable, or an L2 entry at a cluster whose refcount is not
 //! (see `write.rs`), or write anywhere but this image's own clusters.
 //!
-//! The image's files are its own (file 0, every write goes there) followed by
-//! the backing image's files, so a read through the chain is one list of
-//! extents the engine performs like any other.
+//! The image's files are its own (file 0, every write goes there), the
+//! backing image's files, and last an in-memory file holding the inflated
+//! copies of compressed clusters (`compressed.rs`), so a read through the
+//! chain is one list of extents the engine performs like any other.
 
+mod compressed;
 mod create;
 pub mod fuzzing;
 pub mod header;
@@ -36,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::{Allocation, Error, ErrorKind, Extent, Image, Result};
+use crate::{Allocation, Extent, Image, Result};
 
 pub use create::{CreateOptions, DEFAULT_CLUSTER_BITS};
 pub use header::{has_magic, parse_header, Header};
@@ -53,8 +55,9 @@ pub const MAX_CHAIN: usize = 16;
 pub struct Qcow2Image {
     path: PathBuf,
     header: Header,
-    /// [this image, the backing image's files...]
+    /// [this image, the backing image's files..., inflated clusters]
     files: Vec<File>,
+    inflated: compressed::Inflated,
     read_only: bool,
     backing: Option<Box<dyn Image>>,
     /// The backing file opened (resolved) and its format, for messages and `info`.
@@ -62,6 +65,10 @@ pub struct Qcow2Image {
     backing_format: Option<&'static str>,
     l2: L2Cache,
     refs: Mutex<Refcounts>,
+    /// Host clusters whose last reference in memory was replaced (a compressed
+    /// or shared cluster rewritten): their refcounts drop once the tables that
+    /// no longer name them are durable (see `write.rs`).
+    released: Mutex<Vec<u64>>,
     /// Clusters claimed for writes in flight, not yet in their L2 table: cluster → host.
     pending: [Mutex<HashMap<u64, u64>>; STRIPES],
     /// The length of file 0 as far as this process made it (reads past it are zeros).
@@ -142,15 +149,14 @@ impl Qcow2Image {
         }
     }
 
-    fn unsupported_compressed(&self, pos: u64) -> Error {
-        Error::new(
-            ErrorKind::Unsupported,
-            format!(
-                "{}: the cluster at guest offset {pos} is compressed, which vdisk does not read yet; \
-                 `qemu-img convert -O qcow2` makes an uncompressed copy",
-                self.path.display()
-            ),
-        )
+    /// The inflated copy of the compressed cluster holding `pos`: its offset
+    /// in the last file.
+    fn inflate(&self, pos: u64, at: u64, len: u64) -> Result<u64> {
+        let cs = self.cs();
+        let cache = self.files.len() - 1;
+        let image = (&self.files[0], self.path.as_path(), self.file_len.load(Ordering::Acquire));
+        let slot = self.inflated.get(image, &self.files[cache], pos / cs, at, len)?;
+        Ok(slot + pos % cs)
     }
 }
 
@@ -206,7 +212,7 @@ impl Image for Qcow2Image {
 
     fn file_path(&self, file: usize) -> &Path {
         match (&self.backing, file) {
-            (Some(b), f) if f > 0 => b.file_path(f - 1),
+            (Some(b), f) if f > 0 && f < self.files.len() - 1 => b.file_path(f - 1),
             _ => &self.path,
         }
     }
@@ -230,7 +236,10 @@ impl Image for Qcow2Image {
             match unit {
                 Unit::Data(host) => self.push_host(out, host + (pos - start), stop - pos),
                 Unit::Zero => push(out, Extent::Zero { len: stop - pos }),
-                Unit::Compressed { .. } => return Err(self.unsupported_compressed(pos)),
+                Unit::Compressed { at, len } => {
+                    let slot = self.inflate(pos, at, len)?;
+                    push(out, Extent::Data { file: self.files.len() - 1, offset: slot, len: stop - pos });
+                }
                 Unit::Backing => unreachable!("handled above"),
             }
             pos = stop;
@@ -308,6 +317,10 @@ impl Image for Qcow2Image {
     }
 
     fn sync_metadata(&self) -> Result<()> {
-        self.sync_round()
+        // Refcounts dropped by a round reach the disk in the next one.
+        if self.sync_round()? {
+            self.sync_round()?;
+        }
+        Ok(())
     }
 }

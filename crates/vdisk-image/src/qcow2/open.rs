@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
+use super::compressed::{memfd, Inflated};
 use super::header::{self, Header, INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use super::l2::{L2Cache, OFFSET_MASK};
 use super::refcount::Refcounts;
@@ -133,17 +134,22 @@ impl Qcow2Image {
                 files.push(f.try_clone().map_err(|e| at(path, e, "cannot share the backing file of"))?);
             }
         }
+        files.push(memfd(c"vdisk-qcow2-inflated").map_err(|e| at(path, e, "cannot make a memory file for"))?);
+        let zstd = h.incompatible & header::INCOMPAT_COMPRESSION != 0 && h.compression_type == 1;
+        let h_bits = h.cluster_bits;
         Ok(Qcow2Image {
             path: path.to_owned(),
             l2: L2Cache::new(&h, l1, file_len, metadata),
             refs: Mutex::new(refs),
             header: h,
             files,
+            inflated: Inflated::new(h_bits, zstd),
             read_only: o.read_only,
             backing,
             backing_path,
             backing_format,
             pending: std::array::from_fn(|_| Mutex::new(Default::default())),
+            released: Mutex::new(Vec::new()),
             file_len: AtomicU64::new(file_len),
             rounds_done: Mutex::new(0),
             rounds_started: AtomicU64::new(0),

@@ -152,6 +152,16 @@ impl Refcounts {
         Ok(self.block(file, path, idx)?.map_or(0, |b| get(b, bits, i)))
     }
 
+    /// Drops one reference to the host cluster at `at` (its L2 entry on disk
+    /// no longer names it). The cluster is never reused: allocation appends.
+    pub fn release(&mut self, file: &File, path: &Path, at: u64) -> Result<()> {
+        let v = self.get(file, path, at)?;
+        if v > 0 {
+            self.set_one(file, path, at, v - 1)?;
+        }
+        Ok(())
+    }
+
     /// Takes `n` contiguous clusters from the end of the file and counts them
     /// (refcount 1), making new refcount blocks and a larger table as needed.
     pub fn allocate(&mut self, file: &File, path: &Path, n: u64) -> Result<u64> {

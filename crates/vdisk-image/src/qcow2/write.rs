@@ -35,7 +35,7 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::Ordering;
 
-use super::l2::{Entry, TableBytes, Unit, ALL_ALLOCATED, COPIED, ZERO};
+use super::l2::{self, Entry, TableBytes, Unit, ALL_ALLOCATED, COPIED, ZERO};
 use super::refcount::BlockBytes;
 use super::{header, Qcow2Image, STRIPES};
 use crate::{Error, ErrorKind, Extent, Image, Result};
@@ -177,9 +177,12 @@ impl Qcow2Image {
             if self.l2.writable(self.entry(c)?).is_some() {
                 continue;
             }
-            if let Some(host) = self.stripe(c).remove(&c) {
+            let mut stripe = self.stripe(c);
+            if let Some(host) = stripe.remove(&c) {
+                let old = self.entry(c)?;
                 let bitmap = if self.header.extended_l2() { ALL_ALLOCATED } else { 0 };
                 self.l2.set(c, Entry { desc: host | COPIED, bitmap });
+                self.release(old, host);
             }
         }
         Ok(())
@@ -234,7 +237,18 @@ impl Qcow2Image {
             Entry { desc: if host != 0 { host | COPIED | ZERO } else { ZERO }, bitmap: 0 }
         };
         self.l2.set(c, next);
+        self.release(e, host);
         Ok(())
+    }
+
+    /// Notes the host clusters `old` named that its replacement (keeping
+    /// `kept`) no longer does. Called after the new entry is set, so the round
+    /// that takes the note has the new entry in its tables.
+    fn release(&self, old: l2::Entry, kept: u64) {
+        let gone: Vec<u64> = self.l2.held(old).into_iter().filter(|&h| h != kept).collect();
+        if !gone.is_empty() {
+            self.released.lock().unwrap_or_else(|e| e.into_inner()).extend(gone);
+        }
     }
 
     fn allocate_table(&self, c: u64) -> Result<()> {
@@ -253,18 +267,20 @@ impl Qcow2Image {
     }
 
     /// One metadata round (see the module docs for the order). A caller whose
-    /// changes were made before a round started waits for it instead.
-    pub(super) fn sync_round(&self) -> Result<()> {
+    /// changes were made before a round started waits for it instead. True
+    /// when it dropped refcounts, which the next round writes.
+    pub(super) fn sync_round(&self) -> Result<bool> {
         if self.read_only {
-            return Ok(());
+            return Ok(false);
         }
         let need = self.rounds_started.load(Ordering::SeqCst) + 1;
         let mut done = self.rounds_done.lock().unwrap_or_else(|e| e.into_inner());
         if *done >= need {
-            return Ok(());
+            return Ok(false);
         }
         let round = self.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
         let (l1, tables) = self.l2.take_dirty();
+        let released = std::mem::take(&mut *self.released.lock().unwrap_or_else(|e| e.into_inner()));
         let (blocks, table, moved) = {
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             let (b, t) = refs.take_dirty();
@@ -275,7 +291,17 @@ impl Qcow2Image {
             self.l2.redirty(l1.is_some(), tables.iter().map(|t| t.0));
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             refs.redirty(blocks.iter().map(|b| b.0), table.is_some());
+            self.released.lock().unwrap_or_else(|e| e.into_inner()).extend(released);
             return Err(e);
+        }
+        let dropped = !released.is_empty();
+        // The tables on disk no longer name these: their refcounts may drop
+        // (written by the next round, before any table that round writes).
+        if !released.is_empty() {
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            for at in released {
+                refs.release(&self.files[0], &self.path, at)?;
+            }
         }
         if moved.is_some() {
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
@@ -284,7 +310,7 @@ impl Qcow2Image {
             }
         }
         *done = round;
-        Ok(())
+        Ok(dropped)
     }
 
     fn write_round(
