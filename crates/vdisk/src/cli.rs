@@ -44,7 +44,8 @@ pub enum Command {
     /// overlay: its backing file and the sectors it holds).
     Info(InfoArgs),
     /// Merge a COW overlay into its backing file (like `uml_moo -d`), or with
-    /// --into into a new raw image (like `uml_moo OVERLAY NEW`).
+    /// --into into a new raw image (like `uml_moo OVERLAY NEW`); a qcow2
+    /// overlay likewise (in place only into a raw backing file).
     #[command(after_help = "Merging into the backing file changes it: every other overlay made over it
 becomes invalid, and the overlay's own header no longer matches its mtime (serve
 it with --ignore-backing-mtime, or remove it). A backing file or overlay that a

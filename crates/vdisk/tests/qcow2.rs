@@ -240,6 +240,30 @@ fn compressed_images_zlib_and_zstd_read_and_rewrite() {
 }
 
 #[test]
+fn commit_of_a_qcow2_overlay_into_raw_and_into_a_new_image() {
+    let dir = TempDir::new("qcow2-commit");
+    let base = dir.path("base.raw");
+    let mut model = base_data(8 * MIB, 5);
+    std::fs::write(&base, &model).unwrap();
+    let top = dir.path("top.qcow2");
+    run(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096", "-b", "base.raw", "-F", "raw", s(&top)],
+    );
+    let server = Server::start(&dir, &[s(&top)]);
+    qemu_io(&server.uri("top"), &client_ops(&mut model));
+    server.stop();
+    let merged = dir.path("merged.raw");
+    let out = vdisk(&["commit", s(&top), "--into", s(&merged)]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same("vdisk commit --into", &read_file(&merged), &model);
+    let out = vdisk(&["commit", s(&top)]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same("vdisk commit into the raw base", &read_file(&base), &model);
+    compare(&dir, &top, &model);
+}
+
+#[test]
 fn backing_chains_qcow2_over_qcow2_over_cow_and_raw() {
     let dir = TempDir::new("qcow2-chain");
     let raw = dir.path("base.raw");

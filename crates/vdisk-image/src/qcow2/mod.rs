@@ -10,7 +10,8 @@
 //! - `refcount.rs`: refcounts and append-only allocation;
 //! - `write.rs`: claiming clusters for writes (copy-on-write from the
 //!   backing image), zero clusters, and the flush ordering;
-//! - `open.rs`: opening an image and its backing chain, `create.rs`: new images.
+//! - `open.rs`: opening an image and its backing chain, `create.rs`: new images,
+//!   `commit.rs`: merging it into its backing file or a new raw image.
 //!
 //! What it must never do: write the backing image, point an L2 entry at data
 //! that is not durable, or an L2 entry at a cluster whose refcount is not
@@ -21,6 +22,7 @@
 //! copies of compressed clusters (`compressed.rs`), so a read through the
 //! chain is one list of extents the engine performs like any other.
 
+mod commit;
 mod compressed;
 mod create;
 pub mod fuzzing;
