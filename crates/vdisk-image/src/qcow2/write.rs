@@ -112,13 +112,24 @@ impl Qcow2Image {
             self.l2.install(i, t);
         }
         let host = refs.allocate(file, &self.path, 1)?;
-        let end = refs.next_free();
-        // The file covers every cluster counted, so tables and reads never meet its end.
-        if end > self.file_len.load(Ordering::Acquire) {
-            file.set_len(end).map_err(|e| self.io_err(e, "cannot extend the image", end))?;
-            self.file_len.store(end, Ordering::Release);
-        }
+        self.cover(refs.next_free())?;
         Ok(host)
+    }
+
+    /// Extends the file past `end` (the allocator's next free cluster), so
+    /// every cluster counted is inside it and tables and reads never meet its
+    /// end. It grows 1 MiB (or a cluster) at a time: one `ftruncate` per MiB
+    /// of new clusters, not per cluster; the tail past the last cluster in use
+    /// has refcount 0 and is skipped when the image is opened again.
+    fn cover(&self, end: u64) -> Result<()> {
+        if end <= self.file_len.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let cs = self.cs();
+        let len = end + (1u64 << 20).max(cs).div_ceil(cs) * cs - cs;
+        self.files[0].set_len(len).map_err(|e| self.io_err(e, "cannot extend the image", len))?;
+        self.file_len.store(len, Ordering::Release);
+        Ok(())
     }
 
     /// Fills the parts of guest cluster `c` outside [offset, offset+len) into
@@ -256,11 +267,7 @@ impl Qcow2Image {
         let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
         if self.l2.l1_entry(i) == 0 {
             let t = refs.allocate(&self.files[0], &self.path, 1)?;
-            let end = refs.next_free();
-            if end > self.file_len.load(Ordering::Acquire) {
-                self.files[0].set_len(end).map_err(|e| self.io_err(e, "cannot extend the image", end))?;
-                self.file_len.store(end, Ordering::Release);
-            }
+            self.cover(refs.next_free())?;
             self.l2.install(i, t);
         }
         Ok(())
