@@ -73,12 +73,6 @@ pub fn open(
 }
 
 fn open_qcow2(path: &Path, read_only: bool, direct: bool, backing: &BackingArgs) -> Result<Opened, Failure> {
-    if direct {
-        return Err(Failure::usage(format!(
-            "{}: --direct is not supported for qcow2 images yet; serve it without --direct",
-            path.display()
-        )));
-    }
     if backing.ignore_backing_mtime {
         return Err(Failure::usage(format!(
             "{} is a qcow2 image: --ignore-backing-mtime applies to COW overlays only",
@@ -86,7 +80,10 @@ fn open_qcow2(path: &Path, read_only: bool, direct: bool, backing: &BackingArgs)
         )));
     }
     let options = Qcow2Options { read_only, backing: backing.backing.clone(), ..Default::default() };
-    let image = Qcow2Image::open_with(path, &options)?;
+    let mut image = Qcow2Image::open_with(path, &options)?;
+    if direct {
+        image = image.with_direct_io().map_err(|e| Failure::usage(e.to_string()))?;
+    }
     let over = match (image.backing_path(), image.backing_format()) {
         (Some(p), Some(f)) => format!(" over {} ({f})", p.display()),
         _ => String::new(),

@@ -59,6 +59,8 @@ pub struct Qcow2Image {
     header: Header,
     /// [this image, the backing image's files..., inflated clusters]
     files: Vec<File>,
+    /// The same files for direct I/O, when asked for (see `with_direct_io`).
+    direct: Vec<File>,
     inflated: compressed::Inflated,
     read_only: bool,
     backing: Option<Box<dyn Image>>,
@@ -210,6 +212,10 @@ impl Image for Qcow2Image {
 
     fn files(&self) -> &[File] {
         &self.files
+    }
+
+    fn direct_files(&self) -> &[File] {
+        &self.direct
     }
 
     fn file_path(&self, file: usize) -> &Path {
