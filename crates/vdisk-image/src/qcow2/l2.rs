@@ -253,6 +253,21 @@ impl L2Cache {
         (e.desc & ZERO == 0 || !self.zero_flag).then_some(host)
     }
 
+    /// The host cluster a write touching `units` (a bit per unit) may go to
+    /// in place: owned alone, and every unit touched holds data there.
+    pub fn in_place(&self, e: Entry, units: u64) -> Option<u64> {
+        if self.extended {
+            let host = self.reusable(e)?;
+            return (e.bitmap & units == units).then_some(host);
+        }
+        self.writable(e)
+    }
+
+    /// Unit `u` of a cluster this image owns holds its data in place.
+    pub fn unit_valid(&self, e: Entry, u: u64) -> bool {
+        self.in_place(e, 1 << u).is_some()
+    }
+
     /// A host cluster this entry owns alone (it may read as zeros or, with
     /// extended L2, partly from the backing file): a write may fill it in place.
     pub fn reusable(&self, e: Entry) -> Option<u64> {

@@ -74,7 +74,7 @@ pub struct Qcow2Image {
     /// no longer name them are durable (see `write.rs`).
     released: Mutex<Vec<u64>>,
     /// Clusters claimed for writes in flight, not yet in their L2 table: cluster → host.
-    pending: [Mutex<HashMap<u64, u64>>; STRIPES],
+    pending: [Mutex<HashMap<u64, write::Claim>>; STRIPES],
     /// The length of file 0 as far as this process made it (reads past it are zeros).
     file_len: AtomicU64,
     /// Metadata rounds, one at a time; holds the number of the last round done.
@@ -265,7 +265,7 @@ impl Image for Qcow2Image {
         while pos < end {
             let c = pos / cs;
             let stop = ((c + 1) * cs).min(end);
-            let host = self.claimed_host(c)?;
+            let host = self.claimed_host(c, pos, stop - pos)?;
             push(out, Extent::Data { file: 0, offset: host + (pos - c * cs), len: stop - pos });
             pos = stop;
         }

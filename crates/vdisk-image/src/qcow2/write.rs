@@ -35,18 +35,40 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::Ordering;
 
-use super::l2::{self, Entry, TableBytes, Unit, ALL_ALLOCATED, COPIED, ZERO};
+use super::l2::{self, Entry, TableBytes, Unit, COPIED, ZERO};
 use super::refcount::BlockBytes;
 use super::{header, Qcow2Image, STRIPES};
 use crate::{Error, ErrorKind, Extent, Image, Result};
 
+/// A cluster claimed for writes in flight, not yet in its L2 table.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Claim {
+    /// The host cluster the writes go to.
+    host: u64,
+    /// Newly allocated: it read as zeros before the claim filled it.
+    fresh: bool,
+    /// The units (bit per subcluster; bit 0 for a whole cluster) filled so far.
+    units: u64,
+}
+
 impl Qcow2Image {
-    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, u64>> {
+    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Claim>> {
         self.pending[(c % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn io_err(&self, e: std::io::Error, what: &str, at: u64) -> Error {
         Error::io(e, format!("{what} at {at:#x} of {}", self.path.display()))
+    }
+
+    /// The units (subclusters with extended L2, else the cluster) of guest
+    /// cluster `c` that [offset, offset+len) touches, as a bit mask.
+    fn touched(&self, c: u64, offset: u64, len: u64) -> u64 {
+        let cs = self.cs();
+        let unit = cs / self.l2.units();
+        let from = offset.max(c * cs) - c * cs;
+        let to = (offset + len).min((c + 1) * cs) - c * cs;
+        let (u0, u1) = (from / unit, to.div_ceil(unit));
+        (u0..u1).fold(0, |m, u| m | 1 << u)
     }
 
     /// Claims every cluster of a write that cannot be written in place.
@@ -56,39 +78,58 @@ impl Qcow2Image {
         }
         let cs = self.cs();
         for c in offset / cs..(offset + len).div_ceil(cs) {
-            if self.l2.writable(self.entry(c)?).is_none() {
-                self.claim(c, offset, len)?;
+            let units = self.touched(c, offset, len);
+            if self.l2.in_place(self.entry(c)?, units).is_none() {
+                self.claim(c, offset, len, units)?;
             }
         }
         Ok(())
     }
 
-    /// The host cluster a write to guest cluster `c` goes to (claimed or in place).
-    pub(super) fn claimed_host(&self, c: u64) -> Result<u64> {
-        if let Some(h) = self.l2.writable(self.entry(c)?) {
+    /// The host cluster a write of [offset, offset+len) within guest cluster
+    /// `c` goes to (in place or claimed).
+    pub(super) fn claimed_host(&self, c: u64, offset: u64, len: u64) -> Result<u64> {
+        if let Some(h) = self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)) {
             return Ok(h);
         }
-        if let Some(&h) = self.stripe(c).get(&c) {
-            return Ok(h);
+        if let Some(cl) = self.stripe(c).get(&c) {
+            return Ok(cl.host);
         }
         Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
     }
 
-    fn claim(&self, c: u64, offset: u64, len: u64) -> Result<()> {
+    /// Claims the units `units` of guest cluster `c` for a write of
+    /// [offset, offset+len): a host cluster (this image's own, or a new one),
+    /// and each unit not yet valid there filled around the write.
+    fn claim(&self, c: u64, offset: u64, len: u64, units: u64) -> Result<()> {
         let mut stripe = self.stripe(c);
-        if stripe.contains_key(&c) {
-            return Ok(());
-        }
         let e = self.entry(c)?;
-        if self.l2.writable(e).is_some() {
+        if self.l2.in_place(e, units).is_some() {
             return Ok(());
         }
-        let (host, fresh) = match self.l2.reusable(e) {
-            Some(h) => (h, false),
-            None => (self.allocate_for(c)?, true),
+        let mut cl = match stripe.get(&c) {
+            Some(cl) => *cl,
+            None => match self.l2.reusable(e) {
+                Some(host) => Claim { host, fresh: false, units: 0 },
+                // Data elsewhere (compressed, shared) moves whole into the new cluster.
+                None if e.host() != 0 || e.compressed() => {
+                    let host = self.allocate_for(c)?;
+                    self.copy_in(c, host, true, (c * self.cs(), self.cs()), (0, 0))?;
+                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1 }
+                }
+                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0 },
+            },
         };
-        self.copy_in(c, host, fresh, offset, len)?;
-        stripe.insert(c, host);
+        for u in 0..self.l2.units() {
+            let bit = 1u64 << u;
+            if units & bit == 0 || cl.units & bit != 0 || (!cl.fresh && self.l2.unit_valid(e, u)) {
+                continue;
+            }
+            let unit = self.cs() / self.l2.units();
+            self.copy_in(c, cl.host, cl.fresh, (c * self.cs() + u * unit, unit), (offset, len))?;
+            cl.units |= bit;
+        }
+        stripe.insert(c, cl);
         Ok(())
     }
 
@@ -132,26 +173,27 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// Fills the parts of guest cluster `c` outside [offset, offset+len) into
-    /// host cluster `host` with what the guest reads there now. A `fresh`
-    /// cluster already reads as zeros.
-    fn copy_in(&self, c: u64, host: u64, fresh: bool, offset: u64, len: u64) -> Result<()> {
-        let cs = self.cs();
-        let (start, end) = (c * cs, ((c + 1) * cs).min(self.header.size));
+    /// Fills `(start, size)` of guest cluster `c` (a unit, or the whole
+    /// cluster), except the part the write `(wo, wl)` covers, into host
+    /// cluster `host` with what the guest reads there now. A `fresh` cluster
+    /// already reads as zeros.
+    fn copy_in(&self, c: u64, host: u64, fresh: bool, (start, size): (u64, u64), (wo, wl): (u64, u64)) -> Result<()> {
+        let end = (start + size).min(self.header.size);
+        let base = c * self.cs();
         let mut gaps = Vec::with_capacity(2);
-        if offset > start {
-            gaps.push((start, offset.min(end)));
+        if wl == 0 {
+            gaps.push((start, end));
+        } else {
+            gaps.push((start, wo.min(end)));
+            gaps.push(((wo + wl).max(start), end));
         }
-        if offset + len < end {
-            gaps.push(((offset + len).max(start), end));
-        }
-        for (from, to) in gaps {
+        for (from, to) in gaps.into_iter().filter(|g| g.0 < g.1) {
             let mut extents = Vec::new();
             self.map_read(from, to - from, &mut extents)?;
             let mut at = from;
             for ext in extents {
                 let n = ext.len();
-                let dest = host + (at - start);
+                let dest = host + (at - base);
                 match ext {
                     Extent::Data { file: 0, offset, .. } if offset == dest => {}
                     Extent::Zero { .. } if fresh => {}
@@ -185,15 +227,23 @@ impl Qcow2Image {
         }
         let cs = self.cs();
         for c in offset / cs..(offset + len).div_ceil(cs) {
-            if self.l2.writable(self.entry(c)?).is_some() {
+            if self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)).is_some() {
                 continue;
             }
             let mut stripe = self.stripe(c);
-            if let Some(host) = stripe.remove(&c) {
+            if let Some(cl) = stripe.remove(&c) {
+                // Every unit filled for a claim becomes valid, whichever write
+                // filled it: the writes into them were mapped to this cluster too.
                 let old = self.entry(c)?;
-                let bitmap = if self.header.extended_l2() { ALL_ALLOCATED } else { 0 };
-                self.l2.set(c, Entry { desc: host | COPIED, bitmap });
-                self.release(old, host);
+                let bitmap = if self.header.extended_l2() {
+                    // Allocation bits of another host cluster mean nothing here; zero bits stay.
+                    let kept = if old.host() == cl.host { old.bitmap } else { old.bitmap & (u64::MAX << 32) };
+                    (kept | cl.units) & !(cl.units << 32)
+                } else {
+                    0
+                };
+                self.l2.set(c, Entry { desc: cl.host | COPIED, bitmap });
+                self.release(old, cl.host);
             }
         }
         Ok(())
@@ -228,7 +278,7 @@ impl Qcow2Image {
     fn zero_cluster(&self, c: u64, give_back: bool) -> Result<()> {
         let mut stripe = self.stripe(c);
         let e = self.entry(c)?;
-        let keep = self.l2.reusable(e).or_else(|| stripe.get(&c).copied());
+        let keep = self.l2.reusable(e).or_else(|| stripe.get(&c).map(|cl| cl.host));
         if keep.is_none() && self.backing.is_none() && self.l2.unit(e, 0) == Unit::Backing && !self.header.extended_l2()
         {
             return Ok(()); // already reads as zeros
