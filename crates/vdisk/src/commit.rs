@@ -19,7 +19,7 @@ pub fn run(a: CommitArgs) -> Result<(), Failure> {
             return Err(Failure::usage(format!("{} does not exist", a.overlay.display())));
         }
         return Err(Failure::usage(format!(
-            "{} is not a COW or qcow2 overlay (no magic at its start); only overlays can be committed",
+            "{} is not a COW overlay or a qcow2 image (no COW or qcow2 magic at its start); only overlays can be committed",
             a.overlay.display()
         )));
     }
