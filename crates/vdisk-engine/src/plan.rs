@@ -256,7 +256,11 @@ impl Planner {
     /// caller makes the metadata durable once for the whole batch with
     /// [`Planner::settle_metadata`] before any reply goes out.
     pub fn write_done(&self, req: &mut Request) -> bool {
-        if req.op != Op::Write || req.error.is_some() {
+        if req.op != Op::Write {
+            return false;
+        }
+        if req.error.is_some() {
+            self.image.write_failed(req.offset, req.len);
             return false;
         }
         if let Err(e) = self.image.write_done(req.offset, req.len, false) {

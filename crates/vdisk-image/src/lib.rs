@@ -101,6 +101,14 @@ pub trait Image: Send + Sync {
         Ok(())
     }
 
+    /// Called instead of `write_done` when a write failed (at any point: it
+    /// may or may not have been prepared, and part of its data may be in the
+    /// files). The image may undo what `prepare_write` did for it, so that
+    /// the range reads as before, or partly as the failed write's data, and
+    /// nothing else (a qcow2 cluster claimed for it is refilled with what the
+    /// guest read there before the claim).
+    fn write_failed(&self, _offset: u64, _len: u64) {}
+
     /// Records a TRIM (`trim`) or WRITE_ZEROES of `len` bytes at `offset` in
     /// the image's own metadata where it can (a qcow2 zero cluster: no data
     /// written), and returns the ranges it left for the engine to zero in the

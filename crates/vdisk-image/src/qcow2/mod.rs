@@ -276,6 +276,12 @@ impl Image for Qcow2Image {
         self.claim_range(offset, len)
     }
 
+    fn write_failed(&self, offset: u64, len: u64) {
+        if let Err(e) = self.restore_range(offset, len) {
+            log::warn!("{}: after a failed write at {offset}: {e}", self.path.display());
+        }
+    }
+
     fn write_done(&self, offset: u64, len: u64, durable: bool) -> Result<()> {
         self.publish_range(offset, len)?;
         if durable {

@@ -49,6 +49,8 @@ pub(super) struct Claim {
     fresh: bool,
     /// The units (bit per subcluster; bit 0 for a whole cluster) filled so far.
     units: u64,
+    /// Units a write in flight covers whole (not filled: valid once it is done).
+    covered: u64,
 }
 
 impl Qcow2Image {
@@ -110,23 +112,32 @@ impl Qcow2Image {
         let mut cl = match stripe.get(&c) {
             Some(cl) => *cl,
             None => match self.l2.reusable(e) {
-                Some(host) => Claim { host, fresh: false, units: 0 },
+                Some(host) => Claim { host, fresh: false, units: 0, covered: 0 },
                 // Data elsewhere (compressed, shared) moves whole into the new cluster.
                 None if e.host() != 0 || e.compressed() => {
                     let host = self.allocate_for(c)?;
                     self.copy_in(c, host, true, (c * self.cs(), self.cs()), (0, 0))?;
-                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1 }
+                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1, covered: 0 }
                 }
-                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0 },
+                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0, covered: 0 },
             },
         };
+        let unit = self.cs() / self.l2.units();
         for u in 0..self.l2.units() {
             let bit = 1u64 << u;
-            if units & bit == 0 || cl.units & bit != 0 || (!cl.fresh && self.l2.unit_valid(e, u)) {
+            let done = (cl.units | cl.covered) & bit != 0;
+            if units & bit == 0 || done || (!cl.fresh && self.l2.unit_valid(e, u)) {
                 continue;
             }
-            let unit = self.cs() / self.l2.units();
-            self.copy_in(c, cl.host, cl.fresh, (c * self.cs() + u * unit, unit), (offset, len))?;
+            let start = c * self.cs() + u * unit;
+            if offset <= start && offset + len >= (start + unit).min(self.header.size) {
+                cl.covered |= bit; // all of it is this write's: valid once it is done
+                continue;
+            }
+            // The whole unit, the write's own range too: whatever other writes
+            // publish this claim first, the range reads old data until this
+            // write's lands, never bytes nobody wrote.
+            self.copy_in(c, cl.host, cl.fresh, (start, unit), (0, 0))?;
             cl.units |= bit;
         }
         stripe.insert(c, cl);
@@ -190,29 +201,61 @@ impl Qcow2Image {
         for (from, to) in gaps.into_iter().filter(|g| g.0 < g.1) {
             let mut extents = Vec::new();
             self.map_read(from, to - from, &mut extents)?;
-            let mut at = from;
-            for ext in extents {
-                let n = ext.len();
-                let dest = host + (at - base);
-                match ext {
-                    Extent::Data { file: 0, offset, .. } if offset == dest => {}
-                    Extent::Zero { .. } if fresh => {}
-                    Extent::Zero { .. } => self.write_at(&vec![0u8; n as usize], dest)?,
-                    Extent::Data { file, offset, .. } => {
-                        let mut buf = vec![0u8; n as usize];
-                        self.files[file].read_exact_at(&mut buf, offset).map_err(|e| {
-                            Error::io(
-                                e,
-                                format!("copy-on-write read at {offset:#x} of {}", self.file_path(file).display()),
-                            )
-                        })?;
-                        self.write_at(&buf, dest)?;
-                    }
-                }
-                at += n;
-            }
+            self.copy_extents(&extents, host + (from - base), fresh)?;
         }
         Ok(())
+    }
+
+    /// Copies what `extents` map into file 0 from host offset `dest` on
+    /// (zeros skipped where `fresh`, data already in place skipped).
+    fn copy_extents(&self, extents: &[Extent], mut dest: u64, fresh: bool) -> Result<()> {
+        for &ext in extents {
+            let n = ext.len();
+            match ext {
+                Extent::Data { file: 0, offset, .. } if offset == dest => {}
+                Extent::Zero { .. } if fresh => {}
+                Extent::Zero { .. } => self.write_at(&vec![0u8; n as usize], dest)?,
+                Extent::Data { file, offset, .. } => {
+                    let mut buf = vec![0u8; n as usize];
+                    self.files[file].read_exact_at(&mut buf, offset).map_err(|e| {
+                        Error::io(e, format!("copy-on-write read at {offset:#x} of {}", self.file_path(file).display()))
+                    })?;
+                    self.write_at(&buf, dest)?;
+                }
+            }
+            dest += n;
+        }
+        Ok(())
+    }
+
+    /// After a failed write: the units of a pending claim it covered whole
+    /// (and so never filled) are filled now with what the guest read there
+    /// before, so whichever write publishes the claim, they never read bytes
+    /// nobody wrote. (Units it covered in part were filled whole at the claim:
+    /// they read old data, or its data where it landed.) If even that fails
+    /// (a full disk), the claim is given up: the next write claims a new
+    /// cluster and this one leaks.
+    pub(super) fn restore_range(&self, offset: u64, len: u64) -> Result<()> {
+        let cs = self.cs();
+        let unit = cs / self.l2.units();
+        let mut result = Ok(());
+        for c in offset / cs..(offset + len).div_ceil(cs) {
+            let mut stripe = self.stripe(c);
+            let Some(mut cl) = stripe.get(&c).copied() else { continue };
+            let lost = cl.covered & self.touched(c, offset, len);
+            for u in (0..self.l2.units()).filter(|u| lost & (1 << u) != 0) {
+                // Not `fresh` here: the failed write may have left bytes there.
+                if let Err(e) = self.copy_in(c, cl.host, false, (c * cs + u * unit, unit), (0, 0)) {
+                    stripe.remove(&c);
+                    result = Err(e);
+                    break;
+                }
+                cl.units |= 1 << u;
+                cl.covered &= !(1 << u);
+                stripe.insert(c, cl);
+            }
+        }
+        result
     }
 
     fn write_at(&self, buf: &[u8], at: u64) -> Result<()> {
@@ -231,9 +274,16 @@ impl Qcow2Image {
                 continue;
             }
             let mut stripe = self.stripe(c);
-            if let Some(cl) = stripe.remove(&c) {
-                // Every unit filled for a claim becomes valid, whichever write
-                // filled it: the writes into them were mapped to this cluster too.
+            if let Some(cl) = stripe.get_mut(&c) {
+                // Valid now: the units filled, and those this write covered
+                // (the ones other writes in flight cover whole wait for them).
+                let touched = self.touched(c, offset, len);
+                cl.covered &= !touched;
+                cl.units |= touched;
+                let cl = *cl;
+                if cl.covered == 0 {
+                    stripe.remove(&c);
+                }
                 let old = self.entry(c)?;
                 let bitmap = if self.header.extended_l2() {
                     // Allocation bits of another host cluster mean nothing here; zero bits stay.
