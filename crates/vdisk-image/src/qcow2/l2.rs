@@ -144,6 +144,11 @@ impl L2Cache {
         self.l1.len()
     }
 
+    /// L1 index `i` names an L2 table (flag bits alone name none).
+    pub fn has_table(&self, i: usize) -> bool {
+        self.l1_entry(i) & OFFSET_MASK != 0
+    }
+
     pub fn l1_entry(&self, i: usize) -> u64 {
         self.l1[i].load(Ordering::Acquire)
     }
@@ -287,15 +292,19 @@ impl L2Cache {
         }
     }
 
-    /// Points guest cluster `cluster` at `e`. Its table must be in memory.
-    pub fn set(&self, cluster: u64, e: Entry) {
+    /// Points guest cluster `cluster` at `e`. Its table must be in memory
+    /// (read by `entry`, or made by `install`).
+    pub fn set(&self, cluster: u64, e: Entry) -> Result<()> {
         let (i, k) = self.index(cluster);
-        let t = self.tables[i].get().expect("the table of a cluster being set is loaded");
+        let Some(t) = self.tables[i].get() else {
+            return Err(Error::new(ErrorKind::Corrupt, format!("L1 entry {i} names no L2 table that could be read")));
+        };
         if self.extended {
             t[k + 1].store(e.bitmap, Ordering::Release);
         }
         t[k].store(e.desc, Ordering::Release);
         self.mark(i);
+        Ok(())
     }
 
     fn mark(&self, i: usize) {

@@ -313,7 +313,7 @@ pub fn inspect(path: &Path) -> Result<Inspection> {
     let cache = L2Cache::new(&h, l1, file_len, HashSet::new());
     let (mut data, mut zero) = (0, 0);
     let per = h.l2_entries();
-    let used = (0..cache.l1_len()).filter(|&i| cache.l1_entry(i) != 0);
+    let used = (0..cache.l1_len()).filter(|&i| cache.has_table(i));
     for c in used.flat_map(|i| i as u64 * per..((i as u64 + 1) * per).min(h.clusters())) {
         let e = cache.entry(&file, path, c)?;
         match cache.unit(e, 0) {

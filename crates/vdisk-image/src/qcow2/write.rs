@@ -150,7 +150,7 @@ impl Qcow2Image {
         let file = &self.files[0];
         let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
         let l1 = self.l2.l1_entry(i);
-        if l1 != 0 && l1 & COPIED == 0 {
+        if self.l2.has_table(i) && l1 & COPIED == 0 {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!(
@@ -159,7 +159,7 @@ impl Qcow2Image {
                 ),
             ));
         }
-        if l1 == 0 {
+        if !self.l2.has_table(i) {
             let t = refs.allocate(file, &self.path, 1)?;
             self.l2.install(i, t);
         }
@@ -292,7 +292,7 @@ impl Qcow2Image {
                 } else {
                     0
                 };
-                self.l2.set(c, Entry { desc: cl.host | COPIED, bitmap });
+                self.l2.set(c, Entry { desc: cl.host | COPIED, bitmap })?;
                 self.release(old, cl.host);
             }
         }
@@ -333,7 +333,7 @@ impl Qcow2Image {
         {
             return Ok(()); // already reads as zeros
         }
-        if self.l2.l1_entry((c / self.header.l2_entries()) as usize) == 0 {
+        if !self.l2.has_table((c / self.header.l2_entries()) as usize) {
             self.allocate_table(c)?;
         }
         let host = keep.unwrap_or(0);
@@ -347,7 +347,7 @@ impl Qcow2Image {
         } else {
             Entry { desc: if host != 0 { host | COPIED | ZERO } else { ZERO }, bitmap: 0 }
         };
-        self.l2.set(c, next);
+        self.l2.set(c, next)?;
         self.release(e, host);
         Ok(())
     }
@@ -365,7 +365,7 @@ impl Qcow2Image {
     fn allocate_table(&self, c: u64) -> Result<()> {
         let i = (c / self.header.l2_entries()) as usize;
         let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
-        if self.l2.l1_entry(i) == 0 {
+        if !self.l2.has_table(i) {
             let t = refs.allocate(&self.files[0], &self.path, 1)?;
             self.cover(refs.next_free())?;
             self.l2.install(i, t);
