@@ -14,14 +14,45 @@
 //! durable when the FLUSH completes.
 
 mod buf;
+#[cfg(feature = "faults")]
 mod faults;
+/// Without the `faults` feature nothing is ever injected: a device holds `None`.
+#[cfg(not(feature = "faults"))]
+mod faults {
+    use std::sync::Arc;
+
+    use vdisk_image::Error;
+
+    pub enum Faults {}
+
+    impl Faults {
+        pub fn from_env(device: &str) -> Option<Arc<Faults>> {
+            if std::env::var_os("VDISK_FAULTS").is_some() {
+                log::warn!("{device}: VDISK_FAULTS is set but this build has no fault injection (feature `faults`)");
+            }
+            None
+        }
+
+        pub fn check(&self, _write: bool, _offset: u64, _len: u64) -> Option<Error> {
+            match *self {}
+        }
+
+        pub fn check_flush(&self, _what: &str) -> Option<Error> {
+            match *self {}
+        }
+    }
+}
+pub mod inflight;
+mod lent;
 mod plan;
 mod queue;
 mod request;
 pub mod slab;
+pub mod submit;
 mod sys;
 mod threads;
 mod uring;
+pub mod wake;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,7 +61,8 @@ use std::thread::JoinHandle;
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
-pub use request::{Flags, Op, Request, Sink};
+pub use lent::Lent;
+pub use request::{Op, Request, Sink};
 
 use queue::Queue;
 
@@ -66,10 +98,12 @@ pub struct EngineConfig {
     pub inline: bool,
 }
 
+/// The defaults of `vdisk serve`: the ring engine (falling back to threads
+/// where the kernel has no io_uring), 16 workers, 1 ring, batches of 64.
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            kind: EngineKind::Threads,
+            kind: EngineKind::Uring,
             workers: 16,
             rings: 1,
             ring_entries: 256,
@@ -223,7 +257,7 @@ impl Device {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
                 let (small, large): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| !matches!(r.op, Op::Read | Op::Write) || r.len <= INLINE_MAX);
+                    batch.into_iter().partition(|r| !r.op.is_data() || r.len <= INLINE_MAX);
                 let first = done.len();
                 done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
@@ -237,7 +271,8 @@ impl Device {
                 let runs = planner.plan(reads.iter_mut().enumerate());
                 let mut missed = vec![false; reads.len()];
                 for run in &runs {
-                    let hit = match planner.perform_cached(run) {
+                    // SAFETY: the runs point into `reads`, alive and untouched until after the loop.
+                    let hit = match unsafe { planner.perform_cached(run) } {
                         Ok(hit) => hit,
                         Err(e) => {
                             if e.raw_os_error() == Some(libc::EOPNOTSUPP) {

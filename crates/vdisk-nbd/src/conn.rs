@@ -14,7 +14,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use vdisk_engine::{Buf, Device, Flags, Op, Request, Sink};
+use vdisk_engine::{Buf, Device, Op, Request, Sink};
 
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
@@ -27,23 +27,31 @@ const READ_BUFFER: usize = 512 << 10;
 /// Payloads bigger than this are read straight into their request's buffer.
 const DIRECT_PAYLOAD: usize = READ_BUFFER / 2;
 
-/// What the edge decided about one request.
+/// What the edge decided about one request: the engine's operation, and
+/// DF (a structured read's reply in one chunk), which only the reply needs.
 pub(crate) struct Valid {
     pub(crate) op: Op,
-    pub(crate) flags: Flags,
+    pub(crate) dont_fragment: bool,
 }
 
 /// Checks a request once, against the export and what was negotiated. The
 /// error is the errno the NBD spec names for the case.
 pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only: bool) -> Result<Valid, u32> {
+    let flag = |f: u16| h.flags & f != 0;
+    let fua = flag(CMD_FLAG_FUA);
     let (op, allowed) = match h.kind {
         CMD_READ => (Op::Read, CMD_FLAG_DF),
-        CMD_WRITE => (Op::Write, 0),
+        CMD_WRITE => (Op::Write { fua }, 0),
         CMD_FLUSH => (Op::Flush, 0),
-        CMD_TRIM => (Op::Trim, 0),
-        CMD_WRITE_ZEROES => (Op::WriteZeroes, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO),
+        CMD_TRIM => (Op::Trim { fua }, 0),
+        CMD_WRITE_ZEROES => (
+            Op::WriteZeroes { fua, no_hole: flag(CMD_FLAG_NO_HOLE), fast_zero: flag(CMD_FLAG_FAST_ZERO) },
+            CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+        ),
         CMD_CACHE => (Op::Cache, 0),
-        CMD_BLOCK_STATUS => (Op::BlockStatus, CMD_FLAG_REQ_ONE),
+        CMD_BLOCK_STATUS => {
+            (Op::BlockStatus { max: if flag(CMD_FLAG_REQ_ONE) { 1 } else { MAX_EXTENTS } }, CMD_FLAG_REQ_ONE)
+        }
         _ => return Err(EINVAL),
     };
     // FUA is valid on every command once SEND_FUA is advertised (it is, always);
@@ -54,29 +62,23 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
     if h.flags & CMD_FLAG_DF != 0 && !neg.structured {
         return Err(EINVAL);
     }
-    let writes = matches!(op, Op::Write | Op::Trim | Op::WriteZeroes);
-    if writes && read_only {
+    if op.writes() && read_only {
         return Err(EPERM);
     }
-    if op == Op::BlockStatus && neg.allocation_context.is_none() {
+    if matches!(op, Op::BlockStatus { .. }) && neg.allocation_context.is_none() {
         return Err(EINVAL);
     }
     if op == Op::Flush {
-        return if h.offset == 0 && h.len == 0 { Ok(Valid { op, flags: Flags::default() }) } else { Err(EINVAL) };
+        return if h.offset == 0 && h.len == 0 { Ok(Valid { op, dont_fragment: false }) } else { Err(EINVAL) };
     }
-    if matches!(op, Op::Read | Op::Write) && h.len > MAX_REQUEST {
+    if op.is_data() && h.len > MAX_REQUEST {
         return Err(if op == Op::Read && neg.structured { EOVERFLOW } else { EINVAL });
     }
     let in_range = h.len > 0 && h.offset.checked_add(h.len as u64).is_some_and(|end| end <= size);
     if !in_range {
-        return Err(if matches!(op, Op::Write | Op::WriteZeroes) && h.len > 0 { ENOSPC } else { EINVAL });
+        return Err(if matches!(op, Op::Write { .. } | Op::WriteZeroes { .. }) && h.len > 0 { ENOSPC } else { EINVAL });
     }
-    let flags = Flags {
-        fua: h.flags & CMD_FLAG_FUA != 0,
-        no_hole: h.flags & CMD_FLAG_NO_HOLE != 0,
-        fast_zero: h.flags & CMD_FLAG_FAST_ZERO != 0,
-    };
-    Ok(Valid { op, flags })
+    Ok(Valid { op, dont_fragment: flag(CMD_FLAG_DF) })
 }
 
 /// Serves requests on `stream` until the client disconnects, sends DISC, breaks
@@ -138,8 +140,7 @@ impl Reader<'_> {
         if self.batching {
             let mut done = Vec::new();
             self.device.submit_inline(batch, &sink, &mut done);
-            let encoder = self.outbox.encoder;
-            self.outbox.deliver(done.into_iter().map(|r| encoder.encode(r)).collect());
+            self.outbox.deliver(done.into_iter().map(|r| self.outbox.encode(r)).collect());
         } else {
             self.device.submit(batch, &sink);
         }
@@ -155,73 +156,10 @@ impl Reader<'_> {
     }
 
     fn run(&mut self) -> io::Result<()> {
-        let (size, read_only) = (self.device.size(), self.device.read_only());
         let mut rbuf = vec![0u8; READ_BUFFER];
         let (mut start, mut end) = (0usize, 0usize);
         loop {
-            let mut stop = false;
-            while end - start >= REQUEST_HEADER {
-                let h = RequestHeader::parse(rbuf[start..start + REQUEST_HEADER].try_into().unwrap());
-                if h.magic != REQUEST_MAGIC {
-                    self.submit();
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("bad request magic {:#x}", h.magic),
-                    ));
-                }
-                if h.kind == CMD_DISC {
-                    stop = true;
-                    break;
-                }
-                let payload = h.payload_len();
-                let avail = end - start - REQUEST_HEADER;
-                if payload > avail && payload <= DIRECT_PAYLOAD {
-                    break; // the rest of this request is still on its way
-                }
-                start += REQUEST_HEADER;
-                let verdict = validate(&h, self.neg, size, read_only);
-                // The payload: from the buffer, or straight off the socket when large.
-                let mut data = Buf::new();
-                let from_buf = payload.min(avail);
-                if verdict.is_ok() && payload > 0 {
-                    // Every byte is about to be overwritten: a pooled buffer needs no zeroing.
-                    data = Buf::for_io(payload);
-                    data[..from_buf].copy_from_slice(&rbuf[start..start + from_buf]);
-                }
-                start += from_buf;
-                if payload > from_buf {
-                    let rest = payload - from_buf;
-                    let got = if verdict.is_ok() {
-                        read_full(&mut self.stream, &mut data[from_buf..])?
-                    } else {
-                        io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize
-                    };
-                    if got < rest {
-                        stop = true;
-                        break; // the client left mid-payload: nothing to answer
-                    }
-                }
-                let v = match verdict {
-                    Ok(v) => v,
-                    Err(errno) => {
-                        self.charge(REQUEST_OVERHEAD);
-                        self.outbox.deliver(vec![refusal(self.neg.structured, h.kind, h.cookie, errno)]);
-                        continue;
-                    }
-                };
-                let mut req = Request::new(v.op, h.offset, h.len as u64, h.cookie);
-                req.flags = v.flags;
-                req.wire_flags = h.flags;
-                req.buf = data;
-                if v.op == Op::BlockStatus {
-                    req.max_status = if h.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
-                }
-                self.charge(cost(v.op, req.len));
-                self.batch.push(req);
-                if !self.batching {
-                    self.submit();
-                }
-            }
+            let stop = self.take_requests(&rbuf[..end], &mut start)?;
             self.submit();
             if stop {
                 return Ok(());
@@ -235,6 +173,84 @@ impl Reader<'_> {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Takes every complete request in `buf` from `*start` on (a large
+    /// payload is read straight off the socket), moving `*start` past them.
+    /// True when the connection ends: DISC, or the client left mid-payload.
+    fn take_requests(&mut self, buf: &[u8], start: &mut usize) -> io::Result<bool> {
+        let (size, read_only) = (self.device.size(), self.device.read_only());
+        while buf.len() - *start >= REQUEST_HEADER {
+            let h = RequestHeader::parse(buf[*start..*start + REQUEST_HEADER].try_into().unwrap());
+            if h.magic != REQUEST_MAGIC {
+                self.submit();
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {:#x}", h.magic)));
+            }
+            if h.kind == CMD_DISC {
+                return Ok(true);
+            }
+            let payload = h.payload_len();
+            let avail = buf.len() - *start - REQUEST_HEADER;
+            if payload > avail && payload <= DIRECT_PAYLOAD {
+                break; // the rest of this request is still on its way
+            }
+            *start += REQUEST_HEADER;
+            let verdict = validate(&h, self.neg, size, read_only);
+            let from_buf = payload.min(avail);
+            let data = self.payload(verdict.is_ok(), payload, &buf[*start..*start + from_buf])?;
+            *start += from_buf;
+            let Some(data) = data else {
+                return Ok(true); // the client left mid-payload: nothing to answer
+            };
+            self.accept(&h, verdict, data);
+        }
+        Ok(false)
+    }
+
+    /// A request's payload of `len` bytes: `have` (from the read buffer), the
+    /// rest straight off the socket; a refused request's is read and dropped
+    /// (empty). None when the client left before all of it came.
+    fn payload(&mut self, keep: bool, len: usize, have: &[u8]) -> io::Result<Option<Buf>> {
+        let mut data = Buf::new();
+        if keep && len > 0 {
+            // Every byte is about to be overwritten: a pooled buffer needs no zeroing.
+            data = Buf::for_io(len);
+            data[..have.len()].copy_from_slice(have);
+        }
+        if len > have.len() {
+            let rest = len - have.len();
+            let got = if keep {
+                read_full(&mut self.stream, &mut data[have.len()..])?
+            } else {
+                io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize
+            };
+            if got < rest {
+                return Ok(None);
+            }
+        }
+        Ok(Some(data))
+    }
+
+    /// Answers a request the edge refused, or adds it to the batch.
+    fn accept(&mut self, h: &RequestHeader, verdict: Result<Valid, u32>, data: Buf) {
+        let v = match verdict {
+            Ok(v) => v,
+            Err(errno) => {
+                self.charge(REQUEST_OVERHEAD);
+                self.outbox.deliver(vec![refusal(self.neg.structured, h.kind, h.cookie, errno)]);
+                return;
+            }
+        };
+        let mut req = Request::new(v.op, h.offset, h.len as u64, h.cookie);
+        req.buf = data;
+        if v.dont_fragment {
+            self.outbox.dont_fragment(h.cookie);
+        }
+        self.charge(cost(v.op, req.len));
+        self.batch.push(req);
+        if !self.batching {
+            self.submit();
         }
     }
 }

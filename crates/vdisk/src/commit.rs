@@ -78,6 +78,14 @@ fn qcow2(a: &CommitArgs) -> Result<(), Failure> {
             a.overlay.display()
         )));
     };
+    if a.into.is_none() && image.backing_format() != Some("raw") {
+        return Err(Failure::usage(format!(
+            "the backing file of {} is {}, not raw: vdisk commits a qcow2 overlay in place only into a raw \
+             file; write the merged disk to a new raw image with --into NEW",
+            a.overlay.display(),
+            image.backing_format().unwrap_or("of no format")
+        )));
+    }
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("merging {bar:40} {bytes}/{total_bytes} ({eta})").expect("a valid template"),
     );

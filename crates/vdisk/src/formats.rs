@@ -39,7 +39,7 @@ pub fn open(
     direct: bool,
     backing: &BackingArgs,
 ) -> Result<Opened, Failure> {
-    let direct_err = |e: vdisk_image::Error| Failure::usage(e.to_string());
+    let direct_err = |e: vdisk_image::Error| Failure::usage(crate::advised(&e));
     if format == FormatArg::Qcow2 || (format == FormatArg::Auto && is_qcow2(path)) {
         return open_qcow2(path, read_only, direct, backing);
     }
@@ -82,7 +82,7 @@ fn open_qcow2(path: &Path, read_only: bool, direct: bool, backing: &BackingArgs)
     let options = Qcow2Options { read_only, backing: backing.backing.clone(), ..Default::default() };
     let mut image = Qcow2Image::open_with(path, &options)?;
     if direct {
-        image = image.with_direct_io().map_err(|e| Failure::usage(e.to_string()))?;
+        image = image.with_direct_io().map_err(|e| Failure::usage(crate::advised(&e)))?;
     }
     let over = match (image.backing_path(), image.backing_format()) {
         (Some(p), Some(f)) => format!(" over {} ({f})", p.display()),

@@ -63,7 +63,7 @@ impl Qcow2Image {
     pub fn commit_to_backing(&self, progress: &dyn Fn(u64, u64)) -> Result<u64> {
         let (Some(path), Some("raw")) = (self.backing_path(), self.backing_format()) else {
             return Err(Error::invalid(format!(
-                "{} has no raw backing file to commit into; write the merged disk with --into NEW",
+                "{} has no raw backing file to commit into; write the merged disk to a new image instead",
                 self.path.display()
             )));
         };

@@ -27,7 +27,7 @@ use super::header::{self, Header, INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use super::l2::{L2Cache, OFFSET_MASK};
 use super::refcount::Refcounts;
 use super::{Qcow2Image, MAX_CHAIN};
-use crate::{cow, CowImage, Error, ErrorKind, Image, RawImage, Result};
+use crate::{cow, Advice, CowImage, Error, ErrorKind, Image, RawImage, Result};
 
 /// How to open a qcow2 image.
 #[derive(Debug, Clone, Default)]
@@ -70,20 +70,22 @@ fn refuse_features(h: &Header, path: &Path, read_only: bool) -> Result<()> {
         return Err(Error::new(
             ErrorKind::Corrupt,
             format!(
-                "{p} is marked corrupt: serve it with --readonly to rescue its data, or repair it with \
+                "{p} is marked corrupt: it can only be read (to rescue its data), or repaired with \
                  `qemu-img check -r all {p}`"
             ),
-        ));
+        )
+        .advise(Advice::ReadOnly));
     }
     if h.nb_snapshots > 0 && !read_only {
         return Err(Error::new(
             ErrorKind::InvalidInput,
             format!(
-                "{p} has {} internal snapshots, which vdisk does not write around: serve it with --readonly, \
-                 or delete them with `qemu-img snapshot -d`",
+                "{p} has {} internal snapshots, which vdisk does not write around: it can only be read, \
+                 or they can be deleted with `qemu-img snapshot -d`",
                 h.nb_snapshots
             ),
-        ));
+        )
+        .advise(Advice::ReadOnly));
     }
     Ok(())
 }
@@ -173,17 +175,7 @@ impl Qcow2Image {
                 .write(i == 0 && !self.read_only)
                 .custom_flags(flags)
                 .open(format!("/proc/self/fd/{}", std::os::unix::io::AsRawFd::as_raw_fd(f)))
-                .map_err(|e| {
-                    let why = if e.raw_os_error() == Some(libc::EINVAL) {
-                        "its file system does not support O_DIRECT; serve it without --direct".to_owned()
-                    } else {
-                        e.to_string()
-                    };
-                    Error::new(
-                        ErrorKind::Unsupported,
-                        format!("cannot open {} for direct I/O: {why}", crate::Image::file_path(&self, i).display()),
-                    )
-                })?;
+                .map_err(|e| crate::raw::direct_io_error(crate::Image::file_path(&self, i), e))?;
             direct.push(twin);
         }
         self.direct = direct;
@@ -219,7 +211,7 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
     let backing = match (&o.backing, &written) {
         (Some(b), Some(_)) => b.clone(),
         (Some(_), None) => {
-            return Err(Error::invalid(format!("{} has no backing file: drop --backing", path.display())));
+            return Err(Error::invalid(format!("{} has no backing file to replace", path.display())));
         }
         (None, Some(w)) => {
             let s = w.to_string_lossy();
@@ -241,7 +233,7 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
         return Err(Error::invalid(format!("{named}: the backing chain is deeper than {MAX_CHAIN} (a loop?)")));
     }
     let bmeta = std::fs::metadata(&backing)
-        .map_err(|e| Error::io(e, format!("{named} cannot be opened; if it moved, name it with --backing PATH")))?;
+        .map_err(|e| Error::io(e, format!("{named} cannot be opened (if it moved)")).advise(Advice::NameBacking))?;
     if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
         return Err(Error::invalid(format!("{named} is not a regular file or block device")));
     }
