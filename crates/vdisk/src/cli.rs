@@ -20,6 +20,8 @@ use crate::size::parse_size;
   vdisk create --backing base.img vm1.cow   make a copy-on-write overlay over base.img
   vdisk serve vm1.cow vm2.cow               two overlays over one base, exports \"vm1\" and \"vm2\"
   vdisk commit vm1.cow --into merged.img    write the merged disk to a new raw image
+  vdisk serve vm.qcow2                      serve a qcow2 image with its backing chain
+  vdisk create --format qcow2 --backing base.img vm2.qcow2   a qcow2 overlay
 
 Run `vdisk COMMAND --help` for the options of each command."
 )]
