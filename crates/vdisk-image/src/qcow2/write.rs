@@ -2,14 +2,19 @@
 //! copy-on-write of what a partial write leaves untouched, zero clusters,
 //! and the order in which metadata reaches the disk.
 //!
-//! A write into a cluster the image owns alone (L2 entry with COPIED, all
-//! units holding data) maps straight to it: one atomic load, no lock. Any
-//! other cluster is *claimed* first (`prepare_write`, under the cluster's
-//! stripe lock): a host cluster is allocated (or the zero cluster's own
-//! reused), the parts the write does not cover are copied in from what the
-//! guest sees there now (the backing image, zeros, an old cluster), and the
-//! claim is noted in `pending`. Writes map to the claimed cluster; once the
-//! data is in the file (`write_done`) the L2 entry in memory points at it.
+//! A write into a cluster the image owns alone (L2 entry with COPIED, every
+//! unit it touches holding data) maps straight to it: one atomic load, no
+//! lock. Any other cluster is *claimed* first (`prepare_write`, under the
+//! cluster's stripe lock): a host cluster is allocated (or the zero
+//! cluster's own reused); each unit (subcluster, or the cluster) the write
+//! covers in part is filled whole, its own range too, with what the guest
+//! sees there now (the backing image, zeros, an old cluster), and a unit it
+//! covers whole is marked covered; the claim is noted in `pending`. Writes
+//! map to the claimed cluster; once one's data is in the file (`write_done`)
+//! the L2 entry in memory points at the claim's filled units and that
+//! write's. A failed write (`write_failed`) has its covered units filled
+//! with the old data. So whichever write publishes a claim first, no range
+//! of it reads bytes nobody wrote, before or after a crash.
 //!
 //! Durability ordering (`sync_round`, one round at a time, group commit):
 //!
