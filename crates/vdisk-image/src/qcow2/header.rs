@@ -324,7 +324,7 @@ fn parse_backing_name(b: &[u8], h: &mut Header) -> Result<()> {
         return Ok(());
     }
     let (at, len) = (h.backing_file_offset, h.backing_file_size as u64);
-    if len > 1023 || at + len > h.cluster_size() {
+    if len > 1023 || at > h.cluster_size() || len > h.cluster_size() - at {
         return Err(corrupt(format!("the backing file name ({len} bytes at {at}) is not within the first cluster")));
     }
     if at + len > b.len() as u64 {
@@ -395,3 +395,50 @@ fn push_ext(b: &mut Vec<u8>, ty: u32, data: &[u8]) {
 pub const INCOMPATIBLE_AT: u64 = 72;
 pub const AUTOCLEAR_AT: u64 = 88;
 pub const REFTABLE_AT: u64 = 48;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v3(cluster_bits: u32, size: u64) -> Vec<u8> {
+        let n = NewHeader {
+            cluster_bits,
+            size,
+            l1_size: 8,
+            l1_table_offset: 3 << cluster_bits,
+            refcount_table_offset: 1 << cluster_bits,
+            refcount_table_clusters: 1,
+            refcount_order: 4,
+            backing: Some((b"base.img", "raw")),
+        };
+        write_new_header(&n).unwrap()
+    }
+
+    #[test]
+    fn a_written_header_parses_back() {
+        let h = parse_header(&v3(16, 1 << 30)).unwrap();
+        assert_eq!((h.version, h.cluster_size(), h.size, h.refcount_bits()), (3, 65536, 1 << 30, 16));
+        assert_eq!(h.backing.as_deref(), Some(&b"base.img"[..]));
+        assert_eq!(h.backing_format.as_deref(), Some("raw"));
+    }
+
+    #[test]
+    fn hostile_fields_are_refused_not_panicked_on() {
+        let good = v3(16, 1 << 30);
+        let set = |at: usize, bytes: &[u8]| {
+            let mut b = good.clone();
+            b[at..at + bytes.len()].copy_from_slice(bytes);
+            parse_header(&b)
+        };
+        assert!(set(8, &u64::MAX.to_be_bytes()).is_err(), "backing name offset at the end of u64");
+        assert!(set(20, &40u32.to_be_bytes()).is_err(), "cluster bits");
+        assert!(set(24, &u64::MAX.to_be_bytes()).is_err(), "size");
+        assert!(set(36, &u32::MAX.to_be_bytes()).is_err(), "L1 size");
+        assert!(set(40, &(u64::MAX - 7).to_be_bytes()).is_err(), "L1 offset");
+        assert!(set(56, &u32::MAX.to_be_bytes()).is_err(), "refcount table clusters");
+        assert!(set(96, &7u32.to_be_bytes()).is_err(), "refcount order");
+        assert!(set(32, &1u32.to_be_bytes()).unwrap_err().message().contains("encrypted"));
+        assert!(set(72, &(1u64 << 40).to_be_bytes()).is_err(), "unknown incompatible feature");
+        assert!(parse_header(&good[..50]).is_err());
+    }
+}

@@ -257,3 +257,22 @@ impl Refcounts {
         b
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn refcounts_of_every_width_round_trip_without_touching_neighbours() {
+        for bits in [1u32, 2, 4, 8, 16, 32, 64] {
+            let mut block = vec![0u8; 512];
+            let entries = 512 * 8 / bits as u64;
+            let max = if bits == 64 { u64::MAX } else { (1u64 << bits) - 1 };
+            for i in (0..entries).step_by(3) {
+                super::set(&mut block, bits, i, max - (i % 2));
+            }
+            for i in 0..entries {
+                let want = if i % 3 == 0 { max - (i % 2) } else { 0 };
+                assert_eq!(super::get(&block, bits, i), want, "{bits}-bit refcount {i}");
+            }
+        }
+    }
+}
