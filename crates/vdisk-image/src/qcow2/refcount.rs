@@ -34,6 +34,8 @@ pub struct Refcounts {
     table_dirty: bool,
     /// Where the table lives (or will, once the header names it).
     pub table_at: u64,
+    /// Where the header on disk says the table is: (offset, clusters).
+    pub on_disk: (u64, u32),
     /// The table moved: (offset, clusters) for the header, until it is written there.
     pub moved: Option<(u64, u32)>,
     /// Where the next allocation goes: past everything in the file.
@@ -113,6 +115,7 @@ impl Refcounts {
             dirty: BTreeSet::new(),
             table_dirty: false,
             table_at: h.refcount_table_offset,
+            on_disk: (h.refcount_table_offset, h.refcount_table_clusters),
             moved: None,
             next_free: file_len.div_ceil(cs) * cs,
         })
@@ -223,7 +226,8 @@ impl Refcounts {
         }
         let at = self.next_free;
         self.next_free += clusters * cs;
-        // The old table's clusters stay counted: a leak `qemu-img check -r leaks` reclaims.
+        // The table the header names is freed once the header names this one
+        // (`write.rs`); one made since and replaced before that leaks.
         self.table.resize(entries as usize, 0);
         self.table_dirty = true;
         self.table_at = at;

@@ -412,7 +412,7 @@ impl Qcow2Image {
             self.released.lock().unwrap_or_else(|e| e.into_inner()).extend(released);
             return Err(e);
         }
-        let dropped = !released.is_empty();
+        let mut dropped = !released.is_empty();
         // The tables on disk no longer name these: their refcounts may drop
         // (written by the next round, before any table that round writes).
         if !released.is_empty() {
@@ -421,11 +421,18 @@ impl Qcow2Image {
                 refs.release(&self.files[0], &self.path, at)?;
             }
         }
-        if moved.is_some() {
+        if let Some(now) = moved {
+            // The header names the new refcount table: the old one is free
+            // (its refcounts drop in memory now, on disk next round).
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             if refs.moved == moved {
                 refs.moved = None;
             }
+            let (old, n) = std::mem::replace(&mut refs.on_disk, now);
+            for k in 0..n as u64 {
+                refs.release(&self.files[0], &self.path, old + k * self.cs())?;
+            }
+            dropped = true;
         }
         *done = round;
         Ok(dropped)

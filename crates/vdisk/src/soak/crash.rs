@@ -215,8 +215,15 @@ fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Re
                 if format == Format::Cow { (dir.join("crash.cow"), "cow") } else { (dir.join("crash.qcow2"), "qcow2") };
             let _ = std::fs::remove_file(&image);
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            // qcow2 with --sync gets 512-byte clusters: many L2 tables and refcount
+            // blocks, and a refcount table that has to move as the file grows.
+            let mut args = vec!["create", "--format", fmt];
+            if format == Format::Qcow2 && sync {
+                args.extend(["--cluster-size", "512"]);
+            }
             let out = std::process::Command::new(exe)
-                .args(["create", "--format", fmt, "--backing"])
+                .args(args)
+                .arg("--backing")
                 .arg(&base)
                 .arg(&image)
                 .output()
