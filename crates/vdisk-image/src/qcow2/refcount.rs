@@ -4,8 +4,8 @@
 //! memory, any refcount width from 1 to 64 bits), which of them changed, and
 //! where the next free host cluster is. Allocation only ever appends: new
 //! clusters come from the end of the file, so a cluster is never reused
-//! while something on disk may still point at it, and freeing needs no
-//! ordering at all (a crash can only leak, never double-use).
+//! while something on disk may still point at it (a crash can only leak,
+//! never double-use); refcounts drop only where `write.rs` says.
 //!
 //! What it must never do: write a file (the write path does, in the order
 //! `write.rs` documents), allocate a cluster without counting it first, or

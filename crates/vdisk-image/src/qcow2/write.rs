@@ -32,9 +32,13 @@
 //! A crash at any point leaves refcounts at least as high as what the tables
 //! on disk use (leaks at worst, never a cluster in use with refcount 0), and
 //! L2 entries pointing only at data that was durable before they were written.
-//! Clusters are never freed, so none is reused while an old entry may still
-//! point at it. What this module must never do: set an L2 entry before its
-//! data is written, or write an L2/L1 table before the refcounts it relies on.
+//! A refcount drops (a rewritten compressed or shared cluster, a replaced
+//! refcount table) only after the round that made the tables or header stop
+//! naming it, and a cluster at refcount 0 is never reused (allocation only
+//! appends), so none is reused while an old entry may still point at it.
+//! What this module must never do: set an L2 entry before its data is
+//! written, write an L2/L1 table before the refcounts it relies on, or drop a
+//! refcount before what named the cluster is durably gone.
 
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
