@@ -56,7 +56,8 @@ pub fn image_input(data: &[u8]) -> bool {
         (h.l1_table_offset, h.l1_size as u64 * 8),
         (h.refcount_table_offset, h.refcount_table_clusters as u64 * cs),
     ];
-    for (at, len) in [(cs / 2 + 3, cs), (0, 512.min(size)), (size.saturating_sub(700), 700)] {
+    let writes = [(cs / 2 + 3, cs), (0, 512.min(size)), (size.saturating_sub(700), 700), (cs, 3 * cs)];
+    for (k, (at, len)) in writes.into_iter().enumerate() {
         let len = len.min(size.saturating_sub(at));
         if len == 0 || img.prepare_write(at, len).is_err() {
             continue;
@@ -73,7 +74,12 @@ pub fn image_input(data: &[u8]) -> bool {
             }
             let _ = img.files()[0].write_all_at(&vec![0xa5; n as usize], offset);
         }
-        let _ = img.write_done(at, len, false);
+        // The last write "fails" after its data went out: the image refills what it claimed.
+        if k == 3 {
+            img.write_failed(at, len);
+        } else {
+            let _ = img.write_done(at, len, false);
+        }
     }
     let _ = img.zero(0, size.min(2 * cs), false, false);
     let _ = img.write_done(0, size.min(2 * cs), false);
