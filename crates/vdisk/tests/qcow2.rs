@@ -10,15 +10,11 @@
 mod common;
 
 use common::{
-    assert_same, json, nbdsh, output, qemu_io, read_file, run, text, vdisk, vdisk_bin, vdisk_bounded, Server, TempDir,
-    KIB, MIB,
+    assert_same, json, nbdsh, output, qemu_io, read_file, run, s, text, vdisk, vdisk_bin, vdisk_bounded, Server,
+    TempDir, KIB, MIB,
 };
 use std::path::Path;
 use std::process::Command;
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// Pseudo-random data with zero stretches (every fifth 64 KiB chunk).
 fn base_data(len: usize, seed: u64) -> Vec<u8> {
