@@ -324,7 +324,7 @@ fn refused(args: &[&str], needle: &str) {
 }
 
 #[test]
-fn encrypted_dirty_corrupt_looping_and_hostile_images_are_refused_with_the_way_out() {
+fn encrypted_corrupt_looping_and_hostile_images_are_refused_with_the_way_out() {
     let dir = TempDir::new("qcow2-refusals");
     let sock = s(&dir.path("x.sock")).to_owned();
     let enc = dir.path("enc.qcow2");
@@ -347,9 +347,7 @@ fn encrypted_dirty_corrupt_looping_and_hostile_images_are_refused_with_the_way_o
 
     let img = dir.path("dirty.qcow2");
     run("qemu-img", &["create", "-q", "-f", "qcow2", s(&img), "1M"]);
-    poke(&img, 79, &[1]); // incompatible features: dirty
-    refused(&["serve", s(&img), "--socket", &sock], "qemu-img check -r all");
-    poke(&img, 79, &[2]); // corrupt
+    poke(&img, 79, &[2]); // incompatible features: corrupt
     refused(&["serve", s(&img), "--socket", &sock], "--readonly");
     let server = Server::start(&dir, &[s(&img), "--readonly"]);
     assert!(nbdsh(&server.uri("dirty"), "print(h.pread(4096, 0) == bytes(4096))").contains("True"));
@@ -371,6 +369,34 @@ fn encrypted_dirty_corrupt_looping_and_hostile_images_are_refused_with_the_way_o
     run("qemu-img", &["create", "-q", "-f", "qcow2", s(&bad), "1M"]);
     poke(&bad, 36, &0xffff_ffffu32.to_be_bytes());
     refused(&["serve", s(&bad), "--socket", &sock], "L1 table");
+}
+
+#[test]
+fn a_dirty_image_with_lazy_refcounts_is_repaired_when_opened_for_writing() {
+    let dir = TempDir::new("qcow2-dirty");
+    let img = dir.path("dirty.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=on,cluster_size=4096", s(&img), "8M"]);
+    // qemu-io killed before it closes the image: the dirty bit stays, refcounts are stale.
+    let _ = output("qemu-io", &["-c", "write -P 0x21 0 1M", "-c", "write -P 0x22 3M 20k", "-c", "sigraise 9", s(&img)]);
+    let bytes = read_file(&img);
+    assert_eq!(bytes[79] & 1, 1, "qemu-io left no dirty bit");
+    assert!(!output("qemu-img", &["check", s(&img)]).status.success(), "the stale refcounts went unnoticed");
+    // Read-only: served as it is.
+    let server = Server::start(&dir, &[s(&img), "--readonly"]);
+    assert!(nbdsh(&server.uri("dirty"), "print(h.pread(4096, 0) == b'\\x21' * 4096)").contains("True"));
+    server.stop();
+    assert_eq!(read_file(&img)[79] & 1, 1, "a read-only open changed the image");
+    // Read-write: repaired first, then written.
+    let server = Server::start(&dir, &[s(&img)]);
+    qemu_io(&server.uri("dirty"), &["read -P 0x21 0 1M", "read -P 0x22 3M 20k", "write -P 0x23 5M 8k", "flush"]);
+    server.stop();
+    assert_eq!(read_file(&img)[79] & 1, 0, "the dirty bit is still set");
+    check_clean(&img);
+    let mut want = vec![0u8; 8 * MIB];
+    want[..MIB].fill(0x21);
+    want[3 * MIB..3 * MIB + 20 * KIB].fill(0x22);
+    want[5 * MIB..5 * MIB + 8 * KIB].fill(0x23);
+    compare(&dir, &img, &want);
 }
 
 #[test]

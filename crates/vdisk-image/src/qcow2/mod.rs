@@ -10,7 +10,8 @@
 //! - `refcount.rs`: refcounts and append-only allocation;
 //! - `write.rs`: claiming clusters for writes (copy-on-write from the
 //!   backing image), zero clusters, and the flush ordering;
-//! - `open.rs`: opening an image and its backing chain, `create.rs`: new images,
+//! - `open.rs`: opening an image and its backing chain (`repair.rs`: the
+//!   refcounts of a dirty one), `create.rs`: new images,
 //!   `commit.rs`: merging it into its backing file or a new raw image.
 //!
 //! What it must never do: write the backing image, point an L2 entry at data
@@ -30,6 +31,7 @@ pub mod header;
 mod l2;
 mod open;
 mod refcount;
+mod repair;
 #[cfg(test)]
 mod tests;
 mod write;

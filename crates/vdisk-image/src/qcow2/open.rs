@@ -57,15 +57,6 @@ fn read_header(file: &File, path: &Path) -> Result<(Header, u64)> {
 
 fn refuse_features(h: &Header, path: &Path, read_only: bool) -> Result<()> {
     let p = path.display();
-    if h.incompatible & INCOMPAT_DIRTY != 0 {
-        return Err(Error::new(
-            ErrorKind::Corrupt,
-            format!(
-                "{p} was not closed cleanly while using lazy refcounts (the dirty bit is set), so its refcounts \
-                 may be wrong: repair it with `qemu-img check -r all {p}`, then serve it"
-            ),
-        ));
-    }
     if h.incompatible & INCOMPAT_CORRUPT != 0 && !read_only {
         return Err(Error::new(
             ErrorKind::Corrupt,
@@ -139,7 +130,7 @@ impl Qcow2Image {
         files.push(memfd(c"vdisk-qcow2-inflated").map_err(|e| at(path, e, "cannot make a memory file for"))?);
         let zstd = h.incompatible & header::INCOMPAT_COMPRESSION != 0 && h.compression_type == 1;
         let h_bits = h.cluster_bits;
-        Ok(Qcow2Image {
+        let mut image = Qcow2Image {
             path: path.to_owned(),
             l2: L2Cache::new(&h, l1, file_len, metadata),
             refs: Mutex::new(refs),
@@ -156,7 +147,9 @@ impl Qcow2Image {
             file_len: AtomicU64::new(file_len),
             rounds_done: Mutex::new(0),
             rounds_started: AtomicU64::new(0),
-        })
+        };
+        image.repair_if_dirty()?;
+        Ok(image)
     }
 }
 
@@ -180,6 +173,33 @@ impl Qcow2Image {
         }
         self.direct = direct;
         Ok(self)
+    }
+}
+
+impl Qcow2Image {
+    /// A dirty image (lazy refcounts, not closed cleanly): read-only, served
+    /// as it is (reads do not use refcounts); read-write, its refcounts are
+    /// repaired first.
+    fn repair_if_dirty(&mut self) -> Result<()> {
+        if self.header.incompatible & INCOMPAT_DIRTY == 0 {
+            return Ok(());
+        }
+        let p = self.path.display().to_string();
+        if self.read_only {
+            log::warn!("{p} was not closed cleanly (lazy refcounts): served read-only as it is");
+            return Ok(());
+        }
+        let raised = self.repair_refcounts().map_err(|e| {
+            Error::new(
+                e.kind(),
+                format!(
+                    "{p} was not closed cleanly (lazy refcounts) and its refcounts could not be repaired ({e}): \
+                     repair it with `qemu-img check -r all {p}`"
+                ),
+            )
+        })?;
+        log::warn!("{p} was not closed cleanly (lazy refcounts): {raised} refcounts repaired, dirty bit cleared");
+        Ok(())
     }
 }
 
