@@ -39,6 +39,17 @@ pub enum Format {
     Qcow2,
 }
 
+impl Format {
+    /// The `--format` value that serves it.
+    fn arg(self) -> &'static str {
+        match self {
+            Format::Raw => "raw",
+            Format::Cow => "cow",
+            Format::Qcow2 => "qcow2",
+        }
+    }
+}
+
 /// One cell of the matrix: an image that lives through many rounds.
 struct Combo {
     format: Format,
@@ -240,12 +251,7 @@ fn setup(root: &Path, format: Format, engine: &str, sync: bool, salt: u64) -> Re
 
 /// Runs one round on `combo`; returns what it checked.
 fn round(c: &mut Combo, salt: u64, rng: &mut Rng, report: &mut CrashReport) -> Result<(), String> {
-    let fmt = match c.format {
-        Format::Raw => "raw",
-        Format::Cow => "cow",
-        Format::Qcow2 => "qcow2",
-    };
-    let mut args = vec!["--engine", c.engine.as_str(), "--format", fmt];
+    let mut args = vec!["--engine", c.engine.as_str(), "--format", c.format.arg()];
     if c.sync {
         args.push("--sync");
     }
