@@ -6,7 +6,7 @@
 //! [`write`]), and the order in which metadata reaches the disk. The pieces:
 //!
 //! - `header.rs`: the header and its extensions (bytes in, checked struct out);
-//! - `l2.rs`: the L1/L2 mapping cache, lock-free lookups;
+//! - `l2.rs`: the L1/L2 mapping cache (a lock per table, shared on lookups; a cap);
 //! - `refcount.rs`: refcounts and append-only allocation;
 //! - `write.rs`: claiming clusters for writes (copy-on-write from the
 //!   backing image), zero clusters, and the flush ordering;

@@ -24,7 +24,7 @@ use std::sync::Mutex;
 
 use super::compressed::{memfd, Inflated};
 use super::header::{self, Header, INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
-use super::l2::{L2Cache, OFFSET_MASK};
+use super::l2::{L2Cache, L2_CACHE_CAP, OFFSET_MASK};
 use super::refcount::Refcounts;
 use super::{Qcow2Image, MAX_CHAIN};
 use crate::{cow, Advice, CowImage, Error, ErrorKind, Image, RawImage, Result};
@@ -39,6 +39,9 @@ pub struct Qcow2Options {
     pub depth: usize,
     /// The (device, inode) of every image above this one in the chain.
     pub above: Vec<(u64, u64)>,
+    /// The most memory its L2 tables may take (default: all of them, up to
+    /// [`super::l2::L2_CACHE_CAP`]).
+    pub l2_cache: Option<u64>,
 }
 
 fn at(path: &Path, e: std::io::Error, what: &str) -> Error {
@@ -130,9 +133,10 @@ impl Qcow2Image {
         files.push(memfd(c"vdisk-qcow2-inflated").map_err(|e| at(path, e, "cannot make a memory file for"))?);
         let zstd = h.incompatible & header::INCOMPAT_COMPRESSION != 0 && h.compression_type == 1;
         let h_bits = h.cluster_bits;
+        let l2_cache = o.l2_cache.unwrap_or((h.l1_size as u64 * cs).min(L2_CACHE_CAP));
         let mut image = Qcow2Image {
             path: path.to_owned(),
-            l2: L2Cache::new(&h, l1, file_len, metadata),
+            l2: L2Cache::new(&h, l1, file_len, metadata, l2_cache),
             refs: Mutex::new(refs),
             header: h,
             files,
@@ -283,6 +287,7 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
                 backing: None,
                 depth: o.depth + 1,
                 above: o.above.iter().copied().chain([(meta.dev(), meta.ino())]).collect(),
+                l2_cache: o.l2_cache,
             },
         )?),
         "cow" => Box::new(CowImage::open(&backing, true, None, false)?),
@@ -322,7 +327,7 @@ pub fn inspect(path: &Path) -> Result<Inspection> {
     let file = File::open(path).map_err(|e| at(path, e, "cannot open image"))?;
     let (h, file_len) = read_header(&file, path)?;
     let l1 = read_l1(&h, &file, path, file_len)?;
-    let cache = L2Cache::new(&h, l1, file_len, HashSet::new());
+    let cache = L2Cache::new(&h, l1, file_len, HashSet::new(), L2_CACHE_CAP);
     let (mut data, mut zero) = (0, 0);
     let per = h.l2_entries();
     let used = (0..cache.l1_len()).filter(|&i| cache.has_table(i));

@@ -86,3 +86,30 @@ fn overlay_copies_on_write_from_backing() {
     assert_eq!(img.zero(0, 1 << 20, false, false).unwrap(), vec![]);
     assert_eq!(read(&img, 0, 1 << 20), vec![0u8; 1 << 20]);
 }
+
+#[test]
+fn a_small_l2_cache_evicts_clean_tables_and_loses_nothing() {
+    // 512-byte clusters: one L2 table per 32 KiB of disk, 256 of them; room for 4.
+    let p = tmp("evict");
+    Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let o = Qcow2Options { l2_cache: Some(4 * 512), ..Default::default() };
+    let pattern = |k: u64| vec![(k % 251) as u8 + 1; 700];
+    {
+        let img = Qcow2Image::open_with(&p, &o).unwrap();
+        for k in 0..200u64 {
+            write(&img, k * 40_000 + 13, &pattern(k));
+            if k % 50 == 49 {
+                img.sync_metadata().unwrap();
+            }
+        }
+        for k in 0..200u64 {
+            assert_eq!(read(&img, k * 40_000 + 13, 700), pattern(k), "before reopening, write {k}");
+        }
+        img.sync_metadata().unwrap();
+    }
+    let img = Qcow2Image::open_with(&p, &o).unwrap();
+    for k in (0..200u64).rev() {
+        assert_eq!(read(&img, k * 40_000 + 13, 700), pattern(k), "after reopening, write {k}");
+    }
+    assert_eq!(read(&img, 40_000 * 200 + 13, 700), vec![0u8; 700]);
+}

@@ -3,8 +3,9 @@
 //! and the order in which metadata reaches the disk.
 //!
 //! A write into a cluster the image owns alone (L2 entry with COPIED, every
-//! unit it touches holding data) maps straight to it: one atomic load, no
-//! lock. Any other cluster is *claimed* first (`prepare_write`, under the
+//! unit it touches holding data) maps straight to it: one atomic load under
+//! its L2 table's shared lock, nothing else. Any other cluster is *claimed*
+//! first (`prepare_write`, under the
 //! cluster's stripe lock): a host cluster is allocated (or the zero
 //! cluster's own reused); each unit (subcluster, or the cluster) the write
 //! covers in part is filled whole, its own range too, with what the guest
@@ -190,6 +191,7 @@ impl Qcow2Image {
         let len = end + (1u64 << 20).max(cs).div_ceil(cs) * cs - cs;
         self.files[0].set_len(len).map_err(|e| self.io_err(e, "cannot extend the image", len))?;
         self.file_len.store(len, Ordering::Release);
+        self.l2.grown(len);
         Ok(())
     }
 
@@ -307,7 +309,7 @@ impl Qcow2Image {
                 } else {
                     0
                 };
-                self.l2.set(c, Entry { desc: cl.host | COPIED, bitmap })?;
+                self.l2.set(&self.files[0], &self.path, c, Entry { desc: cl.host | COPIED, bitmap })?;
                 self.release(old, cl.host);
             }
         }
@@ -362,7 +364,7 @@ impl Qcow2Image {
         } else {
             Entry { desc: if host != 0 { host | COPIED | ZERO } else { ZERO }, bitmap: 0 }
         };
-        self.l2.set(c, next)?;
+        self.l2.set(&self.files[0], &self.path, c, next)?;
         self.release(e, host);
         Ok(())
     }
@@ -411,11 +413,13 @@ impl Qcow2Image {
         let r = self.write_round(&l1, &tables, &blocks, &table, moved);
         if let Err(e) = r {
             self.l2.redirty(l1.is_some(), tables.iter().map(|t| t.0));
+            self.l2.written(tables.iter().map(|t| t.0));
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             refs.redirty(blocks.iter().map(|b| b.0), table.is_some());
             self.released.lock().unwrap_or_else(|e| e.into_inner()).extend(released);
             return Err(e);
         }
+        self.l2.written(tables.iter().map(|t| t.0));
         let mut dropped = !released.is_empty();
         // The tables on disk no longer name these: their refcounts may drop
         // (written by the next round, before any table that round writes).
