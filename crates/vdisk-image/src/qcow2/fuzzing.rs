@@ -35,7 +35,12 @@ fn fd_path(f: &File) -> PathBuf {
 pub fn image_input(data: &[u8]) -> bool {
     let Ok(h) = parse_header(data) else { return false };
     let (Some(file), Some(backing)) = (memfd(data), memfd(&[0u8; 65536])) else { return false };
-    let o = Qcow2Options { backing: h.backing.as_ref().map(|_| fd_path(&backing)), ..Default::default() };
+    // Room for two L2 tables: eviction and re-reading are exercised too.
+    let o = Qcow2Options {
+        backing: h.backing.as_ref().map(|_| fd_path(&backing)),
+        l2_cache: Some(2 << h.cluster_bits),
+        ..Default::default()
+    };
     let Ok(img) = Qcow2Image::open_with(&fd_path(&file), &o) else { return false };
     let size = img.size();
     let cs = h.cluster_size();
