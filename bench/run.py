@@ -19,8 +19,8 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
              read/randread/write/randwrite with 8 threads, and libaio O_DIRECT fio jobs
              (4K randread/randwrite QD32, 1M read/write QD8).
   overlay    copy-on-write overlays over a 2 GiB tmpfs base, a fresh one per job: vdisk
-             (uring, threads) on a UML COW v3 overlay, qemu-nbd on qcow2, nbdkit's cow
-             filter; 4K randread/randwrite QD32, 1M seq read/write QD8.
+             (uring, threads) on a UML COW v3 overlay and on qcow2, qemu-nbd on qcow2,
+             nbdkit's cow filter; 4K randread/randwrite QD32, 1M seq read/write QD8.
   vm         a QEMU guest (TCG, scripts/vmrig) on vdisk's vhost-user-blk socket and on
              qemu-storage-daemon's, 1 and 2 queues: the guest's own timings side by side.
 

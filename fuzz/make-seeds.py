@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the NBD and virtio-blk seed corpora (corpus/nbd_handshake,
-corpus/nbd_requests, corpus/virtio_blk; the layout of a virtio_blk input is in
+"""Writes the NBD, virtio-blk and qcow2 seed corpora (corpus/nbd_handshake,
+corpus/nbd_requests, corpus/virtio_blk, corpus/qcow2_image; the layout of a virtio_blk input is in
 crates/vdisk-vhost/src/fuzzing.rs).
 The cow_header seeds are made by uml_mkcow (see run.sh's header)."""
 import os, struct
@@ -86,3 +86,35 @@ for d, seeds in (("nbd_handshake", handshakes), ("nbd_requests", requests), ("vi
     for name, b in seeds.items():
         with open(os.path.join(here, "corpus", d, name), "wb") as f:
             f.write(b)
+
+
+def qcow2_seeds():
+    """Small qcow2 images (512-byte clusters, so a whole image fits in the
+    8 KiB inputs run.sh allows) made by qemu-img in several shapes, with data
+    clusters, zero clusters and a backing file name. Skipped without qemu-img."""
+    import shutil, subprocess, tempfile
+    if not shutil.which("qemu-img"):
+        print("qemu-img not found: corpus/qcow2_image not written")
+        return
+    out_dir = os.path.join(here, "corpus", "qcow2_image")
+    os.makedirs(out_dir, exist_ok=True)
+    shapes = {
+        "v3_rc16": "cluster_size=512",
+        "v2": "cluster_size=512,compat=0.10",
+        "v3_rc1": "cluster_size=512,refcount_bits=1",
+        "v3_rc64": "cluster_size=512,refcount_bits=64",
+        "v3_backing": "cluster_size=512,backing_file=base.raw,backing_fmt=raw",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        open(os.path.join(tmp, "base.raw"), "wb").write(b"\x01" * 65536)
+        for name, opts in shapes.items():
+            img = os.path.join(tmp, name + ".qcow2")
+            subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", opts, img, "64K"], check=True, cwd=tmp)
+            for cmd in ["write -P 0x5a 0 700", "write -z 4096 1024", "write -P 0x11 30000 100"]:
+                subprocess.run(["qemu-io", "-f", "qcow2", "-c", cmd, img], check=True, cwd=tmp, capture_output=True)
+            data = open(img, "rb").read()
+            assert len(data) <= 8192, (name, len(data))
+            open(os.path.join(out_dir, name), "wb").write(data)
+
+
+qcow2_seeds()

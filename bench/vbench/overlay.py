@@ -1,7 +1,7 @@
 """Section "overlay": copy-on-write overlays over a 2 GiB base image filled with data, on
 tmpfs, so that the transport and the overlay logic dominate. For each server and job a
 fresh overlay: vdisk (uring, threads) serving a UML COW v3 overlay (`vdisk create
---backing`), qemu-nbd a qcow2 overlay (`qemu-img create -b BASE -F raw`), nbdkit its cow
+--backing`) and a qcow2 overlay (`vdisk create --format qcow2 --backing`), qemu-nbd a qcow2 overlay (`qemu-img create -b BASE -F raw`), nbdkit its cow
 filter over the file plugin (overlay in a temporary file under TMPDIR). Jobs: 4K
 randread/randwrite QD32, 1M seq read/write QD8, through fio's nbd engine as in the matrix.
 Reads of a fresh overlay all go to the base. Every overlay is removed after its job.
@@ -20,6 +20,8 @@ OVERLAY_JOBS = ["randread-4k-qd32", "randwrite-4k-qd32", "read-1m-qd8", "write-1
 OVERLAY_TARGETS = [  # label, kind, extra args
     ("vdisk uring", "vdisk", ("--engine", "uring")),
     ("vdisk threads", "vdisk", ("--engine", "threads")),
+    ("vdisk qcow2 uring", "vdisk", ("--engine", "uring")),
+    ("vdisk qcow2 threads", "vdisk", ("--engine", "threads")),
     ("qemu-nbd", "qemu-nbd", ()),
     ("nbdkit", "nbdkit", ()),
 ]
@@ -36,7 +38,13 @@ class OverlayServer(Server):
         self.b, self.kind, self.base, self.workdir = b, kind, Path(base), Path(workdir)
         sock = b.sock(kind, "overlay", extra)
         env = None
-        if kind == "vdisk":
+        if kind == "vdisk" and "qcow2" in label:
+            # The same kind of overlay qemu-nbd serves: qcow2, 64 KiB clusters, over the raw base.
+            self.path = self.workdir / f"{EXPORT}.qcow2"
+            self.create = [str(b.vdisk), "create", "-q", "--format", "qcow2", "--backing", str(self.base),
+                           str(self.path)]
+            argv = [str(b.vdisk), "serve", str(self.path), "--socket", sock] + list(extra)
+        elif kind == "vdisk":
             self.path = self.workdir / f"{EXPORT}.cow"
             self.create = [str(b.vdisk), "create", "-q", "--backing", str(self.base), str(self.path)]
             argv = [str(b.vdisk), "serve", str(self.path), "--socket", sock] + list(extra)

@@ -326,8 +326,8 @@ def md_loop(res, meta):
     return out
 
 
-OVERLAY_KIND = {"vdisk uring": "UML COW v3", "vdisk threads": "UML COW v3", "qemu-nbd": "qcow2",
-                "nbdkit": "cow filter"}
+OVERLAY_KIND = {"vdisk uring": "UML COW v3", "vdisk threads": "UML COW v3", "vdisk qcow2 uring": "qcow2",
+                "vdisk qcow2 threads": "qcow2", "qemu-nbd": "qcow2", "nbdkit": "cow filter"}
 
 
 def md_overlay(res, meta):
@@ -368,6 +368,9 @@ def md_overlay(res, meta):
         "overlay.cow --engine uring|threads`): a sparse file with one bitmap bit per 512-byte sector, kept in "
         "memory and written back on FLUSH and at shutdown, and every sector's data at its own offset, so a 4K "
         "write is one write to the overlay. "
+        "**vdisk qcow2** serves the same kind of overlay qemu-nbd does, made by `vdisk create --format qcow2 "
+        "--backing BASE overlay.qcow2` (64 KiB clusters; a 4K write into a new cluster copies the rest of it "
+        "from the base, as qemu does): the like-for-like comparison with the qemu-nbd rows. "
         "**qemu-nbd** serves a qcow2 overlay made by `qemu-img create -f qcow2 -b BASE -F raw` (`qemu-nbd -t -f "
         "qcow2 --aio=io_uring --cache=writeback --shared=8`): 64 KiB clusters allocated on first write, so a 4K "
         "write into a new cluster also copies the rest of that cluster from the base. "
@@ -375,7 +378,7 @@ def md_overlay(res, meta):
         "temporary file in `$TMPDIR` (here a directory in /dev/shm; its default is /var/tmp) in 64 KiB blocks "
         "with an in-memory bitmap, a write of part of a block first reads the whole block, and the overlay is "
         "gone when nbdkit exits. "
-        "The overlays are fresh, so every read falls through to the base for all three (the read rows measure "
+        "The overlays are fresh, so every read falls through to the base for all of them (the read rows measure "
         "the lookup and the pass-through); the write rows include allocation (vdisk marks 512-byte sectors and "
         "stores only what was written; qemu-nbd and nbdkit fill whole 64 KiB clusters or blocks), which shows in "
         "overlay MiB at end: the overlay's allocated size (`st_blocks`) just before the server is stopped." + wrap + " vs best peer = this row / "

@@ -272,9 +272,26 @@ impl Planner {
         if self.image.read_only() {
             return Err(read_only());
         }
-        self.image.prepare_write(req.offset, req.len)?;
+        let (trim, no_hole) = match req.op {
+            Op::WriteZeroes { no_hole, .. } => (false, no_hole),
+            _ => (true, false),
+        };
+        let rest = self.image.zero(req.offset, req.len, trim, no_hole)?;
+        for (offset, len) in rest {
+            self.zero_files(req, offset, len)?;
+        }
+        let durable = self.sync || req.op.fua();
+        if durable {
+            self.sync_files()?;
+        }
+        self.image.write_done(req.offset, req.len, durable)
+    }
+
+    /// Punches (TRIM) or zeroes (WRITE_ZEROES) the files under `len` bytes at `offset`.
+    fn zero_files(&mut self, req: &Request, offset: u64, len: u64) -> Result<()> {
+        self.image.prepare_write(offset, len)?;
         self.extents.clear();
-        self.image.map_write(req.offset, req.len, &mut self.extents)?;
+        self.image.map_write(offset, len, &mut self.extents)?;
         for ext in &self.extents {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
             let file = &self.image.files()[f];
@@ -292,11 +309,7 @@ impl Planner {
             };
             zero_range(file, offset, len, no_hole, fast_zero).map_err(at)?;
         }
-        let durable = self.sync || req.op.fua();
-        if durable {
-            self.sync_files()?;
-        }
-        self.image.write_done(req.offset, req.len, durable)
+        Ok(())
     }
 
     /// Tells the image a write reached its files (see [`Image::write_done`]);
@@ -305,7 +318,11 @@ impl Planner {
     /// caller makes the metadata durable once for the whole batch with
     /// [`Planner::settle_metadata`] before any reply goes out.
     pub fn write_done(&self, req: &mut Request) -> bool {
-        if !matches!(req.op, Op::Write { .. }) || req.error.is_some() {
+        if !matches!(req.op, Op::Write { .. }) {
+            return false;
+        }
+        if req.error.is_some() {
+            self.image.write_failed(req.offset, req.len);
             return false;
         }
         if let Err(e) = self.image.write_done(req.offset, req.len, false) {

@@ -9,6 +9,7 @@
 pub mod breakage;
 pub mod cow;
 mod error;
+pub mod qcow2;
 pub mod raw;
 
 use std::fs::File;
@@ -16,6 +17,7 @@ use std::path::Path;
 
 pub use cow::CowImage;
 pub use error::{Advice, Error, ErrorKind, Result};
+pub use qcow2::Qcow2Image;
 pub use raw::RawImage;
 
 /// Where one piece of a request lives.
@@ -98,6 +100,24 @@ pub trait Image: Send + Sync {
     /// before replying, which gives the same guarantee for less.)
     fn write_done(&self, _offset: u64, _len: u64, _durable: bool) -> Result<()> {
         Ok(())
+    }
+
+    /// Called instead of `write_done` when a write failed (at any point: it
+    /// may or may not have been prepared, and part of its data may be in the
+    /// files). The image may undo what `prepare_write` did for it, so that
+    /// the range reads as before, or partly as the failed write's data, and
+    /// nothing else (a qcow2 cluster claimed for it is refilled with what the
+    /// guest read there before the claim).
+    fn write_failed(&self, _offset: u64, _len: u64) {}
+
+    /// Records a TRIM (`trim`) or WRITE_ZEROES of `len` bytes at `offset` in
+    /// the image's own metadata where it can (a qcow2 zero cluster: no data
+    /// written), and returns the ranges it left for the engine to zero in the
+    /// files the usual way (prepare, map, punch or zero, `write_done`). With
+    /// `no_hole` the image keeps the storage allocated. The engine calls
+    /// `write_done` for the whole range afterwards either way.
+    fn zero(&self, offset: u64, len: u64, _trim: bool, _no_hole: bool) -> Result<Vec<(u64, u64)>> {
+        Ok(vec![(offset, len)])
     }
 
     /// Appends the allocation state of `len` bytes at `offset`, in order, at most

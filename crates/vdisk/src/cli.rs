@@ -20,6 +20,8 @@ use crate::size::parse_size;
   vdisk create --backing base.img vm1.cow   make a copy-on-write overlay over base.img
   vdisk serve vm1.cow vm2.cow               two overlays over one base, exports \"vm1\" and \"vm2\"
   vdisk commit vm1.cow --into merged.img    write the merged disk to a new raw image
+  vdisk serve vm.qcow2                      serve a qcow2 image with its backing chain
+  vdisk create --format qcow2 --backing base.img vm2.qcow2   a qcow2 overlay
 
 Run `vdisk COMMAND --help` for the options of each command."
 )]
@@ -36,14 +38,16 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Create a new disk image (raw, sparse unless --preallocate), or with
-    /// --backing a copy-on-write overlay (UML COW v3) over a base image.
+    /// Create a new disk image (raw, sparse unless --preallocate; or qcow2 with
+    /// --format qcow2), or with --backing a copy-on-write overlay over a base
+    /// image (UML COW v3, or qcow2 with --format qcow2).
     Create(CreateArgs),
     /// Show an image's format, virtual size and allocated bytes (for an
     /// overlay: its backing file and the sectors it holds).
     Info(InfoArgs),
     /// Merge a COW overlay into its backing file (like `uml_moo -d`), or with
-    /// --into into a new raw image (like `uml_moo OVERLAY NEW`).
+    /// --into into a new raw image (like `uml_moo OVERLAY NEW`); a qcow2
+    /// overlay likewise (in place only into a raw backing file).
     #[command(after_help = "Merging into the backing file changes it: every other overlay made over it
 becomes invalid, and the overlay's own header no longer matches its mtime (serve
 it with --ignore-backing-mtime, or remove it). A backing file or overlay that a
@@ -78,16 +82,32 @@ pub struct CreateArgs {
     /// Path of the new image; an existing file is never overwritten.
     pub image: PathBuf,
     /// Virtual size: bytes, or with a K, M, G or T suffix (binary units), e.g. 10G.
-    /// Required unless --backing is given (an overlay takes its size from BASE).
-    #[arg(long, short, value_parser = parse_size, conflicts_with = "backing")]
+    /// Required unless --backing is given (an overlay takes its size from BASE;
+    /// a qcow2 overlay may be made larger).
+    #[arg(long, short, value_parser = parse_size)]
     pub size: Option<u64>,
+    /// The new image's format: raw, or qcow2 (version 3, as `qemu-img create -f
+    /// qcow2` makes it). Default: raw, or a UML COW overlay with --backing.
+    #[arg(long, value_enum)]
+    pub format: Option<CreateFormat>,
+    /// Cluster size of a new qcow2 image (512 to 2M, a power of two; default 64K).
+    #[arg(long, value_parser = parse_size, requires = "format")]
+    pub cluster_size: Option<u64>,
     /// Reserve every block now (with a progress bar) instead of leaving the file sparse.
     #[arg(long, conflicts_with = "backing")]
     pub preallocate: bool,
-    /// Make IMAGE a copy-on-write overlay (UML COW v3, as uml_mkcow makes) over
-    /// BASE: it records BASE's absolute path, size and mtime; BASE is never written.
+    /// Make IMAGE a copy-on-write overlay over BASE: a UML COW v3 overlay (as
+    /// uml_mkcow makes: BASE's absolute path, size and mtime recorded), or with
+    /// --format qcow2 a qcow2 overlay (BASE's absolute path and format). BASE is never written.
     #[arg(long, value_name = "BASE")]
     pub backing: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum CreateFormat {
+    Raw,
+    Cow,
+    Qcow2,
 }
 
 #[derive(Args)]
@@ -151,11 +171,11 @@ pub struct SecurityArgs {
     pub no_default_export: bool,
 }
 
-/// How to find a COW overlay's backing file.
+/// How to find a COW or qcow2 overlay's backing file.
 #[derive(Args, Clone, Default)]
 pub struct BackingArgs {
-    /// The backing file of the COW overlay(s), instead of the path in the header
-    /// (for a base that moved). Its size must still match the header.
+    /// The backing file of the COW or qcow2 overlay(s), instead of the path in
+    /// the header (for a base that moved). A COW overlay's must still match its size.
     #[arg(long, value_name = "PATH")]
     pub backing: Option<PathBuf>,
     /// Accept a backing file whose modification time differs from the one the
@@ -166,12 +186,14 @@ pub struct BackingArgs {
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum FormatArg {
-    /// A COW overlay if the file starts with the COW magic, raw otherwise.
+    /// qcow2 or a COW overlay if the file starts with their magic, raw otherwise.
     Auto,
     /// Raw, whatever the file starts with (use it for images a guest writes to).
     Raw,
     /// A UML COW v3 overlay.
     Cow,
+    /// A qcow2 image (qemu's format, version 2 or 3), with its backing chain.
+    Qcow2,
 }
 
 #[derive(Args)]

@@ -5,18 +5,21 @@ use vdisk_image::cow::OverlayOptions;
 use vdisk_image::{CowImage, Image};
 
 use crate::cli::CommitArgs;
-use crate::formats::is_cow;
+use crate::formats::{is_cow, is_qcow2};
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: CommitArgs) -> Result<(), Failure> {
+    if is_qcow2(&a.overlay) {
+        return qcow2(&a);
+    }
     if !is_cow(&a.overlay) {
         // Opening it says what is wrong: missing, unreadable, or not an overlay.
         if !a.overlay.exists() {
             return Err(Failure::usage(format!("{} does not exist", a.overlay.display())));
         }
         return Err(Failure::usage(format!(
-            "{} is not a COW overlay (no COW magic at its start); only overlays can be committed",
+            "{} is not a COW overlay or a qcow2 image (no COW or qcow2 magic at its start); only overlays can be committed",
             a.overlay.display()
         )));
     }
@@ -56,6 +59,56 @@ pub fn run(a: CommitArgs) -> Result<(), Failure> {
                 image.backing_path().display(),
                 a.overlay.display()
             );
+        }
+    }
+    Ok(())
+}
+
+/// A qcow2 overlay: into its raw backing file, or with --into into a new raw image.
+fn qcow2(a: &CommitArgs) -> Result<(), Failure> {
+    if a.backing.ignore_backing_mtime {
+        return Err(Failure::usage("--ignore-backing-mtime applies to COW overlays only"));
+    }
+    let options =
+        vdisk_image::qcow2::Qcow2Options { read_only: true, backing: a.backing.backing.clone(), ..Default::default() };
+    let image = vdisk_image::Qcow2Image::open_with(&a.overlay, &options)?;
+    let Some(base) = image.backing_path().map(|p| p.to_owned()) else {
+        return Err(Failure::usage(format!(
+            "{} has no backing file: there is nothing to commit into",
+            a.overlay.display()
+        )));
+    };
+    if a.into.is_none() && image.backing_format() != Some("raw") {
+        return Err(Failure::usage(format!(
+            "the backing file of {} is {}, not raw: vdisk commits a qcow2 overlay in place only into a raw \
+             file; write the merged disk to a new raw image with --into NEW",
+            a.overlay.display(),
+            image.backing_format().unwrap_or("of no format")
+        )));
+    }
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("merging {bar:40} {bytes}/{total_bytes} ({eta})").expect("a valid template"),
+    );
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    match &a.into {
+        Some(new) => {
+            image.write_merged(new, &progress)?;
+            bar.finish_and_clear();
+            println!(
+                "wrote {} ({}, raw): {} merged over {}",
+                new.display(),
+                human(image.size()),
+                a.overlay.display(),
+                base.display()
+            );
+        }
+        None => {
+            let copied = image.commit_to_backing(&progress)?;
+            bar.finish_and_clear();
+            println!("merged {} of {} into {}", human(copied), a.overlay.display(), base.display());
         }
     }
     Ok(())

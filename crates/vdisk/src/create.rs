@@ -1,23 +1,28 @@
 //! `vdisk create`.
 
-use indicatif::{ProgressBar, ProgressStyle};
-use vdisk_image::{CowImage, Image, RawImage};
+use std::path::Path;
 
-use crate::cli::CreateArgs;
+use indicatif::{ProgressBar, ProgressStyle};
+use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
+use vdisk_image::{CowImage, Image, Qcow2Image, RawImage};
+
+use crate::cli::{CreateArgs, CreateFormat};
+use crate::formats::{is_cow, is_qcow2};
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: CreateArgs) -> Result<(), Failure> {
-    if let Some(base) = &a.backing {
-        CowImage::create(&a.image, base)?;
-        let image = CowImage::open(&a.image, true, None, false)?;
-        println!(
-            "created {} (cow overlay over {}, {})",
-            a.image.display(),
-            image.backing_path().display(),
-            human(image.size())
-        );
-        return Ok(());
+    let format = a.format.unwrap_or(if a.backing.is_some() { CreateFormat::Cow } else { CreateFormat::Raw });
+    if a.cluster_size.is_some() && format != CreateFormat::Qcow2 {
+        return Err(Failure::usage("--cluster-size applies to --format qcow2 only"));
+    }
+    match format {
+        CreateFormat::Qcow2 => return qcow2(&a),
+        CreateFormat::Cow => return cow(&a),
+        CreateFormat::Raw if a.backing.is_some() => {
+            return Err(Failure::usage("a raw image has no backing file: use --format cow or --format qcow2"))
+        }
+        CreateFormat::Raw => {}
     }
     let Some(size) = a.size else {
         return Err(Failure::usage(
@@ -36,5 +41,71 @@ pub fn run(a: CreateArgs) -> Result<(), Failure> {
     }
     let how = if a.preallocate { "preallocated" } else { "sparse" };
     println!("created {} ({}, raw, {how})", a.image.display(), human(size));
+    Ok(())
+}
+
+fn cow(a: &CreateArgs) -> Result<(), Failure> {
+    let Some(base) = &a.backing else {
+        return Err(Failure::usage("a COW overlay needs --backing BASE"));
+    };
+    if a.size.is_some() || a.preallocate {
+        return Err(Failure::usage("a COW overlay takes its size from BASE: drop --size and --preallocate"));
+    }
+    CowImage::create(&a.image, base)?;
+    let image = CowImage::open(&a.image, true, None, false)?;
+    println!(
+        "created {} (cow overlay over {}, {})",
+        a.image.display(),
+        image.backing_path().display(),
+        human(image.size())
+    );
+    Ok(())
+}
+
+/// The format and virtual size of a base image, as a qcow2 overlay records it.
+fn probe_base(base: &Path) -> Result<(&'static str, u64), Failure> {
+    if is_qcow2(base) {
+        return Ok(("qcow2", Qcow2Image::open(base, true)?.size()));
+    }
+    if is_cow(base) {
+        return Ok(("cow", CowImage::open(base, true, None, false)?.size()));
+    }
+    Ok(("raw", RawImage::open(base, true)?.size()))
+}
+
+fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
+    if a.preallocate {
+        return Err(Failure::usage("--preallocate applies to raw images only"));
+    }
+    let cluster_bits = match a.cluster_size {
+        None => DEFAULT_CLUSTER_BITS,
+        Some(c) if c.is_power_of_two() && (512..=2 << 20).contains(&c) => c.trailing_zeros(),
+        Some(c) => return Err(Failure::usage(format!("--cluster-size {c}: a power of two from 512 to 2M"))),
+    };
+    let base = match &a.backing {
+        None => None,
+        Some(b) => {
+            let (fmt, size) = probe_base(b)?;
+            let abs = std::path::absolute(b).map_err(|e| Failure::usage(format!("{}: {e}", b.display())))?;
+            Some((abs, fmt, size))
+        }
+    };
+    let size = match (a.size, &base) {
+        (Some(s), Some((b, _, bsize))) if s < *bsize => {
+            return Err(Failure::usage(format!(
+                "--size {s} is smaller than the backing file {} ({bsize} bytes)",
+                b.display()
+            )))
+        }
+        (Some(s), _) => s,
+        (None, Some((_, _, bsize))) => *bsize,
+        (None, None) => {
+            return Err(Failure::usage("vdisk create --format qcow2 needs --size (e.g. --size 10G) or --backing BASE"))
+        }
+    };
+    let backing = base.as_ref().map(|(p, f, _)| (p.as_path(), *f));
+    Qcow2Image::create(&a.image, &CreateOptions { size, cluster_bits, backing })?;
+    let over = base.as_ref().map(|(p, f, _)| format!(" over {} ({f})", p.display())).unwrap_or_default();
+    println!("created {} (qcow2{over}, {}, {} clusters)", a.image.display(), human(size), human(1 << cluster_bits));
     Ok(())
 }

@@ -1,11 +1,13 @@
-//! Opening an image in whichever format it is: a UML COW overlay when the file
-//! starts with the COW magic (or `--format cow`), raw otherwise.
+//! Opening an image in whichever format it is: qcow2 or a UML COW overlay when
+//! the file starts with their magic (or `--format qcow2` / `--format cow`),
+//! raw otherwise.
 
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
-use vdisk_image::{cow, CowImage, Image, RawImage};
+use vdisk_image::qcow2::{self, Qcow2Options};
+use vdisk_image::{cow, CowImage, Image, Qcow2Image, RawImage};
 
 use crate::cli::{BackingArgs, FormatArg};
 use crate::size::human;
@@ -16,6 +18,12 @@ use crate::Failure;
 pub fn is_cow(path: &Path) -> bool {
     let mut magic = [0u8; 4];
     std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && cow::has_magic(&magic)
+}
+
+/// True when the file starts with the qcow2 magic.
+pub fn is_qcow2(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && qcow2::has_magic(&magic)
 }
 
 /// An opened image and a one-line description of it for the export list.
@@ -31,12 +39,16 @@ pub fn open(
     direct: bool,
     backing: &BackingArgs,
 ) -> Result<Opened, Failure> {
+    let direct_err = |e: vdisk_image::Error| Failure::usage(crate::advised(&e));
+    if format == FormatArg::Qcow2 || (format == FormatArg::Auto && is_qcow2(path)) {
+        return open_qcow2(path, read_only, direct, backing);
+    }
     let cow = match format {
         FormatArg::Auto => is_cow(path),
         FormatArg::Raw => false,
         FormatArg::Cow => true,
+        FormatArg::Qcow2 => unreachable!("opened above"),
     };
-    let direct_err = |e: vdisk_image::Error| Failure::usage(crate::advised(&e));
     if !cow {
         if backing.backing.is_some() || backing.ignore_backing_mtime {
             return Err(Failure::usage(format!(
@@ -57,5 +69,25 @@ pub fn open(
     }
     let description =
         format!("{} (cow over {}, {})", path.display(), image.backing_path().display(), human(image.size()));
+    Ok(Opened { image: Arc::new(image), description })
+}
+
+fn open_qcow2(path: &Path, read_only: bool, direct: bool, backing: &BackingArgs) -> Result<Opened, Failure> {
+    if backing.ignore_backing_mtime {
+        return Err(Failure::usage(format!(
+            "{} is a qcow2 image: --ignore-backing-mtime applies to COW overlays only",
+            path.display()
+        )));
+    }
+    let options = Qcow2Options { read_only, backing: backing.backing.clone(), ..Default::default() };
+    let mut image = Qcow2Image::open_with(path, &options)?;
+    if direct {
+        image = image.with_direct_io().map_err(|e| Failure::usage(crate::advised(&e)))?;
+    }
+    let over = match (image.backing_path(), image.backing_format()) {
+        (Some(p), Some(f)) => format!(" over {} ({f})", p.display()),
+        _ => String::new(),
+    };
+    let description = format!("{} (qcow2{over}, {})", path.display(), human(image.size()));
     Ok(Opened { image: Arc::new(image), description })
 }

@@ -5,13 +5,16 @@ use std::os::unix::fs::MetadataExt;
 use vdisk_image::{cow, Image, RawImage};
 
 use crate::cli::InfoArgs;
-use crate::formats::is_cow;
+use crate::formats::{is_cow, is_qcow2};
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: InfoArgs) -> Result<(), Failure> {
     if is_cow(&a.image) {
         return cow_info(&a);
+    }
+    if is_qcow2(&a.image) {
+        return qcow2_info(&a);
     }
     let image = RawImage::open(&a.image, true)?;
     let allocated = allocated(&a)?;
@@ -109,6 +112,83 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
         i.sectors_allocated,
         h.sectors(),
         human(in_overlay)
+    );
+    println!("allocated:    {} ({} bytes)", human(allocated), allocated);
+    Ok(())
+}
+
+/// A qcow2 image: its header's facts and what its L2 tables hold, read
+/// without locking it and without opening its backing file.
+fn qcow2_info(a: &InfoArgs) -> Result<(), Failure> {
+    use vdisk_image::qcow2::header::{COMPAT_LAZY_REFCOUNTS, INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
+    let i = vdisk_image::qcow2::inspect(&a.image)?;
+    let h = &i.header;
+    let allocated = allocated(a)?;
+    let written = h.backing.as_ref().map(|b| String::from_utf8_lossy(b).into_owned());
+    let resolved = i.backing_resolved.as_ref().map(|p| p.display().to_string());
+    let compat = if h.version >= 3 { "1.1" } else { "0.10" };
+    let compression = if h.compression_type == 1 { "zstd" } else { "zlib" };
+    let (dirty, corrupt) = (h.incompatible & INCOMPAT_DIRTY != 0, h.incompatible & INCOMPAT_CORRUPT != 0);
+    let lazy = h.compatible & COMPAT_LAZY_REFCOUNTS != 0;
+    let in_image = i.data_clusters * h.cluster_size();
+    if a.json {
+        let v = serde_json::json!({
+            "path": a.image.display().to_string(),
+            "format": "qcow2",
+            "qcow2-version": h.version,
+            "compat": compat,
+            "virtual-size": h.size,
+            "allocated": allocated,
+            "file-length": i.file_len,
+            "cluster-size": h.cluster_size(),
+            "refcount-bits": h.refcount_bits(),
+            "extended-l2": h.extended_l2(),
+            "compression-type": compression,
+            "lazy-refcounts": lazy,
+            "dirty": dirty,
+            "corrupt": corrupt,
+            "snapshots": h.nb_snapshots,
+            "bitmaps": h.has_bitmaps,
+            "l1-size": h.l1_size,
+            "backing-file": written,
+            "backing-file-resolved": resolved,
+            "backing-format": h.backing_format,
+            "data-clusters": i.data_clusters,
+            "zero-clusters": i.zero_clusters,
+            "image-bytes": in_image,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        return Ok(());
+    }
+    println!("image:        {}", a.image.display());
+    println!("format:       qcow2 (version {}, compat {compat})", h.version);
+    println!("virtual size: {} ({} bytes)", human(h.size), h.size);
+    if let Some(w) = &written {
+        let fmt = h.backing_format.as_deref().unwrap_or("not recorded: probed");
+        println!("backing file: {w} (format {fmt})");
+        if let Some(r) = resolved.as_ref().filter(|r| *r != w) {
+            println!("  relative to the image: {r}");
+        }
+    }
+    println!("clusters:     {}, refcounts {} bits", human(h.cluster_size()), h.refcount_bits());
+    println!(
+        "features:     extended L2 {}, compression {compression}, lazy refcounts {lazy}, snapshots {}",
+        h.extended_l2(),
+        h.nb_snapshots
+    );
+    if dirty || corrupt {
+        println!(
+            "state:        {}{}: run `qemu-img check -r all {}`",
+            if dirty { "dirty " } else { "" },
+            if corrupt { "corrupt" } else { "" },
+            a.image.display()
+        );
+    }
+    println!(
+        "in image:     {} data clusters ({}), {} zero clusters",
+        i.data_clusters,
+        human(in_image),
+        i.zero_clusters
     );
     println!("allocated:    {} ({} bytes)", human(allocated), allocated);
     Ok(())

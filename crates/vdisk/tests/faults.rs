@@ -241,18 +241,29 @@ fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
 }
 
 #[test]
-fn a_cow_overlay_on_a_full_file_system_never_points_at_data_it_did_not_write() {
+fn a_cow_or_qcow2_overlay_on_a_full_file_system_never_points_at_data_it_did_not_write() {
     // The overlay (not the base) lives on an 8 MiB tmpfs, with a 2 MiB filler
     // file beside it to delete later.
     const SIZE: usize = 32 * UMIB;
     let base = pattern(50, SIZE);
-    for engine in ENGINES {
-        let dir = TempDir::new(&format!("cow-enospc-{engine}"));
+    for (eng, format) in [("uring", "cow"), ("threads", "cow"), ("uring", "qcow2"), ("threads", "qcow2")] {
+        let dir = TempDir::new(&format!("{format}-enospc-{eng}"));
         let fs = SmallFs::mount(&dir, "8m");
         let filler = fs.0.join("filler");
         std::fs::write(&filler, vec![1u8; 2 * UMIB]).unwrap();
-        let (overlay, name) = image_of(&dir, true, &base, &fs.0);
-        let args = [s(&overlay), "--engine", engine];
+        let (overlay, name) = if format == "cow" {
+            image_of(&dir, true, &base, &fs.0)
+        } else {
+            let raw = dir.path("base.img");
+            std::fs::write(&raw, &base).unwrap();
+            let overlay = fs.0.join("vm.qcow2");
+            let out = vdisk(&["create", "--format", "qcow2", "--backing", s(&raw), s(&overlay)]);
+            assert!(out.status.success(), "vdisk create: {}", text(&out));
+            (overlay, "vm")
+        };
+        // `engine` names the round in messages.
+        let engine = &*format!("{eng} {format}");
+        let args = [s(&overlay), "--engine", eng];
         let server = Server::start(&dir, &args);
         let (mut c, _) = Client::open(&server.socket, name);
 

@@ -33,6 +33,7 @@ use crate::{Allocation, Error, Extent, Image, Result};
 pub use bitmap::CowMap;
 pub use header::{has_magic, parse_header, Header, Layout, HEADER_LEN, MAGIC, MAX_HEADER_LEN};
 pub use merge::{inspect, Inspection};
+pub(crate) use open::lock as lock_file;
 pub use open::resolve_backing;
 
 use open::read_full;

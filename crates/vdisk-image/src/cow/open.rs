@@ -20,7 +20,7 @@ pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
 /// Takes a BSD lock on `file` or says the file is in use. A process that just
 /// exited may hold its locks a moment longer (io_uring releases registered
 /// files after the process is gone), so a held lock is retried for a second.
-fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+pub(crate) fn lock(file: &File, path: &Path, exclusive: bool) -> Result<()> {
     let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
     loop {

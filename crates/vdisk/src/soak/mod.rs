@@ -25,6 +25,8 @@ use crate::Failure;
 pub enum SoakFormat {
     Raw,
     Cow,
+    /// A qcow2 overlay over a raw base; `qemu-img check` judges it after every kill.
+    Qcow2,
 }
 
 /// What ends a crash round.
@@ -194,6 +196,7 @@ fn crash_phase(
         .map(|f| match f {
             SoakFormat::Raw => crash::Format::Raw,
             SoakFormat::Cow => crash::Format::Cow,
+            SoakFormat::Qcow2 => crash::Format::Qcow2,
         })
         .collect();
     let ending = match a.power_loss {

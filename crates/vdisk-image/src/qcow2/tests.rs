@@ -1,0 +1,115 @@
+//! Unit tests of the qcow2 image: create, write, read back, reopen.
+
+use super::create::{CreateOptions, DEFAULT_CLUSTER_BITS};
+use super::*;
+use std::os::unix::fs::FileExt;
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vdisk-qcow2-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("img.qcow2")
+}
+
+/// Writes through the image the way the engine does.
+fn write(img: &Qcow2Image, offset: u64, data: &[u8]) {
+    img.prepare_write(offset, data.len() as u64).unwrap();
+    let mut ext = Vec::new();
+    img.map_write(offset, data.len() as u64, &mut ext).unwrap();
+    let mut at = 0;
+    for e in ext {
+        let Extent::Data { file, offset, len } = e else { panic!("a write mapped to zeros") };
+        img.files()[file].write_all_at(&data[at..at + len as usize], offset).unwrap();
+        at += len as usize;
+    }
+    img.write_done(offset, data.len() as u64, false).unwrap();
+}
+
+fn read(img: &Qcow2Image, offset: u64, len: u64) -> Vec<u8> {
+    let mut ext = Vec::new();
+    img.map_read(offset, len, &mut ext).unwrap();
+    let mut out = Vec::new();
+    for e in ext {
+        match e {
+            Extent::Zero { len } => out.extend(std::iter::repeat_n(0u8, len as usize)),
+            Extent::Data { file, offset, len } => {
+                let mut b = vec![0u8; len as usize];
+                img.files()[file].read_exact_at(&mut b, offset).unwrap();
+                out.extend(b);
+            }
+        }
+    }
+    assert_eq!(out.len() as u64, len);
+    out
+}
+
+#[test]
+fn create_write_reopen_read() {
+    for bits in [9, 12, DEFAULT_CLUSTER_BITS, 21] {
+        let p = tmp(&format!("rw{bits}"));
+        Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: bits, backing: None }).unwrap();
+        {
+            let img = Qcow2Image::open(&p, false).unwrap();
+            assert_eq!(read(&img, 0, 4096), vec![0u8; 4096]);
+            write(&img, 1000, &[7u8; 5000]);
+            write(&img, (8 << 20) - 700, &[9u8; 700]);
+            assert_eq!(read(&img, 1000, 5000), vec![7u8; 5000]);
+            assert_eq!(read(&img, 0, 1000), vec![0u8; 1000]);
+            img.sync_metadata().unwrap();
+        }
+        let img = Qcow2Image::open(&p, true).unwrap();
+        assert_eq!(read(&img, 1000, 5000), vec![7u8; 5000], "cluster bits {bits}");
+        assert_eq!(read(&img, 6000, 100), vec![0u8; 100]);
+        assert_eq!(read(&img, (8 << 20) - 700, 700), vec![9u8; 700]);
+    }
+}
+
+#[test]
+fn overlay_copies_on_write_from_backing() {
+    let base = tmp("base");
+    Qcow2Image::create(&base, &CreateOptions { size: 1 << 20, cluster_bits: 12, backing: None }).unwrap();
+    {
+        let img = Qcow2Image::open(&base, false).unwrap();
+        write(&img, 0, &[1u8; 1 << 20]);
+        img.sync_metadata().unwrap();
+    }
+    let top = base.with_file_name("top.qcow2");
+    let o = CreateOptions { size: 1 << 20, cluster_bits: 16, backing: Some((Path::new("img.qcow2"), "qcow2")) };
+    Qcow2Image::create(&top, &o).unwrap();
+    let img = Qcow2Image::open(&top, false).unwrap();
+    assert_eq!(read(&img, 4096, 10), vec![1u8; 10]);
+    write(&img, 100, &[2u8; 10]);
+    let got = read(&img, 0, 200);
+    assert_eq!(&got[..100], &[1u8; 100][..]);
+    assert_eq!(&got[100..110], &[2u8; 10][..]);
+    assert_eq!(&got[110..], &[1u8; 90][..]);
+    assert_eq!(img.zero(0, 1 << 20, false, false).unwrap(), vec![]);
+    assert_eq!(read(&img, 0, 1 << 20), vec![0u8; 1 << 20]);
+}
+
+#[test]
+fn a_small_l2_cache_evicts_clean_tables_and_loses_nothing() {
+    // 512-byte clusters: one L2 table per 32 KiB of disk, 256 of them; room for 4.
+    let p = tmp("evict");
+    Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let o = Qcow2Options { l2_cache: Some(4 * 512), ..Default::default() };
+    let pattern = |k: u64| vec![(k % 251) as u8 + 1; 700];
+    {
+        let img = Qcow2Image::open_with(&p, &o).unwrap();
+        for k in 0..200u64 {
+            write(&img, k * 40_000 + 13, &pattern(k));
+            if k % 50 == 49 {
+                img.sync_metadata().unwrap();
+            }
+        }
+        for k in 0..200u64 {
+            assert_eq!(read(&img, k * 40_000 + 13, 700), pattern(k), "before reopening, write {k}");
+        }
+        img.sync_metadata().unwrap();
+    }
+    let img = Qcow2Image::open_with(&p, &o).unwrap();
+    for k in (0..200u64).rev() {
+        assert_eq!(read(&img, k * 40_000 + 13, 700), pattern(k), "after reopening, write {k}");
+    }
+    assert_eq!(read(&img, 40_000 * 200 + 13, 700), vec![0u8; 700]);
+}

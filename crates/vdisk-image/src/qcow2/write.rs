@@ -1,0 +1,528 @@
+//! The write path of a qcow2 image: claiming clusters for writes, the
+//! copy-on-write of what a partial write leaves untouched, zero clusters,
+//! and the order in which metadata reaches the disk.
+//!
+//! A write into a cluster the image owns alone (L2 entry with COPIED, every
+//! unit it touches holding data) maps straight to it: one atomic load under
+//! its L2 table's shared lock, nothing else. Any other cluster is *claimed*
+//! first (`prepare_write`, under the
+//! cluster's stripe lock): a host cluster is allocated (or the zero
+//! cluster's own reused); each unit (subcluster, or the cluster) the write
+//! covers in part is filled whole, its own range too, with what the guest
+//! sees there now (the backing image, zeros, an old cluster), and a unit it
+//! covers whole is marked covered; the claim is noted in `pending`. Writes
+//! map to the claimed cluster; once one's data is in the file (`write_done`)
+//! the L2 entry in memory points at the claim's filled units and that
+//! write's. A failed write (`write_failed`) has its covered units filled
+//! with the old data. So whichever write publishes a claim first, no range
+//! of it reads bytes nobody wrote, before or after a crash.
+//!
+//! Durability ordering (`sync_round`, one round at a time, group commit):
+//!
+//! 1. take the changed L1 entries, then the changed L2 tables, then the
+//!    changed refcount blocks, as bytes: every L2 entry taken was set after
+//!    its data reached the file, and every cluster an L2 or L1 entry taken
+//!    points at was counted before that entry was set;
+//! 2. fdatasync: the data (and the copied-in parts) is durable;
+//! 3. write the refcount blocks (and a moved refcount table, then fdatasync
+//!    and the header naming it); fdatasync: refcounts durable before any
+//!    table that uses the clusters they count;
+//! 4. write the L2 tables; if the L1 table changed, fdatasync (new L2 tables
+//!    durable) and write it; fdatasync.
+//!
+//! A crash at any point leaves refcounts at least as high as what the tables
+//! on disk use (leaks at worst, never a cluster in use with refcount 0), and
+//! L2 entries pointing only at data that was durable before they were written.
+//! A refcount drops (a rewritten compressed or shared cluster, a replaced
+//! refcount table) only after the round that made the tables or header stop
+//! naming it, and a cluster at refcount 0 is never reused (allocation only
+//! appends), so none is reused while an old entry may still point at it.
+//! What this module must never do: set an L2 entry before its data is
+//! written, write an L2/L1 table before the refcounts it relies on, or drop a
+//! refcount before what named the cluster is durably gone.
+
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::Ordering;
+
+use super::l2::{self, Entry, TableBytes, Unit, COPIED, ZERO};
+use super::refcount::BlockBytes;
+use super::{header, Qcow2Image, STRIPES};
+use crate::{Error, ErrorKind, Extent, Image, Result};
+
+/// A cluster claimed for writes in flight, not yet in its L2 table.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Claim {
+    /// The host cluster the writes go to.
+    host: u64,
+    /// Newly allocated: it read as zeros before the claim filled it.
+    fresh: bool,
+    /// The units (bit per subcluster; bit 0 for a whole cluster) filled so far.
+    units: u64,
+    /// Units a write in flight covers whole (not filled: valid once it is done).
+    covered: u64,
+}
+
+impl Qcow2Image {
+    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Claim>> {
+        self.pending[(c % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn io_err(&self, e: std::io::Error, what: &str, at: u64) -> Error {
+        Error::io(e, format!("{what} at {at:#x} of {}", self.path.display()))
+    }
+
+    /// The units (subclusters with extended L2, else the cluster) of guest
+    /// cluster `c` that [offset, offset+len) touches, as a bit mask.
+    fn touched(&self, c: u64, offset: u64, len: u64) -> u64 {
+        let cs = self.cs();
+        let unit = cs / self.l2.units();
+        let from = offset.max(c * cs) - c * cs;
+        let to = (offset + len).min((c + 1) * cs) - c * cs;
+        let (u0, u1) = (from / unit, to.div_ceil(unit));
+        (u0..u1).fold(0, |m, u| m | 1 << u)
+    }
+
+    /// Claims every cluster of a write that cannot be written in place.
+    pub(super) fn claim_range(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let cs = self.cs();
+        for c in offset / cs..(offset + len).div_ceil(cs) {
+            let units = self.touched(c, offset, len);
+            if self.l2.in_place(self.entry(c)?, units).is_none() {
+                self.claim(c, offset, len, units)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The host cluster a write of [offset, offset+len) within guest cluster
+    /// `c` goes to (in place or claimed).
+    pub(super) fn claimed_host(&self, c: u64, offset: u64, len: u64) -> Result<u64> {
+        if let Some(h) = self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)) {
+            return Ok(h);
+        }
+        if let Some(cl) = self.stripe(c).get(&c) {
+            return Ok(cl.host);
+        }
+        Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
+    }
+
+    /// Claims the units `units` of guest cluster `c` for a write of
+    /// [offset, offset+len): a host cluster (this image's own, or a new one),
+    /// and each unit not yet valid there filled around the write.
+    fn claim(&self, c: u64, offset: u64, len: u64, units: u64) -> Result<()> {
+        let mut stripe = self.stripe(c);
+        let e = self.entry(c)?;
+        if self.l2.in_place(e, units).is_some() {
+            return Ok(());
+        }
+        let mut cl = match stripe.get(&c) {
+            Some(cl) => *cl,
+            None => match self.l2.reusable(e) {
+                Some(host) => Claim { host, fresh: false, units: 0, covered: 0 },
+                // Data elsewhere (compressed, shared) moves whole into the new cluster.
+                None if e.host() != 0 || e.compressed() => {
+                    let host = self.allocate_for(c)?;
+                    self.copy_in(c, host, true, (c * self.cs(), self.cs()), (0, 0))?;
+                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1, covered: 0 }
+                }
+                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0, covered: 0 },
+            },
+        };
+        let unit = self.cs() / self.l2.units();
+        for u in 0..self.l2.units() {
+            let bit = 1u64 << u;
+            let done = (cl.units | cl.covered) & bit != 0;
+            if units & bit == 0 || done || (!cl.fresh && self.l2.unit_valid(e, u)) {
+                continue;
+            }
+            let start = c * self.cs() + u * unit;
+            if offset <= start && offset + len >= (start + unit).min(self.header.size) {
+                cl.covered |= bit; // all of it is this write's: valid once it is done
+                continue;
+            }
+            // The whole unit, the write's own range too: whatever other writes
+            // publish this claim first, the range reads old data until this
+            // write's lands, never bytes nobody wrote.
+            self.copy_in(c, cl.host, cl.fresh, (start, unit), (0, 0))?;
+            cl.units |= bit;
+        }
+        stripe.insert(c, cl);
+        Ok(())
+    }
+
+    /// A new host cluster for guest cluster `c`, with an L2 table for it.
+    fn allocate_for(&self, c: u64) -> Result<u64> {
+        let i = (c / self.header.l2_entries()) as usize;
+        let file = &self.files[0];
+        let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+        let l1 = self.l2.l1_entry(i);
+        if self.l2.has_table(i) && l1 & COPIED == 0 {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{}: L2 table {i} is shared with a snapshot; vdisk does not write such images",
+                    self.path.display()
+                ),
+            ));
+        }
+        if !self.l2.has_table(i) {
+            let t = refs.allocate(file, &self.path, 1)?;
+            self.l2.install(i, t);
+        }
+        let host = refs.allocate(file, &self.path, 1)?;
+        self.cover(refs.next_free())?;
+        Ok(host)
+    }
+
+    /// Extends the file past `end` (the allocator's next free cluster), so
+    /// every cluster counted is inside it and tables and reads never meet its
+    /// end. It grows 1 MiB (or a cluster) at a time: one `ftruncate` per MiB
+    /// of new clusters, not per cluster; the tail past the last cluster in use
+    /// has refcount 0 and is skipped when the image is opened again.
+    fn cover(&self, end: u64) -> Result<()> {
+        if end <= self.file_len.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let cs = self.cs();
+        let len = end + (1u64 << 20).max(cs).div_ceil(cs) * cs - cs;
+        self.files[0].set_len(len).map_err(|e| self.io_err(e, "cannot extend the image", len))?;
+        self.file_len.store(len, Ordering::Release);
+        self.l2.grown(len);
+        Ok(())
+    }
+
+    /// Fills `(start, size)` of guest cluster `c` (a unit, or the whole
+    /// cluster), except the part the write `(wo, wl)` covers, into host
+    /// cluster `host` with what the guest reads there now. A `fresh` cluster
+    /// already reads as zeros.
+    fn copy_in(&self, c: u64, host: u64, fresh: bool, (start, size): (u64, u64), (wo, wl): (u64, u64)) -> Result<()> {
+        let end = (start + size).min(self.header.size);
+        let base = c * self.cs();
+        let mut gaps = Vec::with_capacity(2);
+        if wl == 0 {
+            gaps.push((start, end));
+        } else {
+            gaps.push((start, wo.min(end)));
+            gaps.push(((wo + wl).max(start), end));
+        }
+        for (from, to) in gaps.into_iter().filter(|g| g.0 < g.1) {
+            let mut extents = Vec::new();
+            self.map_read(from, to - from, &mut extents)?;
+            self.copy_extents(&extents, host + (from - base), fresh)?;
+        }
+        Ok(())
+    }
+
+    /// Copies what `extents` map into file 0 from host offset `dest` on
+    /// (zeros skipped where `fresh`, data already in place skipped).
+    fn copy_extents(&self, extents: &[Extent], mut dest: u64, fresh: bool) -> Result<()> {
+        for &ext in extents {
+            let n = ext.len();
+            match ext {
+                Extent::Data { file: 0, offset, .. } if offset == dest => {}
+                Extent::Zero { .. } if fresh => {}
+                Extent::Zero { .. } => self.write_at(&vec![0u8; n as usize], dest)?,
+                Extent::Data { file, offset, .. } => {
+                    // In the kernel where it can (no copy through user memory; a
+                    // reflink on file systems that share extents), else read+write.
+                    if copy_range(&self.files[file], offset, &self.files[0], dest, n).is_ok() {
+                        dest += n;
+                        continue;
+                    }
+                    let mut buf = vec![0u8; n as usize];
+                    self.files[file].read_exact_at(&mut buf, offset).map_err(|e| {
+                        Error::io(e, format!("copy-on-write read at {offset:#x} of {}", self.file_path(file).display()))
+                    })?;
+                    self.write_at(&buf, dest)?;
+                }
+            }
+            dest += n;
+        }
+        Ok(())
+    }
+
+    /// After a failed write: the units of a pending claim it covered whole
+    /// (and so never filled) are filled now with what the guest read there
+    /// before, so whichever write publishes the claim, they never read bytes
+    /// nobody wrote. (Units it covered in part were filled whole at the claim:
+    /// they read old data, or its data where it landed.) If even that fails
+    /// (a full disk), the claim is given up: the next write claims a new
+    /// cluster and this one leaks.
+    pub(super) fn restore_range(&self, offset: u64, len: u64) -> Result<()> {
+        let cs = self.cs();
+        let unit = cs / self.l2.units();
+        let mut result = Ok(());
+        for c in offset / cs..(offset + len).div_ceil(cs) {
+            let mut stripe = self.stripe(c);
+            let Some(mut cl) = stripe.get(&c).copied() else { continue };
+            let lost = cl.covered & self.touched(c, offset, len);
+            for u in (0..self.l2.units()).filter(|u| lost & (1 << u) != 0) {
+                // Not `fresh` here: the failed write may have left bytes there.
+                if let Err(e) = self.copy_in(c, cl.host, false, (c * cs + u * unit, unit), (0, 0)) {
+                    stripe.remove(&c);
+                    result = Err(e);
+                    break;
+                }
+                cl.units |= 1 << u;
+                cl.covered &= !(1 << u);
+                stripe.insert(c, cl);
+            }
+        }
+        result
+    }
+
+    fn write_at(&self, buf: &[u8], at: u64) -> Result<()> {
+        self.files[0].write_all_at(buf, at).map_err(|e| self.io_err(e, "copy-on-write write", at))
+    }
+
+    /// Points the L2 entries of the clusters claimed for a finished write at
+    /// their new data.
+    pub(super) fn publish_range(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let cs = self.cs();
+        for c in offset / cs..(offset + len).div_ceil(cs) {
+            if self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)).is_some() {
+                continue;
+            }
+            let mut stripe = self.stripe(c);
+            if let Some(cl) = stripe.get_mut(&c) {
+                // Valid now: the units filled, and those this write covered
+                // (the ones other writes in flight cover whole wait for them).
+                let touched = self.touched(c, offset, len);
+                cl.covered &= !touched;
+                cl.units |= touched;
+                let cl = *cl;
+                if cl.covered == 0 {
+                    stripe.remove(&c);
+                }
+                let old = self.entry(c)?;
+                let bitmap = if self.header.extended_l2() {
+                    // Allocation bits of another host cluster mean nothing here; zero bits stay.
+                    let kept = if old.host() == cl.host { old.bitmap } else { old.bitmap & (u64::MAX << 32) };
+                    (kept | cl.units) & !(cl.units << 32)
+                } else {
+                    0
+                };
+                self.l2.set(&self.files[0], &self.path, c, Entry { desc: cl.host | COPIED, bitmap })?;
+                self.release(old, cl.host);
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a TRIM or WRITE_ZEROES of whole clusters as zero clusters
+    /// (version 3): the clusters this image owns keep their host cluster,
+    /// punched unless `give_back` is false. Returns the ranges it could not
+    /// handle (partial clusters, or everything on version 2, which has no
+    /// zero flag) for the engine to zero the ordinary way.
+    pub(super) fn zero_clusters(&self, offset: u64, len: u64, give_back: bool) -> Result<Vec<(u64, u64)>> {
+        let cs = self.cs();
+        let end = offset + len;
+        let (first, last) = (offset.div_ceil(cs), end / cs);
+        let whole_end = if end == self.header.size { end.div_ceil(cs) } else { last };
+        if !self.header.has_zero_flag() || first >= whole_end {
+            return Ok(vec![(offset, len)]);
+        }
+        let mut rest = Vec::new();
+        if offset < first * cs {
+            rest.push((offset, first * cs - offset));
+        }
+        if whole_end * cs < end {
+            rest.push((whole_end * cs, end - whole_end * cs));
+        }
+        for c in first..whole_end {
+            self.zero_cluster(c, give_back)?;
+        }
+        Ok(rest)
+    }
+
+    fn zero_cluster(&self, c: u64, give_back: bool) -> Result<()> {
+        let mut stripe = self.stripe(c);
+        let e = self.entry(c)?;
+        let keep = self.l2.reusable(e).or_else(|| stripe.get(&c).map(|cl| cl.host));
+        if keep.is_none() && self.backing.is_none() && self.l2.unit(e, 0) == Unit::Backing && !self.header.extended_l2()
+        {
+            return Ok(()); // already reads as zeros
+        }
+        if !self.l2.has_table((c / self.header.l2_entries()) as usize) {
+            self.allocate_table(c)?;
+        }
+        let host = keep.unwrap_or(0);
+        if host != 0 && give_back {
+            punch(&self.files[0], host, self.cs())
+                .map_err(|e| self.io_err(e, "cannot punch the zeroed cluster", host))?;
+        }
+        stripe.remove(&c);
+        let next = if self.header.extended_l2() {
+            Entry { desc: if host != 0 { host | COPIED } else { 0 }, bitmap: 0xffff_ffff << 32 }
+        } else {
+            Entry { desc: if host != 0 { host | COPIED | ZERO } else { ZERO }, bitmap: 0 }
+        };
+        self.l2.set(&self.files[0], &self.path, c, next)?;
+        self.release(e, host);
+        Ok(())
+    }
+
+    /// Notes the host clusters `old` named that its replacement (keeping
+    /// `kept`) no longer does. Called after the new entry is set, so the round
+    /// that takes the note has the new entry in its tables.
+    fn release(&self, old: l2::Entry, kept: u64) {
+        let gone: Vec<u64> = self.l2.held(old).into_iter().filter(|&h| h != kept).collect();
+        if !gone.is_empty() {
+            self.released.lock().unwrap_or_else(|e| e.into_inner()).extend(gone);
+        }
+    }
+
+    fn allocate_table(&self, c: u64) -> Result<()> {
+        let i = (c / self.header.l2_entries()) as usize;
+        let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.l2.has_table(i) {
+            let t = refs.allocate(&self.files[0], &self.path, 1)?;
+            self.cover(refs.next_free())?;
+            self.l2.install(i, t);
+        }
+        Ok(())
+    }
+
+    /// One metadata round (see the module docs for the order). A caller whose
+    /// changes were made before a round started waits for it instead. True
+    /// when it dropped refcounts, which the next round writes.
+    pub(super) fn sync_round(&self) -> Result<bool> {
+        if self.read_only {
+            return Ok(false);
+        }
+        let need = self.rounds_started.load(Ordering::SeqCst) + 1;
+        let mut done = self.rounds_done.lock().unwrap_or_else(|e| e.into_inner());
+        if *done >= need {
+            return Ok(false);
+        }
+        let round = self.rounds_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let (l1, tables) = self.l2.take_dirty();
+        let released = std::mem::take(&mut *self.released.lock().unwrap_or_else(|e| e.into_inner()));
+        let (blocks, table, moved) = {
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            let (b, t) = refs.take_dirty();
+            (b, t.map(|t| (refs.table_at, t)), refs.moved)
+        };
+        let r = self.write_round(&l1, &tables, &blocks, &table, moved);
+        if let Err(e) = r {
+            self.l2.redirty(l1.is_some(), tables.iter().map(|t| t.0));
+            self.l2.written(tables.iter().map(|t| t.0));
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            refs.redirty(blocks.iter().map(|b| b.0), table.is_some());
+            self.released.lock().unwrap_or_else(|e| e.into_inner()).extend(released);
+            return Err(e);
+        }
+        self.l2.written(tables.iter().map(|t| t.0));
+        let mut dropped = !released.is_empty();
+        // The tables on disk no longer name these: their refcounts may drop
+        // (written by the next round, before any table that round writes).
+        if !released.is_empty() {
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            for at in released {
+                refs.release(&self.files[0], &self.path, at)?;
+            }
+        }
+        if let Some(now) = moved {
+            // The header names the new refcount table: the old one is free
+            // (its refcounts drop in memory now, on disk next round).
+            let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
+            if refs.moved == moved {
+                refs.moved = None;
+            }
+            let (old, n) = std::mem::replace(&mut refs.on_disk, now);
+            for k in 0..n as u64 {
+                refs.release(&self.files[0], &self.path, old + k * self.cs())?;
+            }
+            dropped = true;
+        }
+        *done = round;
+        Ok(dropped)
+    }
+
+    fn write_round(
+        &self,
+        l1: &Option<Vec<u8>>,
+        tables: &[TableBytes],
+        blocks: &[BlockBytes],
+        table: &Option<(u64, Vec<u8>)>,
+        moved: Option<(u64, u32)>,
+    ) -> Result<()> {
+        if l1.is_none() && tables.is_empty() && blocks.is_empty() && table.is_none() {
+            return Ok(());
+        }
+        let file = &self.files[0];
+        let sync = |what: &str| file.sync_data().map_err(|e| self.io_err(e, what, 0));
+        let write = |b: &[u8], at: u64, what: &str| file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at));
+        sync("data sync")?;
+        for (_, at, bytes) in blocks {
+            write(bytes, *at, "refcount block write")?;
+        }
+        if let Some((at, bytes)) = table {
+            write(bytes, *at, "refcount table write")?;
+            if let Some((at, clusters)) = moved {
+                sync("refcount table sync")?;
+                let mut h = [0u8; 12];
+                h[..8].copy_from_slice(&at.to_be_bytes());
+                h[8..].copy_from_slice(&clusters.to_be_bytes());
+                write(&h, header::REFTABLE_AT, "header write")?;
+            }
+        }
+        if !blocks.is_empty() || table.is_some() {
+            sync("refcount sync")?;
+        }
+        for (_, at, bytes) in tables {
+            write(bytes, *at, "L2 table write")?;
+        }
+        if let Some(bytes) = l1 {
+            sync("L2 table sync")?;
+            write(bytes, self.header.l1_table_offset, "L1 table write")?;
+        }
+        sync("metadata sync")
+    }
+}
+
+/// Gives a zeroed cluster's space back to the file system. A file system that
+/// cannot punch keeps the old bytes: the zero flag hides them, and a later
+/// write fills the rest of the cluster with zeros itself (see `copy_in`).
+fn punch(file: &std::fs::File, at: u64, len: u64) -> std::io::Result<()> {
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate only reads its integer arguments; the fd is open for the call.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, at as libc::off_t, len as libc::off_t) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Ok(()),
+        _ => Err(e),
+    }
+}
+
+/// `copy_file_range` of `len` bytes, all of them or an error (the caller then
+/// copies through memory: other file systems, a source that ends early).
+fn copy_range(from: &std::fs::File, at: u64, to: &std::fs::File, dest: u64, len: u64) -> std::io::Result<()> {
+    let (mut off_in, mut off_out) = (at as libc::loff_t, dest as libc::loff_t);
+    let mut left = len as usize;
+    while left > 0 {
+        // SAFETY: both fds are open for the call; the offsets are ours, the kernel only updates them.
+        let n = unsafe { libc::copy_file_range(from.as_raw_fd(), &mut off_in, to.as_raw_fd(), &mut off_out, left, 0) };
+        match n {
+            n if n > 0 => left -= n as usize,
+            0 => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
