@@ -2,7 +2,7 @@
 # Installs the real clients the integration tests drive. Idempotent; needs root (CI runs as root).
 set -euo pipefail
 # libssl-dev and pkg-config: the openssl crate builds against the system OpenSSL (TLS-PSK).
-pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config)
+pkgs=(qemu-utils libnbd-bin python3-libnbd python3-prometheus-client nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

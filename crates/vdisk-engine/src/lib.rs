@@ -16,9 +16,11 @@
 mod buf;
 mod faults;
 mod plan;
+pub mod qos;
 mod queue;
 mod request;
 pub mod slab;
+pub mod stats;
 mod sys;
 mod threads;
 mod uring;
@@ -30,7 +32,9 @@ use std::thread::JoinHandle;
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
+pub use qos::Limits;
 pub use request::{Flags, Op, Request, Sink};
+pub use stats::{Snapshot, Stats};
 
 use queue::Queue;
 
@@ -109,6 +113,9 @@ pub struct Device {
     faults: Option<Arc<faults::Faults>>,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Shared with the queue, which counts completions.
+    stats: Arc<Stats>,
+    qos: qos::Qos,
 }
 
 impl Device {
@@ -129,7 +136,8 @@ impl Device {
 
     fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
         let consumers = if kind == EngineKind::Uring { config.rings } else { config.workers }.max(1);
-        let queue = Arc::new(Queue::new(consumers));
+        let stats = Arc::new(Stats::default());
+        let queue = Arc::new(Queue::new(consumers, stats.clone()));
         let inline = if !config.inline || !image.direct_files().is_empty() {
             Inline::Never
         } else if image.files().iter().all(sys::in_memory) {
@@ -148,6 +156,8 @@ impl Device {
             faults: faults::Faults::from_env(name),
             queue,
             workers: Mutex::new(Vec::new()),
+            stats,
+            qos: qos::Qos::default(),
         };
         for i in 0..consumers {
             let mut planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
@@ -205,9 +215,25 @@ impl Device {
         &self.image
     }
 
-    /// Queues a batch; each request comes back through `sink` once done.
+    /// What this device has done so far (every export's requests together).
+    pub fn stats(&self) -> Snapshot {
+        self.stats.snapshot()
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.qos.limits()
+    }
+
+    /// Changes the device's QoS limits, live (0 lifts one).
+    pub fn set_limits(&self, limits: Limits) {
+        self.qos.set(limits);
+    }
+
+    /// Queues a batch; each request comes back through `sink` once done. Over
+    /// the device's QoS limits, this waits first.
     pub fn submit(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
-        self.queue.push(batch, sink);
+        self.qos.admit(&batch);
+        self.queue.push(batch, sink, std::time::Instant::now());
     }
 
     /// Finishes in the caller's thread what needs no device and puts it in
@@ -215,10 +241,26 @@ impl Device {
     /// through `sink`. On an in-memory file everything finishes inline; on
     /// others, reads the page cache can serve in full.
     pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
+        self.qos.admit(&batch);
+        let (started, first) = (std::time::Instant::now(), done.len());
+        self.stats.submitted(batch.len());
+        self.submit_inline_counted(batch, sink, done, started);
+        self.stats.completed(done[first..].iter(), started);
+    }
+
+    /// [`Device::submit_inline`] once QoS admitted the batch and it was counted in.
+    fn submit_inline_counted(
+        &self,
+        batch: Vec<Request>,
+        sink: &Arc<dyn Sink>,
+        done: &mut Vec<Request>,
+        started: std::time::Instant,
+    ) {
+        let submit = |batch: Vec<Request>| self.queue.push_counted(batch, sink, started);
         let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
         planner.faults = self.faults.clone();
         match self.inline {
-            Inline::Never => self.submit(batch, sink),
+            Inline::Never => submit(batch),
             Inline::All => {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
@@ -228,9 +270,9 @@ impl Device {
                 done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
                 threads::execute(&mut planner, &mut reqs);
-                self.submit(large, sink);
+                submit(large);
             }
-            Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => self.submit(batch, sink),
+            Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => submit(batch),
             Inline::CachedReads => {
                 let (mut reads, mut rest): (Vec<Request>, Vec<Request>) =
                     batch.into_iter().partition(|r| r.op == Op::Read && r.len <= INLINE_MAX);
@@ -257,7 +299,7 @@ impl Device {
                         done.push(req);
                     }
                 }
-                self.submit(rest, sink);
+                submit(rest);
             }
         }
     }
