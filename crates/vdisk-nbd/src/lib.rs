@@ -25,7 +25,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Duration;
 
 use vdisk_engine::Device;
@@ -36,6 +36,7 @@ pub use stream::Stream;
 pub use tls::{Tls, TlsFiles, TlsMode};
 
 /// A device as NBD clients see it.
+#[derive(Clone)]
 pub struct Export {
     pub name: String,
     pub description: String,
@@ -97,13 +98,21 @@ impl Default for ServerOptions {
     }
 }
 
+/// An open connection: a handle to shut it, and once its handshake chose one, its export.
+struct Conn {
+    stream: Stream,
+    export: Option<String>,
+}
+
 pub struct Server {
-    exports: Vec<Export>,
+    /// Exports come and go while the server runs ([`Server::add_export`],
+    /// [`Server::remove_export`]); a handshake works on a copy of the list.
+    exports: RwLock<Vec<Export>>,
     options: ServerOptions,
     stopping: AtomicBool,
     /// Written once on stop; acceptors poll its read end.
     wake: (OwnedFd, OwnedFd),
-    conns: Mutex<HashMap<u64, Stream>>,
+    conns: Mutex<HashMap<u64, Conn>>,
     next_id: AtomicU64,
     live: Mutex<usize>,
     idle: Condvar,
@@ -119,7 +128,7 @@ impl Server {
         // SAFETY: both fds were just created by pipe2 and are owned by nobody else.
         let wake = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         Ok(Arc::new(Server {
-            exports,
+            exports: RwLock::new(exports),
             options,
             stopping: AtomicBool::new(false),
             wake,
@@ -130,8 +139,56 @@ impl Server {
         }))
     }
 
-    pub fn exports(&self) -> &[Export] {
-        &self.exports
+    /// The exports served now.
+    pub fn exports(&self) -> Vec<Export> {
+        self.exports.read().unwrap().clone()
+    }
+
+    /// Serves one more export on every listener; a name already served is refused.
+    pub fn add_export(&self, export: Export) -> Result<(), Export> {
+        let mut exports = self.exports.write().unwrap();
+        if exports.iter().any(|e| e.name == export.name) {
+            return Err(export);
+        }
+        exports.push(export);
+        Ok(())
+    }
+
+    /// Stops offering export `name` to new clients; connected ones go on
+    /// until [`Server::disconnect`]. Returns the export, if it was served.
+    pub fn remove_export(&self, name: &str) -> Option<Export> {
+        let mut exports = self.exports.write().unwrap();
+        let at = exports.iter().position(|e| e.name == name)?;
+        Some(exports.remove(at))
+    }
+
+    /// Clients connected to export `name` now.
+    pub fn connections_to(&self, name: &str) -> usize {
+        self.conns.lock().unwrap().values().filter(|c| c.export.as_deref() == Some(name)).count()
+    }
+
+    /// Disconnects every client of export `name` the way [`Server::stop`]
+    /// does (no more requests are read; those read are answered) and waits
+    /// until they are gone. Remove the export first, or new clients may come.
+    pub fn disconnect(&self, name: &str) {
+        let mine = |conns: &HashMap<u64, Conn>| conns.values().any(|c| c.export.as_deref() == Some(name));
+        let conns = self.conns.lock().unwrap();
+        for c in conns.values().filter(|c| c.export.as_deref() == Some(name)) {
+            c.stream.shutdown(Shutdown::Read);
+        }
+        drop(conns);
+        let live = self.live.lock().unwrap();
+        let (live, timeout) =
+            self.idle.wait_timeout_while(live, SHUTDOWN_GRACE, |_| mine(&self.conns.lock().unwrap())).unwrap();
+        drop(live);
+        if timeout.timed_out() {
+            log::warn!("clients of export {name:?} still busy after {SHUTDOWN_GRACE:?}; cutting them off");
+            for c in self.conns.lock().unwrap().values().filter(|c| c.export.as_deref() == Some(name)) {
+                c.stream.shutdown(Shutdown::Both);
+            }
+            let live = self.live.lock().unwrap();
+            drop(self.idle.wait_while(live, |_| mine(&self.conns.lock().unwrap())).unwrap());
+        }
     }
 
     /// Accepts clients on every listener until [`Server::stop`]; then waits for
@@ -151,8 +208,8 @@ impl Server {
         drop(live);
         if timeout.timed_out() {
             log::warn!("clients still busy after {SHUTDOWN_GRACE:?}; disconnecting them");
-            for s in self.conns.lock().unwrap().values() {
-                s.shutdown(Shutdown::Both);
+            for c in self.conns.lock().unwrap().values() {
+                c.stream.shutdown(Shutdown::Both);
             }
             let live = self.live.lock().unwrap();
             drop(self.idle.wait_while(live, |n| *n > 0).unwrap());
@@ -167,8 +224,8 @@ impl Server {
         }
         // SAFETY: writes one byte from a valid buffer to the pipe we own.
         unsafe { libc::write(self.wake.1.as_raw_fd(), b"x".as_ptr().cast(), 1) };
-        for s in self.conns.lock().unwrap().values() {
-            s.shutdown(Shutdown::Read);
+        for c in self.conns.lock().unwrap().values() {
+            c.stream.shutdown(Shutdown::Read);
         }
     }
 
@@ -208,7 +265,7 @@ impl Server {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let Ok(handle) = stream.try_clone() else { return };
-        self.conns.lock().unwrap().insert(id, handle);
+        self.conns.lock().unwrap().insert(id, Conn { stream: handle, export: None });
         *self.live.lock().unwrap() += 1;
         if self.stopping.load(Ordering::SeqCst) {
             stream.shutdown(Shutdown::Read);
@@ -217,7 +274,7 @@ impl Server {
         let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn({
             let me = me.clone();
             move || {
-                me.connection(stream);
+                me.connection(stream, id);
                 me.forget(id);
             }
         });
@@ -231,16 +288,29 @@ impl Server {
         self.conns.lock().unwrap().remove(&id);
         let mut live = self.live.lock().unwrap();
         *live -= 1;
-        if *live == 0 {
-            self.idle.notify_all();
-        }
+        // Shutdown waits for none, a removal for none of one export's.
+        self.idle.notify_all();
     }
 
-    fn connection(&self, mut stream: Stream) {
+    /// Marks connection `id` as a client of `export`, unless the export was
+    /// removed since the handshake chose it (then the client is turned away).
+    fn attach(&self, id: u64, export: &Export) -> bool {
+        let exports = self.exports.read().unwrap();
+        if !exports.iter().any(|e| e.name == export.name && Arc::ptr_eq(&e.device, &export.device)) {
+            return false;
+        }
+        if let Some(c) = self.conns.lock().unwrap().get_mut(&id) {
+            c.export = Some(export.name.clone());
+        }
+        true
+    }
+
+    fn connection(&self, mut stream: Stream, id: u64) {
         let peer = stream.peer();
         let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
         let stopping = || self.stopping.load(Ordering::SeqCst);
-        let neg = match handshake::handshake(&mut stream, &self.exports, &self.options.policy, &stopping) {
+        let exports = self.exports();
+        let neg = match handshake::handshake(&mut stream, &exports, &self.options.policy, &stopping) {
             Ok(neg) => neg,
             Err(handshake::HandshakeEnd::Violation(why)) => {
                 log::warn!("{peer}: handshake failed: {why}; closing the connection");
@@ -253,7 +323,11 @@ impl Server {
             Err(handshake::HandshakeEnd::Aborted) => return,
         };
         let _ = stream.set_read_timeout(None);
-        let export = &self.exports[neg.export];
+        let export = &exports[neg.export];
+        if !self.attach(id, export) {
+            log::info!("{peer}: export {:?} was removed during the handshake; closing the connection", export.name);
+            return;
+        }
         log::debug!("{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
         if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
             if e.kind() == io::ErrorKind::InvalidData {

@@ -70,6 +70,20 @@ Examples:
   vdisk serve vm1.cow --backing /new/place/base.img
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(Box<ServeArgs>),
+    /// Talk to a running `vdisk serve --control PATH`: add, remove, list exports,
+    /// show their statistics, change their QoS limits.
+    #[command(
+        after_help = "Exit status: 0 done; 1 the server refused (its reason on stderr) or cannot be reached; 2 a usage error.
+
+Examples:
+  vdisk serve --control /run/vdisk.ctl --socket /run/vdisk.sock &
+  vdisk ctl --control /run/vdisk.ctl add vm1.img --iops 2000
+  vdisk ctl --control /run/vdisk.ctl list
+  vdisk ctl --control /run/vdisk.ctl stats vm1 --json
+  vdisk ctl --control /run/vdisk.ctl qos vm1 --iops 0      lift the limit
+  vdisk ctl --control /run/vdisk.ctl remove vm1 --hard"
+    )]
+    Ctl(crate::ctl::CtlArgs),
     Soak(crate::soak::SoakArgs),
 }
 
@@ -210,6 +224,15 @@ pub struct ServeArgs {
     /// Permissions of the unix socket, in octal: who may connect (default: the owner only).
     #[arg(long, default_value = "0600", value_parser = parse_mode, value_name = "MODE")]
     pub socket_mode: u32,
+    /// Control socket (unix, JSON-RPC 2.0, one object per line; docs/control.md):
+    /// add, remove and inspect exports while serving, with `vdisk ctl`. With it
+    /// and no IMAGE the server starts with no exports. Made with --socket-mode.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Serve Prometheus metrics (per-export counters and latency histograms) at
+    /// http://HOST:PORT/metrics; HOST:PORT, :PORT or PORT (host 127.0.0.1).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics: Option<String>,
     /// Also (or only, without --socket) listen on TCP; HOST:PORT, :PORT or PORT. Default 127.0.0.1:10809.
     #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:10809", value_name = "HOST:PORT")]
     pub listen: Option<String>,
