@@ -262,7 +262,7 @@ fn write_until_disconnected(socket: &Path, export: &str, flushed: &AtomicU64) ->
         } else {
             std::thread::sleep(Duration::from_millis(5));
         }
-        if block % 4 == 0 {
+        if block.is_multiple_of(4) {
             let (_, msg) = c.encode_request(0, CMD_FLUSH, 0, 0, &[]);
             if c.sock.write_all(&msg).is_err() || c.try_recv().map(|r| r.error).unwrap_or(1) != 0 {
                 return flushed.load(Ordering::SeqCst);
@@ -289,9 +289,9 @@ fn exports_come_and_go_while_others_serve() {
         let (socket, flushed) = (d.server.socket.clone(), flushed.clone());
         std::thread::spawn(move || write_until_disconnected(&socket, "c", &flushed))
     };
-    for i in 0..40 {
+    for i in 0..40u32 {
         d.ok(&["add", &b]);
-        if i % 10 == 0 {
+        if i.is_multiple_of(10) {
             qemu_io(&d.server.uri("b"), &["read 0 4k"]);
             d.idle("b");
         }
