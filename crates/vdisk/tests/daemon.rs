@@ -399,3 +399,39 @@ print(json.dumps(out))
     assert!(v["process_resident_memory_bytes"].as_f64().unwrap() > 0.0, "{v}");
     d.server.stop();
 }
+
+fn mounted(path: &Path) -> bool {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    mounts.lines().any(|l| l.split(' ').nth(4) == Some(path.to_str().unwrap()))
+}
+
+#[test]
+fn remove_hard_unmounts_the_fuse_file_even_under_a_loop_device() {
+    // SAFETY: geteuid only returns a number.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "mounting FUSE needs root (CI runs as root)");
+    let dir = TempDir::new("daemon-fuse");
+    let d = Daemon::start(&dir, &[]);
+    let img = image(&dir, "f.img", "16M");
+    let file = dir.path("f.disk");
+    d.ok(&["add", &img, "--fuse", file.to_str().unwrap()]);
+    assert!(mounted(&file), "{} is a FUSE mount", file.display());
+    assert_eq!(d.json(&["list"])[0]["transports"][1]["type"], "fuse");
+    let data = pattern(5, 1 << 20);
+    std::fs::write(dir.path("data"), &data).unwrap();
+    let of = format!("of={}", file.display());
+    let inp = format!("if={}", dir.path("data").display());
+    run("dd", &[&inp, &of, "bs=1M", "conv=notrunc,fsync", "status=none"]);
+    let out = run("losetup", &["--find", "--show", file.to_str().unwrap()]);
+    let dev = out.trim().to_owned();
+    let out = d.ctl(&["remove", "f"]);
+    assert_eq!(out.status.code(), Some(1), "a FUSE file may be in use: {}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FUSE file"), "{}", text(&out));
+    d.ok(&["remove", "f", "--hard"]);
+    let _ = Command::new("losetup").args(["-d", &dev]).status();
+    assert!(!mounted(&file), "{} still mounted after remove --hard", file.display());
+    // What the FUSE file was given and synced is in the image.
+    d.ok(&["add", &img]);
+    let (mut c, _) = Client::open(&d.server.socket, "f");
+    assert_same("data written through FUSE", &c.read(0, 1 << 20), &data);
+    d.server.stop();
+}
