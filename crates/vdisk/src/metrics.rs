@@ -59,6 +59,13 @@ impl MetricsServer {
     }
 }
 
+impl MetricsServer {
+    /// Where it listens (the port the kernel chose, for port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
 impl Drop for MetricsServer {
     fn drop(&mut self) {
         self.stopping.store(true, Ordering::SeqCst);

@@ -190,8 +190,9 @@ impl Listeners {
         }
         if let Some(addr) = &a.metrics {
             let addr = parse_listen(addr, "--metrics", "127.0.0.1:9100")?;
-            l.metrics = Some(crate::metrics::MetricsServer::start(addr, daemon.clone())?);
-            l.banner.push(format!("vdisk: metrics on http://{addr}/metrics"));
+            let metrics = crate::metrics::MetricsServer::start(addr, daemon.clone())?;
+            l.banner.push(format!("vdisk: metrics on http://{}/metrics", metrics.addr()));
+            l.metrics = Some(metrics);
         }
         Ok(l)
     }
