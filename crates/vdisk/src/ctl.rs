@@ -103,11 +103,13 @@ pub fn run(a: CtlArgs) -> Result<(), Failure> {
     let (method, params) = request(a.command)?;
     let method_name = method;
     let result = call(&control, method, params)?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
-        return Ok(());
-    }
-    print!("{}", human_output(method_name, &result));
+    let text = if a.json {
+        serde_json::to_string_pretty(&result).unwrap_or_default() + "\n"
+    } else {
+        human_output(method_name, &result)
+    };
+    // A reader that went away (`| head`) is not an error of ours.
+    let _ = std::io::stdout().write_all(text.as_bytes());
     Ok(())
 }
 
@@ -208,6 +210,10 @@ fn human_output(method: &str, r: &Value) -> String {
         "export_list" => list_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
         "export_stats" => crate::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r))),
         "export_set_qos" => format!("export {}: qos {}\n", r["name"], qos_text(&r["qos"])),
+        "server_info" => {
+            let fields = r.as_object().into_iter().flatten();
+            fields.map(|(k, v)| format!("{k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect()
+        }
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }
