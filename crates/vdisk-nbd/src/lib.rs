@@ -155,11 +155,20 @@ impl Server {
     }
 
     /// Stops offering export `name` to new clients; connected ones go on
-    /// until [`Server::disconnect`]. Returns the export, if it was served.
-    pub fn remove_export(&self, name: &str) -> Option<Export> {
+    /// until [`Server::disconnect`]. Returns the export and where it was in
+    /// the list, if it was served.
+    pub fn remove_export(&self, name: &str) -> Option<(usize, Export)> {
         let mut exports = self.exports.write().unwrap();
         let at = exports.iter().position(|e| e.name == name)?;
-        Some(exports.remove(at))
+        Some((at, exports.remove(at)))
+    }
+
+    /// Puts back an export [`Server::remove_export`] took, at its place (the
+    /// first export is the default one).
+    pub fn restore_export(&self, at: usize, export: Export) {
+        let mut exports = self.exports.write().unwrap();
+        let at = at.min(exports.len());
+        exports.insert(at, export);
     }
 
     /// Clients connected to export `name` now.

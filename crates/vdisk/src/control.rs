@@ -111,6 +111,11 @@ fn client(stream: UnixStream, daemon: &Daemon) -> std::io::Result<()> {
             if line.len() > MAX_LINE {
                 let e = error(Value::Null, INVALID_REQUEST, format!("request line over {MAX_LINE} bytes; closing"));
                 writeln!(out, "{e}")?;
+                // Closing with unread input would reset the connection and could
+                // lose the error on its way: say we are done, drop what still comes.
+                out.shutdown(std::net::Shutdown::Write)?;
+                reader.get_ref().set_read_timeout(Some(Duration::from_secs(1)))?;
+                let _ = std::io::copy(&mut reader.by_ref().take(64 * MAX_LINE as u64), &mut std::io::sink());
             }
             // EOF, maybe mid-line: what was not a whole line is not executed.
             return Ok(());

@@ -173,13 +173,13 @@ impl Daemon {
     /// disconnected, the device flushed and the image closed.
     pub fn remove(&self, name: &str, hard: bool) -> Result<(), Refusal> {
         let _change = self.changes.lock().unwrap();
-        let Some(export) = self.nbd.remove_export(name) else {
+        let Some((at, export)) = self.nbd.remove_export(name) else {
             return Err(Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)")));
         };
         if !hard {
             let attached = self.attached(name);
             if !attached.is_empty() {
-                let _ = self.nbd.add_export(export);
+                self.nbd.restore_export(at, export);
                 return Err(Refusal::new(
                     ERR_BUSY,
                     format!("export {name:?} is in use: {}; `remove --hard` disconnects them", attached.join(", ")),
