@@ -119,7 +119,7 @@ impl Qos {
         for r in batch {
             match r.op {
                 Op::Read => reads += r.len,
-                Op::Write => writes += r.len,
+                Op::Write { .. } => writes += r.len,
                 _ => {}
             }
         }

@@ -30,11 +30,11 @@ enum Class {
 fn class(req: &Request) -> (Class, u64) {
     match req.op {
         Op::Read => (Class::Read, req.len),
-        Op::Write => (Class::Write, req.len),
+        Op::Write { .. } => (Class::Write, req.len),
         Op::Flush => (Class::Flush, 0),
-        Op::Trim => (Class::Trim, 0),
-        Op::WriteZeroes => (Class::Zero, 0),
-        Op::Cache | Op::BlockStatus => (Class::Other, 0),
+        Op::Trim { .. } => (Class::Trim, 0),
+        Op::WriteZeroes { .. } => (Class::Zero, 0),
+        Op::Cache | Op::BlockStatus { .. } => (Class::Other, 0),
     }
 }
 
@@ -174,9 +174,9 @@ mod tests {
     #[test]
     fn counts_each_request_once_by_class() {
         let s = Stats::default();
-        let mut reqs = vec![Request::new(Op::Read, 0, 4096, 1), Request::new(Op::Write, 0, 512, 2)];
+        let mut reqs = vec![Request::new(Op::Read, 0, 4096, 1), Request::new(Op::WRITE, 0, 512, 2)];
         reqs.push(Request::new(Op::Flush, 0, 0, 3));
-        let mut failed = Request::new(Op::Write, 0, 100, 4);
+        let mut failed = Request::new(Op::WRITE, 0, 100, 4);
         failed.error = Some(vdisk_image::Error::new(vdisk_image::ErrorKind::Io, "x"));
         reqs.push(failed);
         s.submitted(reqs.len());

@@ -25,9 +25,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::Device;
 
 pub use conn::MAX_INFLIGHT_BYTES;
@@ -98,10 +99,11 @@ impl Default for ServerOptions {
     }
 }
 
-/// An open connection: a handle to shut it, and once its handshake chose one, its export.
+/// An open connection: a handle to shut it, and once its handshake chose one,
+/// its export's name and the export's count of connections.
 struct Conn {
     stream: Stream,
-    export: Option<String>,
+    export: Option<(String, Arc<InFlight>)>,
 }
 
 pub struct Server {
@@ -114,8 +116,10 @@ pub struct Server {
     wake: (OwnedFd, OwnedFd),
     conns: Mutex<HashMap<u64, Conn>>,
     next_id: AtomicU64,
-    live: Mutex<usize>,
-    idle: Condvar,
+    /// Connections open (each counts as one in flight).
+    live: InFlight,
+    /// Connections open per export name, for [`Server::disconnect`].
+    trackers: Mutex<HashMap<String, Arc<InFlight>>>,
 }
 
 impl Server {
@@ -125,8 +129,10 @@ impl Server {
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: both fds were just created by pipe2 and are owned by nobody else.
-        let wake = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: fds[0] was just created by pipe2 and is owned by nobody else.
+        let read_end = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+        // SAFETY: the same for fds[1].
+        let wake = (read_end, unsafe { OwnedFd::from_raw_fd(fds[1]) });
         Ok(Arc::new(Server {
             exports: RwLock::new(exports),
             options,
@@ -134,8 +140,8 @@ impl Server {
             wake,
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
-            live: Mutex::new(0),
-            idle: Condvar::new(),
+            live: InFlight::new(),
+            trackers: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -173,30 +179,25 @@ impl Server {
 
     /// Clients connected to export `name` now.
     pub fn connections_to(&self, name: &str) -> usize {
-        self.conns.lock().unwrap().values().filter(|c| c.export.as_deref() == Some(name)).count()
+        self.trackers.lock().unwrap().get(name).map_or(0, |t| t.counts().requests)
     }
 
     /// Disconnects every client of export `name` the way [`Server::stop`]
     /// does (no more requests are read; those read are answered) and waits
     /// until they are gone. Remove the export first, or new clients may come.
     pub fn disconnect(&self, name: &str) {
-        let mine = |conns: &HashMap<u64, Conn>| conns.values().any(|c| c.export.as_deref() == Some(name));
-        let conns = self.conns.lock().unwrap();
-        for c in conns.values().filter(|c| c.export.as_deref() == Some(name)) {
-            c.stream.shutdown(Shutdown::Read);
-        }
-        drop(conns);
-        let live = self.live.lock().unwrap();
-        let (live, timeout) =
-            self.idle.wait_timeout_while(live, SHUTDOWN_GRACE, |_| mine(&self.conns.lock().unwrap())).unwrap();
-        drop(live);
-        if timeout.timed_out() {
-            log::warn!("clients of export {name:?} still busy after {SHUTDOWN_GRACE:?}; cutting them off");
-            for c in self.conns.lock().unwrap().values().filter(|c| c.export.as_deref() == Some(name)) {
-                c.stream.shutdown(Shutdown::Both);
+        let Some(tracker) = self.trackers.lock().unwrap().get(name).cloned() else { return };
+        let shut = |how| {
+            let conns = self.conns.lock().unwrap();
+            for c in conns.values().filter(|c| c.export.as_ref().is_some_and(|(n, _)| n == name)) {
+                c.stream.shutdown(how);
             }
-            let live = self.live.lock().unwrap();
-            drop(self.idle.wait_while(live, |_| mine(&self.conns.lock().unwrap())).unwrap());
+        };
+        shut(Shutdown::Read);
+        if !tracker.wait_idle_timeout(SHUTDOWN_GRACE) {
+            log::warn!("clients of export {name:?} still busy after {SHUTDOWN_GRACE:?}; cutting them off");
+            shut(Shutdown::Both);
+            tracker.wait_idle();
         }
     }
 
@@ -212,16 +213,12 @@ impl Server {
         for a in acceptors {
             let _ = a.join();
         }
-        let live = self.live.lock().unwrap();
-        let (live, timeout) = self.idle.wait_timeout_while(live, SHUTDOWN_GRACE, |n| *n > 0).unwrap();
-        drop(live);
-        if timeout.timed_out() {
+        if !self.live.wait_idle_timeout(SHUTDOWN_GRACE) {
             log::warn!("clients still busy after {SHUTDOWN_GRACE:?}; disconnecting them");
             for c in self.conns.lock().unwrap().values() {
                 c.stream.shutdown(Shutdown::Both);
             }
-            let live = self.live.lock().unwrap();
-            drop(self.idle.wait_while(live, |n| *n > 0).unwrap());
+            self.live.wait_idle();
         }
         Ok(())
     }
@@ -240,7 +237,7 @@ impl Server {
 
     /// Number of connections open now.
     pub fn connections(&self) -> usize {
-        *self.live.lock().unwrap()
+        self.live.counts().requests
     }
 
     fn accept_loop(self: Arc<Self>, listener: Listener) {
@@ -275,7 +272,7 @@ impl Server {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let Ok(handle) = stream.try_clone() else { return };
         self.conns.lock().unwrap().insert(id, Conn { stream: handle, export: None });
-        *self.live.lock().unwrap() += 1;
+        self.live.begin(1, 0);
         if self.stopping.load(Ordering::SeqCst) {
             stream.shutdown(Shutdown::Read);
         }
@@ -294,11 +291,10 @@ impl Server {
     }
 
     fn forget(&self, id: u64) {
-        self.conns.lock().unwrap().remove(&id);
-        let mut live = self.live.lock().unwrap();
-        *live -= 1;
-        // Shutdown waits for none, a removal for none of one export's.
-        self.idle.notify_all();
+        if let Some(Conn { export: Some((_, of_export)), .. }) = self.conns.lock().unwrap().remove(&id) {
+            of_export.end(1, 0);
+        }
+        self.live.end(1, 0);
     }
 
     /// Marks connection `id` as a client of `export`, unless the export was
@@ -308,8 +304,11 @@ impl Server {
         if !exports.iter().any(|e| e.name == export.name && Arc::ptr_eq(&e.device, &export.device)) {
             return false;
         }
+        let mut trackers = self.trackers.lock().unwrap();
+        let tracker = trackers.entry(export.name.clone()).or_insert_with(|| Arc::new(InFlight::new()));
         if let Some(c) = self.conns.lock().unwrap().get_mut(&id) {
-            c.export = Some(export.name.clone());
+            tracker.begin(1, 0);
+            c.export = Some((export.name.clone(), tracker.clone()));
         }
         true
     }

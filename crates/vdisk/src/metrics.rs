@@ -206,7 +206,9 @@ fn process(enc: &mut DescriptorEncoder, exports: u64) -> Result<(), std::fmt::Er
     let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().collect()).unwrap_or_default();
     let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     // SAFETY: sysconf only reads its integer argument.
-    let (tick, page) = unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_PAGESIZE)) };
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    // SAFETY: as above.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     let cpu = (field(11) + field(12)) as f64 / tick.max(1) as f64;
     let rss = field(21) * page.max(1) as u64;
     let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as u64).unwrap_or(0);
