@@ -346,15 +346,26 @@ fn fio_randread_iops(dir: &Path, uri: &str, ramp: u32, runtime: u32) -> f64 {
 }
 
 #[test]
-fn qos_limits_iops_live() {
+fn qos_limits_iops_live_and_only_its_own_export() {
     let dir = TempDir::new("daemon-qos");
     let d = Daemon::start(&dir, &[]);
     let q = image(&dir, "q.img", "32M");
     d.ok(&["add", &q, "--iops", "2000"]);
     assert_eq!(d.json(&["list"])[0]["qos"]["iops"], 2000);
+    let other = image(&dir, "other.img", "32M");
+    d.ok(&["add", &other]);
     // The ramp spends the one-second burst; what follows is the steady rate.
-    let limited = fio_randread_iops(&dir.0, &d.server.uri("q"), 2, 5);
+    let limited = {
+        let (dir, uri) = (dir.0.clone(), d.server.uri("q"));
+        std::thread::spawn(move || fio_randread_iops(&dir, &uri, 2, 5))
+    };
+    // Meanwhile an export without limits runs at its own speed.
+    std::thread::sleep(Duration::from_millis(2500));
+    let beside = fio_randread_iops(&dir.0, &d.server.uri("other"), 0, 3);
+    let limited = limited.join().unwrap();
     assert!((1800.0..=2200.0).contains(&limited), "4K randread QD32 at a 2000 IOPS limit: {limited:.0} IOPS");
+    eprintln!("beside the limited export, one without limits: {beside:.0} IOPS");
+    assert!(beside > limited * 2.0, "a limited export slowed another: {beside:.0} IOPS beside {limited:.0}");
     eprintln!("4K randread QD32 at a 2000 IOPS limit: {limited:.0} IOPS");
     d.ok(&["qos", "q", "--iops", "0"]);
     let free = fio_randread_iops(&dir.0, &d.server.uri("q"), 0, 3);
