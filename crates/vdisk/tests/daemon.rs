@@ -446,3 +446,38 @@ fn remove_hard_unmounts_the_fuse_file_even_under_a_loop_device() {
     assert_same("data written through FUSE", &c.read(0, 1 << 20), &data);
     d.server.stop();
 }
+
+#[test]
+fn a_failed_add_leaves_nothing_started() {
+    // SAFETY: geteuid only returns a number.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "mounting FUSE needs root (CI runs as root)");
+    let dir = TempDir::new("daemon-failed-add");
+    let d = Daemon::start(&dir, &[]);
+    let img = image(&dir, "g.img", "8M");
+    let file = dir.path("g.disk");
+    let not_a_socket = dir.path("plain");
+    std::fs::write(&not_a_socket, b"x").unwrap();
+    // The FUSE file is mounted before the vhost-user socket fails: it must go again.
+    let args = ["add", &img, "--fuse", file.to_str().unwrap(), "--vhost-user-blk", not_a_socket.to_str().unwrap()];
+    let out = d.ctl(&args);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"), "{}", text(&out));
+    assert!(!mounted(&file), "a failed add left {} mounted", file.display());
+    assert_eq!(d.json(&["list"]), json!([]));
+    // A COW overlay whose base is not where it says.
+    let cow = dir.path("o.cow");
+    run(vdisk_bin(), &["create", "--backing", &img, cow.to_str().unwrap()]);
+    let out = d.ctl(&["add", cow.to_str().unwrap(), "--backing", "/nonexistent/base.img"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(d.json(&["list"]), json!([]));
+    // Nothing held the name or the image: both add cleanly now.
+    d.ok(&["add", &img, "--fuse", file.to_str().unwrap()]);
+    d.ok(&["add", cow.to_str().unwrap()]);
+    let list = d.json(&["list"]);
+    assert_eq!((list[1]["name"].as_str(), list[1]["format"].as_str()), (Some("o"), Some("cow")), "{list}");
+    // The same overlay twice is refused: it is locked by the first.
+    let out = d.ctl(&["add", cow.to_str().unwrap(), "--name", "again"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    d.server.stop();
+    assert!(!mounted(&file));
+}
