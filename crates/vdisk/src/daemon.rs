@@ -186,6 +186,8 @@ impl Daemon {
                 ));
             }
         }
+        // Requests waiting for QoS tokens are in flight too: they go now.
+        export.device.set_limits(Limits::default());
         self.nbd.disconnect(name);
         let running = {
             let mut exports = self.exports.lock().unwrap();
@@ -227,6 +229,13 @@ impl Daemon {
     pub fn limits(&self, name: &str) -> Result<Limits, Refusal> {
         let exports = self.exports.lock().unwrap();
         exports.iter().find(|e| e.name == name).map(|e| e.device.limits()).ok_or_else(|| not_found(name))
+    }
+
+    /// Lifts every export's QoS limits (at shutdown: what waits for tokens goes at once).
+    pub fn lift_limits(&self) {
+        for e in self.exports.lock().unwrap().iter() {
+            e.device.set_limits(Limits::default());
+        }
     }
 
     pub fn names(&self) -> Vec<String> {

@@ -69,10 +69,10 @@ fn serve_until_signal(
 ) -> Result<(), Failure> {
     let stop = Arc::new(Stop::default());
     {
-        let (server, stop) = (server.clone(), stop.clone());
+        let (server, stop, daemon) = (server.clone(), stop.clone(), daemon.clone());
         std::thread::Builder::new()
             .name("signals".into())
-            .spawn(move || wait_for_signals(signals, &server, &stop))
+            .spawn(move || wait_for_signals(signals, &server, &daemon, &stop))
             .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
     }
     let Listeners { nbd, socket, control, metrics, .. } = listeners;
@@ -356,7 +356,7 @@ impl Stop {
 }
 
 /// First signal: stop cleanly. Second: give up at once.
-fn wait_for_signals(set: libc::sigset_t, server: &Server, stop: &Stop) {
+fn wait_for_signals(set: libc::sigset_t, server: &Server, daemon: &Daemon, stop: &Stop) {
     let mut count = 0;
     loop {
         let mut sig = 0;
@@ -367,6 +367,8 @@ fn wait_for_signals(set: libc::sigset_t, server: &Server, stop: &Stop) {
         count += 1;
         if count == 1 {
             eprintln!("vdisk: signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            // Requests waiting for QoS tokens are in flight too: let them finish now.
+            daemon.lift_limits();
             server.stop();
             stop.trigger();
         } else {

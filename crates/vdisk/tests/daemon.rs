@@ -481,3 +481,33 @@ fn a_failed_add_leaves_nothing_started() {
     d.server.stop();
     assert!(!mounted(&file));
 }
+
+#[test]
+fn requests_waiting_for_qos_tokens_do_not_hold_up_remove_or_stop() {
+    let dir = TempDir::new("daemon-qos-stop");
+    let d = Daemon::start(&dir, &[]);
+    let img = image(&dir, "w.img", "8M");
+    for round in 0..2 {
+        // One byte a second: a 64 KiB write would wait 18 hours for its tokens.
+        d.ok(&["add", &img, "--write-bps", "1"]);
+        let mut writer = Command::new("qemu-io")
+            .args(["-f", "raw", &d.server.uri("w"), "-c", "write -P 4 0 64k"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1000));
+        assert_eq!(d.stats("w")["write_ops"], 0, "the write waits for its tokens");
+        if round == 1 {
+            break; // SIGTERM below, with the write still waiting
+        }
+        let t = Instant::now();
+        d.ok(&["remove", "w", "--hard"]);
+        assert!(t.elapsed() < Duration::from_secs(8), "remove --hard waited {:?}", t.elapsed());
+        assert!(writer.wait().unwrap().success(), "the waiting write was answered");
+    }
+    let t = Instant::now();
+    d.server.stop();
+    assert!(t.elapsed() < Duration::from_secs(8), "SIGTERM waited {:?}", t.elapsed());
+    let data = read_file(&PathBuf::from(&img));
+    assert_same("the write that waited, finished at stop", &data[..65536], &[4u8; 65536]);
+}
