@@ -511,3 +511,26 @@ fn requests_waiting_for_qos_tokens_do_not_hold_up_remove_or_stop() {
     let data = read_file(&PathBuf::from(&img));
     assert_same("the write that waited, finished at stop", &data[..65536], &[4u8; 65536]);
 }
+
+#[test]
+fn remove_hard_disconnects_the_vhost_user_frontend() {
+    let dir = TempDir::new("daemon-vhost");
+    let d = Daemon::start(&dir, &[]);
+    let img = image(&dir, "v.img", "8M");
+    let sock = dir.path("v.vhost");
+    d.ok(&["add", &img, "--vhost-user-blk", sock.to_str().unwrap(), "--num-queues", "1"]);
+    assert_eq!(d.json(&["list"])[0]["transports"][1]["type"], "vhost-user-blk");
+    // A frontend that connected (and says nothing yet).
+    let mut frontend = UnixStream::connect(&sock).unwrap();
+    frontend.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let out = d.ctl(&["remove", "v"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("vhost-user-blk socket"), "{}", text(&out));
+    d.ok(&["remove", "v", "--hard"]);
+    let mut byte = [0u8; 1];
+    let n = std::io::Read::read(&mut frontend, &mut byte);
+    assert!(matches!(n, Ok(0) | Err(_)), "the frontend is disconnected: {n:?}");
+    assert!(!sock.exists(), "the vhost-user socket is removed");
+    d.ok(&["add", &img, "--vhost-user-blk", sock.to_str().unwrap()]);
+    d.server.stop();
+}
