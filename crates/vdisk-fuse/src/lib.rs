@@ -11,6 +11,7 @@
 //! layout and SQEs), `mount` (the mount point).
 
 mod classic;
+mod error;
 mod mount;
 pub mod proto;
 mod ring;
@@ -26,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use vdisk_engine::Device;
 
+pub use crate::error::{Error, ErrorKind};
 use crate::proto::Wire;
 use crate::session::Session;
 
@@ -60,7 +62,7 @@ pub struct FuseExport {
 }
 
 /// Mounts `device` as the file `path` and starts serving it.
-pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExport, String> {
+pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExport, Error> {
     if opts.uring {
         ring::check_enabled()?;
     }
@@ -96,8 +98,9 @@ pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExp
 }
 
 impl FuseExport {
-    fn handshake(&mut self, dev: &Arc<OwnedFd>, opts: &Options) -> Result<(), String> {
-        let what = |e: std::io::Error| format!("--fuse {}: FUSE_INIT failed: {e}", self.path.display());
+    fn handshake(&mut self, dev: &Arc<OwnedFd>, opts: &Options) -> Result<(), Error> {
+        let file = |m: String| Error::new(ErrorKind::File, m);
+        let what = |e: std::io::Error| file(format!("{}: FUSE_INIT failed: {e}", self.path.display()));
         let (h, init) = classic::read_init(dev).map_err(what)?;
         let reply = session::init_reply(&init, opts.uring);
         let sink = classic::FdSink { fd: dev.try_clone().map_err(what)?, session: self.session.clone() };
@@ -105,7 +108,7 @@ impl FuseExport {
             Ok(out) => sink.send(h.unique, 0, out.bytes()),
             Err(_) => sink.send(h.unique, libc::EPROTO, &[]),
         }
-        let reply = reply.map_err(|e| format!("--fuse {}: {e}", self.path.display()))?;
+        let reply = reply.map_err(|e| file(format!("{}: {e}", self.path.display())))?;
         log::info!(
             "fuse: kernel protocol 7.{}, max_write {} KiB, flags {:#x}",
             init.minor,
@@ -118,19 +121,19 @@ impl FuseExport {
         let readers = if opts.uring { 1 } else { opts.readers.max(1) };
         for i in 0..readers {
             let fd = if i == 0 { dev.try_clone() } else { mount::clone_dev(dev) }
-                .map_err(|e| format!("--fuse {}: cannot clone /dev/fuse: {e}", self.path.display()))?;
+                .map_err(|e| file(format!("{}: cannot clone /dev/fuse: {e}", self.path.display())))?;
             let reader = classic::Reader::new(fd, self.session.clone())
-                .map_err(|e| format!("--fuse {}: {e}", self.path.display()))?;
+                .map_err(|e| file(format!("{}: {e}", self.path.display())))?;
             let t = std::thread::Builder::new()
                 .name(format!("fuse-rd{i}"))
                 .spawn(move || reader.run())
-                .map_err(|e| format!("cannot start a FUSE thread: {e}"))?;
+                .map_err(|e| Error::other(format!("cannot start a FUSE thread: {e}")))?;
             self.threads.push(t);
         }
         Ok(())
     }
 
-    fn start_rings(&mut self, dev: &Arc<OwnedFd>) -> Result<(), String> {
+    fn start_rings(&mut self, dev: &Arc<OwnedFd>) -> Result<(), Error> {
         let queues = ring::queue_count();
         let depth = ring::depth(queues);
         log::info!("fuse: {queues} ring queue(s) of {depth} entries");
@@ -148,7 +151,7 @@ impl FuseExport {
                         let _ = tx.send(Err(e));
                     }
                 })
-                .map_err(|e| format!("cannot start a FUSE ring thread: {e}"))?;
+                .map_err(|e| Error::other(format!("cannot start a FUSE ring thread: {e}")))?;
             self.threads.push(t);
             match rx.recv() {
                 Ok(Ok(sink)) => self.wakers.push(sink),
@@ -158,12 +161,15 @@ impl FuseExport {
                     } else {
                         ""
                     };
-                    return Err(format!(
-                        "--fuse-uring {}: registering ring queue {qid} with the kernel failed: {e}{hint}",
-                        self.path.display()
+                    return Err(Error::new(
+                        ErrorKind::Ring,
+                        format!(
+                            "{}: registering ring queue {qid} with the kernel failed: {e}{hint}",
+                            self.path.display()
+                        ),
                     ));
                 }
-                Err(_) => return Err("a FUSE ring thread died while starting".into()),
+                Err(_) => return Err(Error::other("a FUSE ring thread died while starting")),
             }
         }
         Ok(())
@@ -178,11 +184,11 @@ impl FuseExport {
     /// Unmounts (lazily), lets the threads answer what they took and end,
     /// and removes the file if vdisk created it. A loop device still using
     /// the file keeps the file system alive: then the connection is aborted.
-    pub fn stop(mut self) -> Result<(), String> {
+    pub fn stop(mut self) -> Result<(), Error> {
         self.shut()
     }
 
-    fn shut(&mut self) -> Result<(), String> {
+    fn shut(&mut self) -> Result<(), Error> {
         if self.stopped {
             return Ok(());
         }
@@ -196,8 +202,8 @@ impl FuseExport {
             ),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
             Err(e) => {
-                result =
-                    Err(format!("cannot unmount {}: {e} (try: umount -l {})", self.path.display(), self.path.display()))
+                let (p, q) = (self.path.display(), self.path.display());
+                result = Err(Error::other(format!("cannot unmount {p}: {e} (try: umount -l {q})")))
             }
         }
         let threads = std::mem::take(&mut self.threads);

@@ -377,11 +377,7 @@ fn qos_limits_iops_live_and_only_its_own_export() {
 #[test]
 fn metrics_parse_as_openmetrics() {
     let dir = TempDir::new("daemon-metrics");
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let addr = format!("127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{}", free_port());
     let d = Daemon::start(&dir, &["--metrics", &addr]);
     let m = image(&dir, "m.img", "8M");
     d.ok(&["add", &m]);
