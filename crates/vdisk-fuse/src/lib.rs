@@ -23,8 +23,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::Device;
 
 pub use crate::error::{Error, ErrorKind};
@@ -53,6 +54,8 @@ pub struct FuseExport {
     created: bool,
     session: Arc<Session>,
     threads: Vec<JoinHandle<()>>,
+    /// The threads still running, so a stop waits for them without polling.
+    running: Arc<InFlight>,
     wakers: Vec<Arc<ring::RingSink>>,
     give_up: Arc<AtomicBool>,
     stopped: bool,
@@ -80,6 +83,7 @@ pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExp
         created: prepared.created,
         session: session.clone(),
         threads: Vec::new(),
+        running: Arc::new(InFlight::new()),
         wakers: Vec::new(),
         give_up: Arc::new(AtomicBool::new(false)),
         stopped: false,
@@ -124,9 +128,13 @@ impl FuseExport {
                 .map_err(|e| file(format!("{}: cannot clone /dev/fuse: {e}", self.path.display())))?;
             let reader = classic::Reader::new(fd, self.session.clone())
                 .map_err(|e| file(format!("{}: {e}", self.path.display())))?;
+            let running = Running::start(&self.running);
             let t = std::thread::Builder::new()
                 .name(format!("fuse-rd{i}"))
-                .spawn(move || reader.run())
+                .spawn(move || {
+                    let _running = running;
+                    reader.run()
+                })
                 .map_err(|e| Error::other(format!("cannot start a FUSE thread: {e}")))?;
             self.threads.push(t);
         }
@@ -140,15 +148,19 @@ impl FuseExport {
         for qid in 0..queues {
             let (tx, rx) = std::sync::mpsc::channel();
             let (dev, session, give_up) = (dev.clone(), self.session.clone(), self.give_up.clone());
+            let running = Running::start(&self.running);
             let t = std::thread::Builder::new()
                 .name(format!("fuse-q{qid}"))
-                .spawn(move || match ring::Queue::start(qid as u16, depth, dev, session, give_up) {
-                    Ok((q, sink)) => {
-                        let _ = tx.send(Ok(sink));
-                        q.run();
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(e));
+                .spawn(move || {
+                    let _running = running;
+                    match ring::Queue::start(qid as u16, depth, dev, session, give_up) {
+                        Ok((q, sink)) => {
+                            let _ = tx.send(Ok(sink));
+                            q.run();
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
                     }
                 })
                 .map_err(|e| Error::other(format!("cannot start a FUSE ring thread: {e}")))?;
@@ -207,7 +219,7 @@ impl FuseExport {
             }
         }
         let threads = std::mem::take(&mut self.threads);
-        if !wait_for(&threads, Duration::from_secs(10)) {
+        if !self.running.wait_idle_timeout(Duration::from_secs(10)) {
             log::warn!("FUSE threads of {} did not end; leaving them", self.path.display());
             self.give_up.store(true, Ordering::Release);
             self.wakers.iter().for_each(|w| w.wake());
@@ -224,15 +236,20 @@ impl FuseExport {
     }
 }
 
-fn wait_for(threads: &[JoinHandle<()>], timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while !threads.iter().all(|t| t.is_finished()) {
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
+/// Counts a FUSE thread as running until it ends (returns or panics).
+struct Running(Arc<InFlight>);
+
+impl Running {
+    fn start(threads: &Arc<InFlight>) -> Running {
+        threads.begin(1, 0);
+        Running(threads.clone())
     }
-    true
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.end(1, 0);
+    }
 }
 
 impl Drop for FuseExport {
