@@ -5,7 +5,7 @@ set -euo pipefail
 # openssl: tests/tls.rs makes RSA keys of odd sizes with it. (The power-loss storage, fuser, mounts
 # with mount(2) as root and needs no fusermount.)
 pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config
-    openssl)
+    openssl python3-prometheus-client)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

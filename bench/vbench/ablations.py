@@ -13,8 +13,12 @@ from .common import IMAGE_SIZE, RAW, fill_image, log, pdeathsig, slug
 from .fio import JOB, FioError, cell, fio_job_args, run_fio
 from .servers import StartError
 
+# The --metrics row: the endpoint a scraper thread reads once a second while fio runs.
+METRICS = "127.0.0.1:19199"
+
 ABLATIONS = [  # label, kind, extra
     ("vdisk uring (default: --batch 64, 1 ring)", "vdisk", ("--engine", "uring")),
+    ("vdisk uring --metrics (scraped every second)", "vdisk", ("--engine", "uring", "--metrics", METRICS)),
     ("vdisk uring --batch 1", "vdisk", ("--engine", "uring", "--batch", "1")),
     ("vdisk threads --workers 16 (default)", "vdisk", ("--engine", "threads", "--workers", "16")),
     ("vdisk threads --workers 1", "vdisk", ("--engine", "threads", "--workers", "1")),

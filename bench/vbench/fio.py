@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import threading
 import time
+import urllib.request
 
 from .common import IMAGE_SIZE, MiB, PIN, RAW, ROOT, fill_image, last_line, log, slug
 from .servers import StartError
@@ -114,6 +115,31 @@ def fio_job_args(opts, runtime, ramp):
     return a
 
 
+class Scraper:
+    """For a server started with --metrics HOST:PORT: GET /metrics once a second, as
+    Prometheus would, until stop(). Does nothing for other servers."""
+
+    def __init__(self, extra):
+        self.done = threading.Event()
+        self.thread = None
+        if "--metrics" in extra:
+            url = f"http://{extra[list(extra).index('--metrics') + 1]}/metrics"
+            self.thread = threading.Thread(target=self.run, args=(url,), daemon=True)
+            self.thread.start()
+
+    def run(self, url):
+        while not self.done.wait(1.0):
+            try:
+                urllib.request.urlopen(url, timeout=2).read()
+            except OSError:
+                pass
+
+    def stop(self):
+        self.done.set()
+        if self.thread:
+            self.thread.join()
+
+
 def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=None, make_server=None, repeat=None):
     """One fio cell, repeated, median by throughput. `make_server(label, kind, medium, extra)`
     replaces `b.server` (section overlay: a server that makes its own fresh overlay)."""
@@ -143,6 +169,7 @@ def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=N
                     b.failed_start[key] = str(e)
                     log(f"  {label} ({medium}) failed to start: {e}")
                     return {"error": f"failed: {e}"}
+                scraper = Scraper(extra)
                 try:
                     # fio counts requests only after its ramp: so does the server's CPU time.
                     mark = {}
@@ -154,6 +181,7 @@ def cell(b, name, label, kind, medium, extra, opts, metric, runtime=None, ramp=N
                         timer.cancel()
                     c1, t1 = srv.cpu_seconds(), time.monotonic()
                 finally:
+                    scraper.stop()
                     srv.stop()
                 r.update(srv.extra)
                 r["rss_mib"] = srv.rss_mib

@@ -46,9 +46,11 @@ mod faults {
 pub mod inflight;
 mod lent;
 mod plan;
+pub mod qos;
 mod queue;
 mod request;
 pub mod slab;
+pub mod stats;
 pub mod submit;
 mod sys;
 mod threads;
@@ -63,7 +65,9 @@ use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
 pub use lent::Lent;
+pub use qos::Limits;
 pub use request::{Op, Request, Sink};
+pub use stats::{Snapshot, Stats};
 
 use queue::Queue;
 
@@ -146,6 +150,9 @@ pub struct Device {
     dsync_unreliable: bool,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Shared with the queue, which counts completions.
+    stats: Arc<Stats>,
+    qos: qos::Qos,
 }
 
 impl Device {
@@ -166,7 +173,8 @@ impl Device {
 
     fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
         let consumers = if kind == EngineKind::Uring { config.rings } else { config.workers }.max(1);
-        let queue = Arc::new(Queue::new(consumers));
+        let stats = Arc::new(Stats::default());
+        let queue = Arc::new(Queue::new(consumers, stats.clone()));
         let inline = if !config.inline || !image.direct_files().is_empty() {
             Inline::Never
         } else if image.files().iter().all(sys::in_memory) {
@@ -186,6 +194,8 @@ impl Device {
             dsync_unreliable: image.files().first().is_some_and(sys::on_fuse),
             queue,
             workers: Mutex::new(Vec::new()),
+            stats,
+            qos: qos::Qos::default(),
         };
         for i in 0..consumers {
             let mut planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
@@ -244,9 +254,25 @@ impl Device {
         &self.image
     }
 
-    /// Queues a batch; each request comes back through `sink` once done.
+    /// What this device has done so far (every export's requests together).
+    pub fn stats(&self) -> Snapshot {
+        self.stats.snapshot()
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.qos.limits()
+    }
+
+    /// Changes the device's QoS limits, live (0 lifts one).
+    pub fn set_limits(&self, limits: Limits) {
+        self.qos.set(limits);
+    }
+
+    /// Queues a batch; each request comes back through `sink` once done. Over
+    /// the device's QoS limits, this waits first.
     pub fn submit(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
-        self.queue.push(batch, sink);
+        self.qos.admit(&batch);
+        self.queue.push(batch, sink, std::time::Instant::now());
     }
 
     /// Finishes in the caller's thread what needs no device and puts it in
@@ -254,11 +280,27 @@ impl Device {
     /// through `sink`. On an in-memory file everything finishes inline; on
     /// others, reads the page cache can serve in full.
     pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
+        self.qos.admit(&batch);
+        let (started, first) = (std::time::Instant::now(), done.len());
+        self.stats.submitted(batch.len());
+        self.submit_inline_counted(batch, sink, done, started);
+        self.stats.completed(done[first..].iter(), started);
+    }
+
+    /// [`Device::submit_inline`] once QoS admitted the batch and it was counted in.
+    fn submit_inline_counted(
+        &self,
+        batch: Vec<Request>,
+        sink: &Arc<dyn Sink>,
+        done: &mut Vec<Request>,
+        started: std::time::Instant,
+    ) {
+        let submit = |batch: Vec<Request>| self.queue.push_counted(batch, sink, started);
         let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
         planner.faults = self.faults.clone();
         planner.dsync_unreliable = self.dsync_unreliable;
         match self.inline {
-            Inline::Never => self.submit(batch, sink),
+            Inline::Never => submit(batch),
             Inline::All => {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
@@ -268,9 +310,9 @@ impl Device {
                 done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
                 threads::execute(&mut planner, &mut reqs);
-                self.submit(large, sink);
+                submit(large);
             }
-            Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => self.submit(batch, sink),
+            Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => submit(batch),
             Inline::CachedReads => {
                 let (mut reads, mut rest): (Vec<Request>, Vec<Request>) =
                     batch.into_iter().partition(|r| r.op == Op::Read && r.len <= INLINE_MAX);
@@ -298,7 +340,7 @@ impl Device {
                         done.push(req);
                     }
                 }
-                self.submit(rest, sink);
+                submit(rest);
             }
         }
     }

@@ -7,11 +7,13 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
 
 use crate::wake::EventFd;
-use crate::{Request, Sink};
+use crate::{Request, Sink, Stats};
 
-pub(crate) type Job = (Request, Arc<dyn Sink>);
+/// A request, where it goes when done, and when it was submitted.
+pub(crate) type Job = (Request, Arc<dyn Sink>, Instant);
 
 /// How a sleeping ring is woken: its eventfd, written only when it said it was going idle.
 pub(crate) struct Waker {
@@ -30,6 +32,8 @@ pub(crate) struct Queue {
     ready: Condvar,
     consumers: usize,
     wakers: Mutex<Vec<Arc<Waker>>>,
+    /// Counts every request in ([`Queue::push`]) and out ([`Queue::deliver`]).
+    stats: Arc<Stats>,
 }
 
 struct State {
@@ -40,12 +44,13 @@ struct State {
 }
 
 impl Queue {
-    pub fn new(consumers: usize) -> Self {
+    pub fn new(consumers: usize, stats: Arc<Stats>) -> Self {
         Queue {
             state: Mutex::new(State { jobs: VecDeque::new(), closed: false, waiting: 0 }),
             ready: Condvar::new(),
             consumers: consumers.max(1),
             wakers: Mutex::new(Vec::new()),
+            stats,
         }
     }
 
@@ -53,13 +58,20 @@ impl Queue {
         self.wakers.lock().unwrap().push(w);
     }
 
-    pub fn push(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
+    /// Queues a batch submitted at `started`.
+    pub fn push(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, started: Instant) {
+        self.stats.submitted(batch.len());
+        self.push_counted(batch, sink, started);
+    }
+
+    /// [`Queue::push`] for requests the stats already count as in flight.
+    pub fn push_counted(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, started: Instant) {
         let n = batch.len();
         if n == 0 {
             return;
         }
         let mut st = self.state.lock().unwrap();
-        st.jobs.extend(batch.into_iter().map(|r| (r, sink.clone())));
+        st.jobs.extend(batch.into_iter().map(|r| (r, sink.clone(), started)));
         let waiting = st.waiting;
         drop(st);
         if waiting == 1 || (waiting > 1 && n == 1) {
@@ -121,12 +133,25 @@ impl Queue {
             w.wake();
         }
     }
+
+    /// Counts completed requests in the stats (once each: this is the one
+    /// place queued requests complete), then hands each sink its own in one call.
+    pub(crate) fn deliver(&self, jobs: &mut Vec<Job>) {
+        let mut at = 0;
+        while at < jobs.len() {
+            let started = jobs[at].2;
+            let end = at + jobs[at..].iter().take_while(|j| j.2 == started).count();
+            self.stats.completed(jobs[at..end].iter().map(|j| &j.0), started);
+            at = end;
+        }
+        deliver(jobs);
+    }
 }
 
 /// Hands each sink its completed requests in one call.
-pub(crate) fn deliver(jobs: &mut Vec<Job>) {
+fn deliver(jobs: &mut Vec<Job>) {
     let mut groups: Vec<(Arc<dyn Sink>, Vec<Request>)> = Vec::new();
-    for (req, sink) in jobs.drain(..) {
+    for (req, sink, _) in jobs.drain(..) {
         match groups.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
             Some((_, reqs)) => reqs.push(req),
             None => groups.push((sink, vec![req])),

@@ -515,3 +515,19 @@ fn power_cut_round(fopen_direct_io: bool) {
     drop(storage);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn stats_count_each_request_once_inline_or_queued() {
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("stats-{name}"), 4 << 20, false, &cfg, format);
+        let writes: Vec<Request> = (0..16).map(|i| write(i * 8192, pattern(i as u8, 4096), i)).collect();
+        rig.run(writes);
+        let mut reads: Vec<Request> = (0..16).map(|i| Request::new(Op::Read, i * 8192, 4096, i)).collect();
+        reads.push(Request::new(Op::Flush, 0, 0, 99));
+        rig.run_inline(reads);
+        let s = rig.dev.stats();
+        assert_eq!((s.write_ops, s.write_bytes, s.read_ops, s.read_bytes), (16, 65536, 16, 65536), "{name}: {s:?}");
+        assert_eq!((s.flush_ops, s.errors, s.in_flight), (1, 0, 0), "{name}: {s:?}");
+        assert_eq!((s.read_latency.count, s.write_latency.count, s.flush_latency.count), (16, 16, 1), "{name}");
+    }
+}

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use crate::plan::Planner;
-use crate::queue::{deliver, Queue};
+use crate::queue::Queue;
 use crate::{Op, Request};
 
 pub(crate) struct Worker {
@@ -23,9 +23,9 @@ impl Worker {
     pub fn run(mut self) {
         let mut jobs = Vec::with_capacity(self.batch);
         while self.queue.take(self.batch, &mut jobs) {
-            let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _)| r).collect();
+            let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
             execute(&mut self.planner, &mut reqs);
-            deliver(&mut jobs);
+            self.queue.deliver(&mut jobs);
         }
     }
 }

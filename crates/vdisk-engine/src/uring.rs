@@ -24,7 +24,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 use vdisk_image::{Error, Result};
 
 use crate::plan::{Planner, Run};
-use crate::queue::{deliver, Job, Queue, Waker};
+use crate::queue::{Job, Queue, Waker};
 use crate::slab::Slab;
 use crate::wake::EventFd;
 use crate::Op;
@@ -163,7 +163,7 @@ impl RingWorker {
             if !new.is_empty() {
                 self.start(&mut new)?;
             }
-            deliver(&mut self.done);
+            self.queue.deliver(&mut self.done);
             if !open && self.jobs.is_empty() {
                 break;
             }
@@ -178,7 +178,7 @@ impl RingWorker {
                     break;
                 }
                 self.start(&mut new)?;
-                deliver(&mut self.done);
+                self.queue.deliver(&mut self.done);
             }
             // One call submits the whole batch and waits for the first completion.
             self.ring.ring.submit_and_wait(1)?;
@@ -213,7 +213,7 @@ impl RingWorker {
     /// Puts a batch of new requests into the ring (or completes them here when
     /// they need no I/O or failed to map).
     fn start(&mut self, new: &mut Vec<Job>) -> std::io::Result<()> {
-        let runs = self.planner.plan(new.iter_mut().map(|(r, _)| r).enumerate());
+        let runs = self.planner.plan(new.iter_mut().map(|(r, _, _)| r).enumerate());
         let keys: Vec<usize> = new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 0 })).collect();
         for mut run in runs {
             for j in run.jobs.iter_mut() {

@@ -25,7 +25,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use vdisk_engine::inflight::InFlight;
@@ -37,6 +37,7 @@ pub use stream::Stream;
 pub use tls::{CredentialError, CredentialErrorKind, Tls, TlsFiles, TlsMode};
 
 /// A device as NBD clients see it.
+#[derive(Clone)]
 pub struct Export {
     pub name: String,
     pub description: String,
@@ -98,16 +99,27 @@ impl Default for ServerOptions {
     }
 }
 
+/// An open connection: a handle to shut it, and once its handshake chose one,
+/// its export's name and the export's count of connections.
+struct Conn {
+    stream: Stream,
+    export: Option<(String, Arc<InFlight>)>,
+}
+
 pub struct Server {
-    exports: Vec<Export>,
+    /// Exports come and go while the server runs ([`Server::add_export`],
+    /// [`Server::remove_export`]); a handshake works on a copy of the list.
+    exports: RwLock<Vec<Export>>,
     options: ServerOptions,
     stopping: AtomicBool,
     /// Written once on stop; acceptors poll its read end.
     wake: (OwnedFd, OwnedFd),
-    conns: Mutex<HashMap<u64, Stream>>,
+    conns: Mutex<HashMap<u64, Conn>>,
     next_id: AtomicU64,
     /// Connections open (each counts as one in flight).
     live: InFlight,
+    /// Connections open per export name, for [`Server::disconnect`].
+    trackers: Mutex<HashMap<String, Arc<InFlight>>>,
 }
 
 impl Server {
@@ -122,18 +134,71 @@ impl Server {
         // SAFETY: the same for fds[1].
         let wake = (read_end, unsafe { OwnedFd::from_raw_fd(fds[1]) });
         Ok(Arc::new(Server {
-            exports,
+            exports: RwLock::new(exports),
             options,
             stopping: AtomicBool::new(false),
             wake,
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
             live: InFlight::new(),
+            trackers: Mutex::new(HashMap::new()),
         }))
     }
 
-    pub fn exports(&self) -> &[Export] {
-        &self.exports
+    /// The exports served now.
+    pub fn exports(&self) -> Vec<Export> {
+        self.exports.read().unwrap().clone()
+    }
+
+    /// Serves one more export on every listener; a name already served is refused.
+    pub fn add_export(&self, export: Export) -> Result<(), Export> {
+        let mut exports = self.exports.write().unwrap();
+        if exports.iter().any(|e| e.name == export.name) {
+            return Err(export);
+        }
+        exports.push(export);
+        Ok(())
+    }
+
+    /// Stops offering export `name` to new clients; connected ones go on
+    /// until [`Server::disconnect`]. Returns the export and where it was in
+    /// the list, if it was served.
+    pub fn remove_export(&self, name: &str) -> Option<(usize, Export)> {
+        let mut exports = self.exports.write().unwrap();
+        let at = exports.iter().position(|e| e.name == name)?;
+        Some((at, exports.remove(at)))
+    }
+
+    /// Puts back an export [`Server::remove_export`] took, at its place (the
+    /// first export is the default one).
+    pub fn restore_export(&self, at: usize, export: Export) {
+        let mut exports = self.exports.write().unwrap();
+        let at = at.min(exports.len());
+        exports.insert(at, export);
+    }
+
+    /// Clients connected to export `name` now.
+    pub fn connections_to(&self, name: &str) -> usize {
+        self.trackers.lock().unwrap().get(name).map_or(0, |t| t.counts().requests)
+    }
+
+    /// Disconnects every client of export `name` the way [`Server::stop`]
+    /// does (no more requests are read; those read are answered) and waits
+    /// until they are gone. Remove the export first, or new clients may come.
+    pub fn disconnect(&self, name: &str) {
+        let Some(tracker) = self.trackers.lock().unwrap().get(name).cloned() else { return };
+        let shut = |how| {
+            let conns = self.conns.lock().unwrap();
+            for c in conns.values().filter(|c| c.export.as_ref().is_some_and(|(n, _)| n == name)) {
+                c.stream.shutdown(how);
+            }
+        };
+        shut(Shutdown::Read);
+        if !tracker.wait_idle_timeout(SHUTDOWN_GRACE) {
+            log::warn!("clients of export {name:?} still busy after {SHUTDOWN_GRACE:?}; cutting them off");
+            shut(Shutdown::Both);
+            tracker.wait_idle();
+        }
     }
 
     /// Accepts clients on every listener until [`Server::stop`]; then waits for
@@ -150,8 +215,8 @@ impl Server {
         }
         if !self.live.wait_idle_timeout(SHUTDOWN_GRACE) {
             log::warn!("clients still busy after {SHUTDOWN_GRACE:?}; disconnecting them");
-            for s in self.conns.lock().unwrap().values() {
-                s.shutdown(Shutdown::Both);
+            for c in self.conns.lock().unwrap().values() {
+                c.stream.shutdown(Shutdown::Both);
             }
             self.live.wait_idle();
         }
@@ -165,8 +230,8 @@ impl Server {
         }
         // SAFETY: writes one byte from a valid buffer to the pipe we own.
         unsafe { libc::write(self.wake.1.as_raw_fd(), b"x".as_ptr().cast(), 1) };
-        for s in self.conns.lock().unwrap().values() {
-            s.shutdown(Shutdown::Read);
+        for c in self.conns.lock().unwrap().values() {
+            c.stream.shutdown(Shutdown::Read);
         }
     }
 
@@ -206,7 +271,7 @@ impl Server {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let Ok(handle) = stream.try_clone() else { return };
-        self.conns.lock().unwrap().insert(id, handle);
+        self.conns.lock().unwrap().insert(id, Conn { stream: handle, export: None });
         self.live.begin(1, 0);
         if self.stopping.load(Ordering::SeqCst) {
             stream.shutdown(Shutdown::Read);
@@ -215,7 +280,7 @@ impl Server {
         let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn({
             let me = me.clone();
             move || {
-                me.connection(stream);
+                me.connection(stream, id);
                 me.forget(id);
             }
         });
@@ -226,15 +291,34 @@ impl Server {
     }
 
     fn forget(&self, id: u64) {
-        self.conns.lock().unwrap().remove(&id);
+        if let Some(Conn { export: Some((_, of_export)), .. }) = self.conns.lock().unwrap().remove(&id) {
+            of_export.end(1, 0);
+        }
         self.live.end(1, 0);
     }
 
-    fn connection(&self, mut stream: Stream) {
+    /// Marks connection `id` as a client of `export`, unless the export was
+    /// removed since the handshake chose it (then the client is turned away).
+    fn attach(&self, id: u64, export: &Export) -> bool {
+        let exports = self.exports.read().unwrap();
+        if !exports.iter().any(|e| e.name == export.name && Arc::ptr_eq(&e.device, &export.device)) {
+            return false;
+        }
+        let mut trackers = self.trackers.lock().unwrap();
+        let tracker = trackers.entry(export.name.clone()).or_insert_with(|| Arc::new(InFlight::new()));
+        if let Some(c) = self.conns.lock().unwrap().get_mut(&id) {
+            tracker.begin(1, 0);
+            c.export = Some((export.name.clone(), tracker.clone()));
+        }
+        true
+    }
+
+    fn connection(&self, mut stream: Stream, id: u64) {
         let peer = stream.peer();
         let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
         let stopping = || self.stopping.load(Ordering::SeqCst);
-        let neg = match handshake::handshake(&mut stream, &self.exports, &self.options.policy, &stopping) {
+        let exports = self.exports();
+        let neg = match handshake::handshake(&mut stream, &exports, &self.options.policy, &stopping) {
             Ok(neg) => neg,
             Err(handshake::HandshakeEnd::Violation(why)) => {
                 log::warn!("{peer}: handshake failed: {why}; closing the connection");
@@ -247,7 +331,11 @@ impl Server {
             Err(handshake::HandshakeEnd::Aborted) => return,
         };
         let _ = stream.set_read_timeout(None);
-        let export = &self.exports[neg.export];
+        let export = &exports[neg.export];
+        if !self.attach(id, export) {
+            log::info!("{peer}: export {:?} was removed during the handshake; closing the connection", export.name);
+            return;
+        }
         log::debug!("{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
         if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
             if e.kind() == io::ErrorKind::InvalidData {

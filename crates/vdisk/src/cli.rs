@@ -60,7 +60,8 @@ Examples:
     /// Serve images as NBD exports until SIGINT or SIGTERM.
     #[command(after_help = "Each IMAGE becomes an export named after its file stem (disk.img → \"disk\");
 the empty export name selects the first image, so `nbd+unix:///?socket=PATH` just works.
-With no IMAGE, a fresh sparse 1 GiB demo image is served.
+With no IMAGE, a fresh sparse 1 GiB demo image is served; with --control and no
+IMAGE, nothing until `vdisk ctl add` (README: Running it as a daemon).
 
 Durability: writes are acknowledged once in the host page cache; FLUSH makes every
 acknowledged write durable (on every connection); FUA writes and --sync writes are
@@ -72,8 +73,23 @@ Examples:
   vdisk serve disk.img --listen 0.0.0.0:10809 --workers 32
   vdisk serve vm1.cow vm2.cow               COW overlays (their base opens read-only)
   vdisk serve vm1.cow --backing /new/place/base.img
+  vdisk serve --control /run/vdisk.ctl --metrics :9187    a daemon: exports come with `vdisk ctl add`
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(Box<ServeArgs>),
+    /// Talk to a running `vdisk serve --control PATH`: add, remove, list exports,
+    /// show their statistics, change their QoS limits.
+    #[command(
+        after_help = "Exit status: 0 done; 1 the server refused (its reason on stderr) or cannot be reached; 2 a usage error.
+
+Examples:
+  vdisk serve --control /run/vdisk.ctl --socket /run/vdisk.sock &
+  vdisk ctl --control /run/vdisk.ctl add vm1.img --iops 2000
+  vdisk ctl --control /run/vdisk.ctl list
+  vdisk ctl --control /run/vdisk.ctl stats vm1 --json
+  vdisk ctl --control /run/vdisk.ctl qos vm1 --iops 0      lift the limit
+  vdisk ctl --control /run/vdisk.ctl remove vm1 --hard"
+    )]
+    Ctl(crate::ctl::CtlArgs),
     Soak(crate::soak::SoakArgs),
 }
 
@@ -232,6 +248,15 @@ pub struct ServeArgs {
     /// Permissions of the unix socket, in octal: who may connect (default: the owner only).
     #[arg(long, default_value = "0600", value_parser = parse_mode, value_name = "MODE")]
     pub socket_mode: u32,
+    /// Control socket (unix, JSON-RPC 2.0, one object per line; docs/control.md):
+    /// add, remove and inspect exports while serving, with `vdisk ctl`. With it
+    /// and no IMAGE the server starts with no exports. Made with --socket-mode.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Serve Prometheus metrics (per-export counters and latency histograms) at
+    /// http://HOST:PORT/metrics; HOST:PORT, :PORT or PORT (host 127.0.0.1).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics: Option<String>,
     /// Also (or only, without --socket) listen on TCP; HOST:PORT, :PORT or PORT. Default 127.0.0.1:10809.
     #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:10809", value_name = "HOST:PORT")]
     pub listen: Option<String>,

@@ -4,15 +4,20 @@
 
 mod cli;
 mod commit;
+mod control;
 mod create;
+mod ctl;
+mod daemon;
 mod formats;
 mod fuse;
 mod info;
 mod logger;
+mod metrics;
 mod security;
 mod serve;
 mod size;
 mod soak;
+mod stats;
 mod vhost;
 
 use std::process::ExitCode;
@@ -39,6 +44,7 @@ fn main() -> ExitCode {
         cli::Command::Info(a) => info::run(a),
         cli::Command::Serve(a) => serve::run(*a),
         cli::Command::Commit(a) => commit::run(a),
+        cli::Command::Ctl(a) => ctl::run(a),
         cli::Command::Soak(a) => soak::run(a),
     };
     match result {
@@ -66,6 +72,10 @@ impl Failure {
     /// Something failed while doing what was asked: exit code 1.
     pub fn runtime(message: impl Into<String>) -> Self {
         Failure { message: message.into(), usage: false }
+    }
+
+    pub fn is_usage(&self) -> bool {
+        self.usage
     }
 
     fn exit_code(&self) -> u8 {

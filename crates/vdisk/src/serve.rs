@@ -1,7 +1,8 @@
-//! `vdisk serve`: opens the images, starts a device (engine) per image, the
-//! NBD listeners over them, and runs until SIGINT/SIGTERM. Shutdown order:
-//! stop accepting, let connections finish their requests, flush every device,
-//! remove the socket file.
+//! `vdisk serve`: makes the daemon, asks it for one export per image on the
+//! command line, opens the NBD listeners, the control socket and the metrics
+//! endpoint, and runs until SIGINT/SIGTERM. Shutdown order: stop accepting,
+//! let connections finish their requests, stop and flush every export (all
+//! failures reported), remove the socket files.
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::unix::fs::FileTypeExt;
@@ -9,12 +10,12 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vdisk_engine::{Device, EngineConfig, EngineKind};
+use vdisk_engine::{EngineConfig, EngineKind};
 use vdisk_image::RawImage;
-use vdisk_nbd::{Export, Listener, Server, ServerOptions};
+use vdisk_nbd::{Listener, Server, ServerOptions};
 
 use crate::cli::{EngineArg, ServeArgs};
-use crate::formats::{self, Opened};
+use crate::daemon::{export_name, Daemon, ExportSpec, Settings};
 use crate::Failure;
 
 const DEMO_SIZE: u64 = 1 << 30;
@@ -23,10 +24,83 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     // Signals go to one thread that waits for them; block them before any thread starts.
     let signals = block_signals();
     // Declared first, so dropped (and removed) last, on every way out of this function.
-    let demo = if a.images.is_empty() { Some(DemoImage::create()?) } else { None };
-    let paths: Vec<PathBuf> = demo.iter().map(|d| d.image.clone()).chain(a.images.iter().cloned()).collect();
+    let demo = if a.images.is_empty() && a.control.is_none() { Some(DemoImage::create()?) } else { None };
+    let specs = export_specs(&a, demo.as_ref().map(|d| d.image.clone()))?;
+    let policy = crate::security::policy(&a.security)?;
+    let tls = policy.tls.as_ref().map(|t| t.summary.clone());
+    let options =
+        ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize), policy };
+    let server =
+        Server::new(Vec::new(), options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
+    let daemon = Arc::new(Daemon::new(settings(&a), server.clone()));
+    let mut banner = Vec::new();
+    let started = start_exports(&daemon, specs, &mut banner).and_then(|()| Listeners::open(&a, &daemon, tls.is_some()));
+    let listeners = match started {
+        Ok(l) => l,
+        Err(e) => {
+            // Unmount and close what did start; its failures are logged, the first cause reported.
+            if let Err(more) = daemon.shutdown() {
+                log::warn!("{more}");
+            }
+            return Err(e);
+        }
+    };
+    if demo.is_some() {
+        banner.push("vdisk: no image given: serving a fresh sparse 1 GiB demo image, removed at exit".into());
+    }
+    if let Some(t) = tls {
+        banner.push(format!("vdisk: {t}"));
+    }
+    for line in banner.iter().chain(listeners.banner.iter()) {
+        println!("{line}");
+    }
+    println!("vdisk: stop with Ctrl-C (SIGINT) or SIGTERM");
+    println!("vdisk: ready");
+    serve_until_signal(&server, &daemon, listeners, signals)
+}
 
-    let config = EngineConfig {
+/// Serves until the first signal, then stops everything: NBD clients finish,
+/// every export is stopped and flushed. Every failure on the way is reported.
+fn serve_until_signal(
+    server: &Arc<Server>,
+    daemon: &Arc<Daemon>,
+    listeners: Listeners,
+    signals: libc::sigset_t,
+) -> Result<(), Failure> {
+    let stop = Arc::new(Stop::default());
+    {
+        let (server, stop, daemon) = (server.clone(), stop.clone(), daemon.clone());
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || wait_for_signals(signals, &server, &daemon, &stop))
+            .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
+    }
+    let Listeners { nbd, socket, control, metrics, .. } = listeners;
+    // Returns at once without listeners; the other exports run until the signal.
+    let served = server.serve(nbd);
+    if let Some(path) = &socket {
+        let _ = std::fs::remove_file(path);
+    }
+    stop.wait();
+    drop(control);
+    drop(metrics);
+    let mut errors = Vec::new();
+    if let Err(e) = served {
+        errors.push(format!("server failed: {e}"));
+    }
+    if let Err(e) = daemon.shutdown() {
+        errors.push(format!("at shutdown: {e}"));
+    }
+    if errors.is_empty() {
+        log::info!("stopped cleanly");
+        Ok(())
+    } else {
+        Err(Failure::runtime(errors.join("; ")))
+    }
+}
+
+fn settings(a: &ServeArgs) -> Settings {
+    let engine = EngineConfig {
         kind: match a.engine {
             EngineArg::Uring => EngineKind::Uring,
             EngineArg::Threads => EngineKind::Threads,
@@ -40,146 +114,117 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         inline: !a.no_inline,
         ..Default::default()
     };
-    let policy = crate::security::policy(&a.security)?;
-    let tls_summary = policy.tls.as_ref().map(|t| t.summary.clone());
-    let options =
-        ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize), policy };
-    let mut exports = Vec::new();
-    if a.security.export_name.len() > paths.len() {
-        return Err(Failure::usage(format!(
-            "{} --export-name but {} image(s): give it at most once per image, in image order",
-            a.security.export_name.len(),
-            paths.len()
-        )));
-    }
-    for (i, path) in paths.iter().enumerate() {
-        let Opened { image, description } = formats::open(path, a.format, a.readonly, a.direct, &a.backing)?;
-        if image.size() == 0 {
+    Settings { engine, direct: a.direct, socket_mode: a.socket_mode, fuse_uring: a.fuse_uring }
+}
+
+/// The exports the command line asks for, checked against each other.
+fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>, Failure> {
+    let paths: Vec<PathBuf> = demo.into_iter().chain(a.images.iter().cloned()).collect();
+    for (flag, n) in [
+        ("--export-name", a.security.export_name.len()),
+        ("--fuse", a.fuse.len()),
+        ("--vhost-user-blk", a.vhost_user_blk.len()),
+    ] {
+        if n > paths.len() {
             return Err(Failure::usage(format!(
-                "{} is empty: a disk needs a size (make one with `vdisk create IMAGE --size 10G`)",
-                path.display()
+                "{n} {flag} but {} image(s): give {flag} at most once per image, in image order",
+                paths.len()
             )));
         }
+    }
+    let mut specs: Vec<ExportSpec> = Vec::new();
+    for (i, path) in paths.iter().enumerate() {
         let name = a.security.export_name.get(i).cloned().unwrap_or_else(|| export_name(path));
-        if exports.iter().any(|e: &Export| e.name == name) {
+        if specs.iter().any(|s| s.name.as_deref() == Some(&name)) {
             return Err(Failure::usage(format!(
                 "two images would both be export {name:?} ({}); export names come from file stems: rename one or use --export-name",
                 path.display()
             )));
         }
-        let device = Device::start(&name, image, &config)
-            .map_err(|e| Failure::runtime(format!("cannot start workers for {}: {e}", path.display())))?;
-        exports.push(Export { name, description, device: Arc::new(device) });
+        specs.push(ExportSpec {
+            image: path.clone(),
+            name: Some(name),
+            readonly: a.readonly,
+            format: a.format,
+            backing: a.backing.clone(),
+            fuse: a.fuse.get(i).cloned(),
+            vhost_user_blk: a.vhost_user_blk.get(i).cloned(),
+            num_queues: a.num_queues,
+            limits: Default::default(),
+        });
     }
-
-    for (flag, n) in [("--fuse", a.fuse.len()), ("--vhost-user-blk", a.vhost_user_blk.len())] {
-        if n > exports.len() {
-            return Err(Failure::usage(format!(
-                "{n} {flag} paths but {} image(s): give {flag} at most once per image, in image order",
-                exports.len()
-            )));
-        }
-    }
-    let mut listeners = Vec::new();
-    let mut banner = Vec::new();
-    // Other exports of the same devices. Declared before anything that can fail
-    // below, so a failure stops (unmounts, closes) the ones already started.
-    let mut frontends = Frontends(Vec::new());
-    for (path, e) in a.fuse.iter().zip(&exports) {
-        frontends.0.push(crate::fuse::start(path, &e.device, a.fuse_uring, &mut banner)?);
-    }
-    for (socket, e) in a.vhost_user_blk.iter().zip(&exports) {
-        frontends.0.push(crate::vhost::start(socket, &e.device, a.num_queues, a.socket_mode, &mut banner)?);
-    }
-    let first = exports[0].name.clone();
-    let others = !frontends.0.is_empty();
-    let socket = match (&a.socket, &a.listen) {
-        (Some(p), _) => Some(p.clone()),
-        (None, None) if !others => Some(default_socket()),
-        (None, _) => None,
-    };
-    if let Some(path) = &socket {
-        listeners.push(Listener::Unix(bind_unix(path, a.socket_mode, "--socket")?, path.clone()));
-        banner.push(format!("vdisk: listening on unix socket {}", path.display()));
-        if tls_summary.is_some() {
-            let uri = format!("nbds+unix:///{first}?socket={}", path.display());
-            banner.push(format!("  try: nbdinfo '{uri}'  (with the client's TLS credentials: README, Security)"));
-        } else {
-            let uri = format!("nbd+unix:///{first}?socket={}", path.display());
-            banner.push(format!("  try: nbdinfo '{uri}'"));
-            banner.push(format!("       qemu-img info '{uri}'"));
-        }
-    }
-    if let Some(addr) = &a.listen {
-        let addr = parse_listen(addr)?;
-        let l = TcpListener::bind(addr).map_err(|e| {
-            Failure::usage(format!(
-                "cannot listen on {addr}: {e} (is another server using the port? pick another with --listen HOST:PORT)"
-            ))
-        })?;
-        listeners.push(Listener::Tcp(l));
-        banner.push(format!("vdisk: listening on tcp {addr}"));
-        let scheme = if tls_summary.is_some() { "nbds" } else { "nbd" };
-        banner.push(format!("  try: nbdinfo {scheme}://{addr}/{first}"));
-    }
-
-    for e in &exports {
-        let mode = if e.device.read_only() { "read-only" } else { "read-write" };
-        let sync = format!("{}{}", if a.sync { ", sync" } else { "" }, if a.direct { ", O_DIRECT" } else { "" });
-        let engine = match e.device.kind() {
-            EngineKind::Uring => format!("io_uring engine, {} ring(s)", a.rings),
-            EngineKind::Threads => format!("thread engine, {} workers", a.workers),
-        };
-        println!("vdisk: export {:?}: {}, {mode}, {engine}{sync}", e.name, e.description);
-    }
-    if demo.is_some() {
-        println!("vdisk: no image given: serving a fresh sparse 1 GiB demo image, removed at exit");
-    }
-    if let Some(t) = tls_summary {
-        println!("vdisk: {t}");
-    }
-    for line in banner {
-        println!("{line}");
-    }
-    println!("vdisk: stop with Ctrl-C (SIGINT) or SIGTERM");
-    println!("vdisk: ready");
-
-    let server =
-        Server::new(exports, options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
-    let stop = Arc::new(Stop::default());
-    {
-        let (server, stop) = (server.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name("signals".into())
-            .spawn(move || wait_for_signals(signals, &server, &stop))
-            .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
-    }
-    // Returns at once without listeners; the other exports run until the signal.
-    let served = server.serve(listeners);
-    if let Some(path) = &socket {
-        let _ = std::fs::remove_file(path);
-    }
-    stop.wait();
-    let mut failed = None;
-    for (i, f) in std::mem::take(&mut frontends.0).into_iter().enumerate().rev() {
-        if let Err(err) = f.stop() {
-            failed = Some(Failure::runtime(format!("stopping export {i}: {err}")));
-        }
-    }
-    // Every connection and export has finished: no request is in flight. Flush each device.
-    for e in server.exports() {
-        if let Err(err) = e.device.shutdown() {
-            failed = Some(Failure::runtime(format!("flush of export {:?} failed at shutdown: {err}", e.name)));
-        }
-    }
-    served.map_err(|e| Failure::runtime(format!("server failed: {e}")))?;
-    log::info!("stopped cleanly");
-    failed.map_or(Ok(()), Err)
+    Ok(specs)
 }
 
-/// The export name of an image: its file stem.
-fn export_name(path: &Path) -> String {
-    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into())
+fn start_exports(daemon: &Daemon, specs: Vec<ExportSpec>, banner: &mut Vec<String>) -> Result<(), Failure> {
+    for spec in specs {
+        banner.extend(daemon.add(spec)?);
+    }
+    Ok(())
+}
+
+/// Where the server listens: NBD sockets, the control socket, metrics.
+struct Listeners {
+    nbd: Vec<Listener>,
+    /// The NBD unix socket file, removed at exit.
+    socket: Option<PathBuf>,
+    control: Option<crate::control::ControlSocket>,
+    metrics: Option<crate::metrics::MetricsServer>,
+    banner: Vec<String>,
+}
+
+impl Listeners {
+    fn open(a: &ServeArgs, daemon: &Arc<Daemon>, tls: bool) -> Result<Listeners, Failure> {
+        let mut l = Listeners { nbd: Vec::new(), socket: None, control: None, metrics: None, banner: Vec::new() };
+        let others = !a.fuse.is_empty() || !a.vhost_user_blk.is_empty();
+        l.socket = match (&a.socket, &a.listen) {
+            (Some(p), _) => Some(p.clone()),
+            (None, None) if !others => Some(default_socket()),
+            (None, _) => None,
+        };
+        l.open_nbd(a, &daemon.names().into_iter().next().unwrap_or_else(|| "NAME".into()), tls)?;
+        if let Some(path) = &a.control {
+            l.control = Some(crate::control::ControlSocket::start(path, a.socket_mode, daemon.clone())?);
+            l.banner.push(format!("vdisk: control socket {}", path.display()));
+            l.banner.push(format!("  try: vdisk ctl --control {} list", path.display()));
+        }
+        if let Some(addr) = &a.metrics {
+            let addr = parse_listen(addr, "--metrics", "127.0.0.1:9100")?;
+            let metrics = crate::metrics::MetricsServer::start(addr, daemon.clone())?;
+            l.banner.push(format!("vdisk: metrics on http://{}/metrics", metrics.addr()));
+            l.metrics = Some(metrics);
+        }
+        Ok(l)
+    }
+
+    fn open_nbd(&mut self, a: &ServeArgs, first: &str, tls: bool) -> Result<(), Failure> {
+        if let Some(path) = &self.socket {
+            self.nbd.push(Listener::Unix(bind_unix(path, a.socket_mode, "--socket")?, path.clone()));
+            self.banner.push(format!("vdisk: listening on unix socket {}", path.display()));
+            if tls {
+                let uri = format!("nbds+unix:///{first}?socket={}", path.display());
+                self.banner
+                    .push(format!("  try: nbdinfo '{uri}'  (with the client's TLS credentials: README, Security)"));
+            } else {
+                let uri = format!("nbd+unix:///{first}?socket={}", path.display());
+                self.banner.push(format!("  try: nbdinfo '{uri}'"));
+                self.banner.push(format!("       qemu-img info '{uri}'"));
+            }
+        }
+        if let Some(addr) = &a.listen {
+            let addr = parse_listen(addr, "--listen", "127.0.0.1:10809")?;
+            let tcp = TcpListener::bind(addr).map_err(|e| {
+                Failure::usage(format!(
+                    "cannot listen on {addr}: {e} (is another server using the port? pick another with --listen HOST:PORT)"
+                ))
+            })?;
+            self.nbd.push(Listener::Tcp(tcp));
+            self.banner.push(format!("vdisk: listening on tcp {addr}"));
+            let scheme = if tls { "nbds" } else { "nbd" };
+            self.banner.push(format!("  try: nbdinfo {scheme}://{addr}/{first}"));
+        }
+        Ok(())
+    }
 }
 
 fn default_socket() -> PathBuf {
@@ -219,7 +264,7 @@ pub(crate) fn bind_unix(path: &Path, mode: u32, flag: &str) -> Result<UnixListen
 }
 
 /// HOST:PORT, :PORT or PORT (host 127.0.0.1).
-fn parse_listen(s: &str) -> Result<SocketAddr, Failure> {
+fn parse_listen(s: &str, flag: &str, example: &str) -> Result<SocketAddr, Failure> {
     let full = if let Some(port) = s.strip_prefix(':') {
         format!("127.0.0.1:{port}")
     } else if s.chars().all(|c| c.is_ascii_digit()) {
@@ -230,7 +275,7 @@ fn parse_listen(s: &str) -> Result<SocketAddr, Failure> {
     full.to_socket_addrs()
         .ok()
         .and_then(|mut a| a.next())
-        .ok_or_else(|| Failure::usage(format!("--listen {s:?} is not HOST:PORT (e.g. 127.0.0.1:10809)")))
+        .ok_or_else(|| Failure::usage(format!("{flag} {s:?} is not HOST:PORT (e.g. {example})")))
 }
 
 /// A fresh sparse demo image, export "demo", in its own temp directory,
@@ -272,14 +317,14 @@ fn block_signals() -> libc::sigset_t {
 }
 
 /// An export beside NBD (FUSE, vhost-user-blk) over the same devices.
-pub trait Frontend {
+pub trait Frontend: Send {
     /// Stops serving and releases what it holds (mount point, socket); requests
     /// already taken are answered first.
     fn stop(self: Box<Self>) -> Result<(), String>;
 }
 
 /// Started frontends; whatever is still here when dropped is stopped, last started first.
-struct Frontends(Vec<Box<dyn Frontend>>);
+pub struct Frontends(pub Vec<Box<dyn Frontend>>);
 
 impl Drop for Frontends {
     fn drop(&mut self) {
@@ -311,7 +356,7 @@ impl Stop {
 }
 
 /// First signal: stop cleanly. Second: give up at once.
-fn wait_for_signals(set: libc::sigset_t, server: &Server, stop: &Stop) {
+fn wait_for_signals(set: libc::sigset_t, server: &Server, daemon: &Daemon, stop: &Stop) {
     let mut count = 0;
     loop {
         let mut sig = 0;
@@ -322,6 +367,8 @@ fn wait_for_signals(set: libc::sigset_t, server: &Server, stop: &Stop) {
         count += 1;
         if count == 1 {
             eprintln!("vdisk: signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            // Requests waiting for QoS tokens are in flight too: let them finish now.
+            daemon.lift_limits();
             server.stop();
             stop.trigger();
         } else {

@@ -1,0 +1,260 @@
+//! `vdisk ctl`: the control socket's client. One JSON-RPC request per
+//! command, the answer as a table (or `--json`). Exit 0 when done, 1 when the
+//! server refuses (its message on stderr) or cannot be reached, 2 on a usage
+//! error.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand, ValueEnum};
+use serde_json::{json, Map, Value};
+
+use crate::cli::{BackingArgs, FormatArg};
+use crate::size::{human, parse_size};
+use crate::Failure;
+
+#[derive(Args)]
+pub struct CtlArgs {
+    /// The server's control socket (`vdisk serve --control PATH`); default: $VDISK_CONTROL.
+    #[arg(long, global = true, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Print the server's answer as JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+/// QoS limits; 0 lifts one. Bytes/s take K, M, G suffixes.
+#[derive(Args, Clone, Default)]
+pub struct QosArgs {
+    /// Requests per second.
+    #[arg(long, value_name = "N")]
+    pub iops: Option<u64>,
+    /// Bytes per second, reads and writes together.
+    #[arg(long, value_name = "N", value_parser = parse_size)]
+    pub bps: Option<u64>,
+    /// Bytes read per second.
+    #[arg(long, value_name = "N", value_parser = parse_size)]
+    pub read_bps: Option<u64>,
+    /// Bytes written per second.
+    #[arg(long, value_name = "N", value_parser = parse_size)]
+    pub write_bps: Option<u64>,
+}
+
+#[derive(Subcommand)]
+pub enum CtlCommand {
+    /// Serve one more image (the same checks as at start; nothing is left half-started on failure).
+    Add {
+        /// The image (made absolute here, so the server finds it whatever its directory).
+        image: PathBuf,
+        /// Export name (default: the image's file stem); a name in use is refused.
+        #[arg(long)]
+        name: Option<String>,
+        /// Refuse every write, trim and zero.
+        #[arg(long)]
+        readonly: bool,
+        #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
+        format: FormatArg,
+        #[command(flatten)]
+        backing: BackingArgs,
+        /// Also serve it as a regular file at PATH through FUSE.
+        #[arg(long, value_name = "PATH")]
+        fuse: Option<PathBuf>,
+        /// Also serve it to a VM on this vhost-user-blk socket.
+        #[arg(long, value_name = "SOCKET")]
+        vhost_user_blk: Option<PathBuf>,
+        /// Virtqueues for --vhost-user-blk (default: one per CPU).
+        #[arg(long, value_name = "N", requires = "vhost_user_blk", value_parser = clap::value_parser!(u16).range(1..=64))]
+        num_queues: Option<u16>,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Stop serving an export; refused while clients are attached, unless --hard.
+    Remove {
+        name: String,
+        /// Finish what is in flight, flush, disconnect NBD clients, unmount the
+        /// FUSE file, disconnect the VM, close the image.
+        #[arg(long)]
+        hard: bool,
+    },
+    /// The exports served.
+    List,
+    /// Requests, bytes, errors and latency of one export, or of all.
+    Stats { name: Option<String> },
+    /// Change an export's QoS limits, live.
+    Qos {
+        name: String,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// The server's version, uptime and totals.
+    Info,
+}
+
+pub fn run(a: CtlArgs) -> Result<(), Failure> {
+    let control =
+        a.control.clone().or_else(|| std::env::var_os("VDISK_CONTROL").map(PathBuf::from)).ok_or_else(|| {
+            Failure::usage(
+                "which server? give --control PATH (as given to `vdisk serve --control`) or set VDISK_CONTROL",
+            )
+        })?;
+    let (method, params) = request(a.command)?;
+    let method_name = method;
+    let result = call(&control, method, params)?;
+    let text = if a.json {
+        serde_json::to_string_pretty(&result).unwrap_or_default() + "\n"
+    } else {
+        human_output(method_name, &result)
+    };
+    // A reader that went away (`| head`) is not an error of ours.
+    let _ = std::io::stdout().write_all(text.as_bytes());
+    Ok(())
+}
+
+fn qos_params(q: QosArgs, into: &mut Map<String, Value>) {
+    for (k, v) in [("iops", q.iops), ("bps", q.bps), ("read_bps", q.read_bps), ("write_bps", q.write_bps)] {
+        if let Some(v) = v {
+            into.insert(k.into(), v.into());
+        }
+    }
+}
+
+/// The JSON-RPC method and params for a command.
+fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure> {
+    let mut p = Map::new();
+    let method = match c {
+        CtlCommand::Add { image, name, readonly, format, backing, fuse, vhost_user_blk, num_queues, qos } => {
+            let image = std::path::absolute(&image).map_err(|e| Failure::usage(format!("{}: {e}", image.display())))?;
+            p.insert("image".into(), json!(image));
+            // The wire spells a format as the command line does.
+            let format = format.to_possible_value().expect("every format has a name");
+            p.insert("format".into(), format.get_name().into());
+            let abs = |o: Option<PathBuf>| o.map(|p| std::path::absolute(&p).unwrap_or(p));
+            let opts = [("name", name.map(Value::from)), ("fuse", abs(fuse).map(|p| json!(p)))];
+            let more = [
+                ("vhost_user_blk", abs(vhost_user_blk).map(|p| json!(p))),
+                ("backing", abs(backing.backing).map(|p| json!(p))),
+                ("num_queues", num_queues.map(Value::from)),
+            ];
+            p.extend(opts.into_iter().chain(more).filter_map(|(k, v)| Some((k.to_owned(), v?))));
+            if readonly {
+                p.insert("readonly".into(), true.into());
+            }
+            if backing.ignore_backing_mtime {
+                p.insert("ignore_backing_mtime".into(), true.into());
+            }
+            qos_params(qos, &mut p);
+            "export_add"
+        }
+        CtlCommand::Remove { name, hard } => {
+            p.insert("name".into(), name.into());
+            p.insert("hard".into(), hard.into());
+            "export_remove"
+        }
+        CtlCommand::List => "export_list",
+        CtlCommand::Stats { name } => {
+            if let Some(n) = name {
+                p.insert("name".into(), n.into());
+            }
+            "export_stats"
+        }
+        CtlCommand::Qos { name, qos } => {
+            p.insert("name".into(), name.into());
+            qos_params(qos, &mut p);
+            if p.len() == 1 {
+                return Err(Failure::usage(
+                    "qos: give at least one of --iops, --bps, --read-bps, --write-bps (0 lifts)",
+                ));
+            }
+            "export_set_qos"
+        }
+        CtlCommand::Info => "server_info",
+    };
+    Ok((method, p))
+}
+
+/// Sends one request and returns its result; a JSON-RPC error is a runtime failure (exit 1).
+fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> Result<Value, Failure> {
+    let unreachable = |e: std::io::Error| {
+        Failure::runtime(format!(
+            "cannot talk to the server at {}: {e} (is `vdisk serve --control {}` running?)",
+            control.display(),
+            control.display()
+        ))
+    };
+    let mut stream = UnixStream::connect(control).map_err(unreachable)?;
+    let req = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    writeln!(stream, "{req}").map_err(unreachable)?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(unreachable)?;
+    let resp: Value = serde_json::from_str(&line)
+        .map_err(|e| Failure::runtime(format!("the server's answer is not JSON ({e}): {line:?}")))?;
+    if let Some(err) = resp.get("error") {
+        return Err(Failure::runtime(err["message"].as_str().unwrap_or("the server refused").to_owned()));
+    }
+    Ok(resp.get("result").cloned().unwrap_or(Value::Null))
+}
+
+fn human_output(method: &str, r: &Value) -> String {
+    match method {
+        "export_add" => {
+            let notes: Vec<&str> = r["notes"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            notes.join("\n") + "\n"
+        }
+        "export_remove" => format!("removed export {}\n", r["name"]),
+        "export_list" => list_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
+        "export_stats" => crate::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r))),
+        "export_set_qos" => format!("export {}: qos {}\n", r["name"], qos_text(&r["qos"])),
+        "server_info" => {
+            let fields = r.as_object().into_iter().flatten();
+            fields.map(|(k, v)| format!("{k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect()
+        }
+        _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
+    }
+}
+
+fn qos_text(q: &Value) -> String {
+    let parts: Vec<String> = ["iops", "bps", "read_bps", "write_bps"]
+        .iter()
+        .filter_map(|k| {
+            let v = q[k].as_u64().filter(|v| *v > 0)?;
+            Some(if *k == "iops" { format!("{v} iops") } else { format!("{} {k}", human(v)) })
+        })
+        .collect();
+    if parts.is_empty() {
+        "unlimited".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn list_table(exports: &[Value]) -> String {
+    let header = ["NAME", "SIZE", "FORMAT", "MODE", "CONNS", "QOS", "TRANSPORTS", "IMAGE"];
+    let rows: Vec<Vec<String>> = exports
+        .iter()
+        .map(|e| {
+            let transports: Vec<String> = e["transports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|t| match t["path"].as_str() {
+                    Some(p) => format!("{}:{p}", t["type"].as_str().unwrap_or("")),
+                    None => t["type"].as_str().unwrap_or("").to_owned(),
+                })
+                .collect();
+            vec![
+                e["name"].as_str().unwrap_or("").to_owned(),
+                human(e["size"].as_u64().unwrap_or(0)),
+                e["format"].as_str().unwrap_or("").to_owned(),
+                if e["readonly"].as_bool().unwrap_or(false) { "ro" } else { "rw" }.to_owned(),
+                e["connections"].to_string(),
+                qos_text(&e["qos"]),
+                transports.join(","),
+                e["image"].as_str().unwrap_or("").to_owned(),
+            ]
+        })
+        .collect();
+    crate::stats::render(&header, &rows)
+}
