@@ -18,7 +18,10 @@ pub fn start(
 ) -> Result<Box<dyn Frontend>, Failure> {
     let queues =
         num_queues.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get().min(64) as u16).unwrap_or(1));
-    let listener = bind_unix(socket, socket_mode, "--vhost-user-blk")?;
+    let listener = match crate::systemd::take_vhost(socket) {
+        Some(l) => l,
+        None => bind_unix(socket, socket_mode, "--vhost-user-blk")?,
+    };
     let export = VhostBlk::start(listener, socket, device.clone(), queues).map_err(|e| {
         let _ = std::fs::remove_file(socket);
         Failure::runtime(format!("cannot start the vhost-user-blk export on {}: {e}", socket.display()))
