@@ -18,10 +18,11 @@ for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo mount u
 done
 # systemd-analyze and systemd-socket-activate (crates/vdisk/tests/service.rs) come with
 # Debian's systemd package. Only the package, never systemd-sysv, which would
-# replace the container's init: install without recommends, and refuse if apt plans it.
+# replace the container's init: install without recommends, and refuse if apt plans
+# to install it (upgrading one already there is harmless).
 if ! command -v systemd-socket-activate >/dev/null || ! command -v systemd-analyze >/dev/null; then
     apt-get update -qq
-    if apt-get install -s --no-install-recommends systemd | grep -q '^Inst systemd-sysv'; then
+    if apt-get install -s --no-install-recommends systemd | grep -q '^Inst systemd-sysv ('; then
         echo "installing systemd would replace init (systemd-sysv); install systemd-analyze by hand" >&2
         exit 1
     fi
