@@ -124,6 +124,7 @@ impl Daemon {
     pub fn reload(&self) -> Result<Value, Refusal> {
         let mut config = self.config.lock().unwrap();
         let Some(source) = config.as_mut() else {
+            log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
             return Err(Refusal::new(
                 ERR_INVALID,
                 "this server was started without --config FILE: there is nothing to reload",

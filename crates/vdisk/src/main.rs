@@ -42,6 +42,7 @@ fn main() -> ExitCode {
         }
     };
     logger::init(cli.verbose, cli.quiet, cli.log_format, cli.log_level);
+    let json_logs = cli.log_format == cli::LogFormat::Json;
     let result = match cli.command {
         cli::Command::Create(a) => create::run(a),
         cli::Command::Info(a) => info::run(a),
@@ -53,7 +54,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("vdisk: {e}");
+            if json_logs {
+                // One JSON object per line on stderr, the last words too.
+                log::error!("{e}");
+            } else {
+                eprintln!("vdisk: {e}");
+            }
             ExitCode::from(e.exit_code())
         }
     }

@@ -502,21 +502,20 @@ fn wait_for_signals(set: libc::sigset_t, server: &Server, daemon: &Daemon, stop:
         }
         if sig == libc::SIGHUP {
             log::info!("SIGHUP: reloading the config");
-            if let Err(e) = daemon.reload() {
-                log::error!("SIGHUP: {}", e.message);
-            }
+            // Its outcome, failures included, is logged by the reload itself.
+            let _ = daemon.reload();
             continue;
         }
         count += 1;
         if count == 1 {
-            eprintln!("vdisk: signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            log::warn!("signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
             crate::systemd::notify("STOPPING=1\nSTATUS=stopping: finishing requests and flushing");
             // Requests waiting for QoS tokens are in flight too: let them finish now.
             daemon.lift_limits();
             server.stop();
             stop.trigger();
         } else {
-            eprintln!("vdisk: second signal: quitting without waiting");
+            log::warn!("second signal: quitting without waiting");
             std::process::exit(1);
         }
     }
