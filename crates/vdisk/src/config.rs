@@ -112,7 +112,7 @@ pub fn load(path: &Path) -> Result<Config, Failure> {
         Failure::usage(format!("{}:{line}: {}", path.display(), what.trim().replace('\n', "; ")))
     };
     let file: File = toml::from_str(&text).map_err(|e| at(e.span(), e.message()))?;
-    let dir = path.parent().map(Path::to_owned).unwrap_or_default();
+    let dir = std::path::absolute(path).ok().and_then(|p| p.parent().map(Path::to_owned)).unwrap_or_default();
     check_server(&file.server).map_err(|(span, what)| at(Some(span), &what))?;
     let mut server = file.server;
     for p in [

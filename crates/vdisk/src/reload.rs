@@ -14,6 +14,9 @@
 //!   are reported and the export goes on as it was.
 //! - Exports this file did not start (command-line IMAGEs, `vdisk ctl add`)
 //!   are never touched; `[server]` changes need a restart and are reported.
+//! - What is compared is the file against the file last applied: a QoS set
+//!   with `vdisk ctl qos` stays until the file's own limits change. An export
+//!   of the file removed with `vdisk ctl remove` is added again.
 
 use std::path::PathBuf;
 
@@ -57,6 +60,10 @@ pub fn apply(daemon: &Daemon, source: &mut Source) -> Result<Value, Refusal> {
         log::error!("reload: {f}; nothing changed");
         Refusal { code: ERR_INVALID, message: format!("{f}; nothing changed") }
     })?;
+    // The file says what should be served: one of its exports removed with
+    // `vdisk ctl remove` since is added again, as new.
+    let served = daemon.names();
+    source.managed.retain(|m| m.name.as_ref().is_some_and(|n| served.contains(n)));
     let mut report = Report { server_changed: new.server != source.server, ..Default::default() };
     add_new(daemon, source, &new.exports, &mut report)?;
     for spec in &new.exports {

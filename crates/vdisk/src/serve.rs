@@ -311,15 +311,18 @@ impl Listeners {
             Inherited::Unix(l, Some(path)) => Some((l, path)),
             _ => None,
         });
-        let (control, path) = match (inherited, &a.control) {
-            (Some((l, path)), _) => (crate::control::ControlSocket::inherited(l, &path, daemon.clone())?, path),
+        let (control, path, from) = match (inherited, &a.control) {
+            (Some((l, path)), _) => {
+                let c = crate::control::ControlSocket::inherited(l, &path, daemon.clone())?;
+                (c, path, " (from the service manager)")
+            }
             (None, Some(path)) => {
-                (crate::control::ControlSocket::start(path, a.socket_mode(), daemon.clone())?, path.clone())
+                (crate::control::ControlSocket::start(path, a.socket_mode(), daemon.clone())?, path.clone(), "")
             }
             (None, None) => return Ok(()),
         };
         self.control = Some(control);
-        self.banner.push(format!("vdisk: control socket {}", path.display()));
+        self.banner.push(format!("vdisk: control socket {}{from}", path.display()));
         self.banner.push(format!("  try: vdisk ctl --control {} list", path.display()));
         Ok(())
     }
