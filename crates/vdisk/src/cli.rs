@@ -78,8 +78,9 @@ Examples:
     /// Serve images as NBD exports until SIGINT or SIGTERM.
     #[command(after_help = "Each IMAGE becomes an export named after its file stem (disk.img → \"disk\");
 the empty export name selects the first image, so `nbd+unix:///?socket=PATH` just works.
-With no IMAGE, a fresh sparse 1 GiB demo image is served; with --control and no
-IMAGE, nothing until `vdisk ctl add` (README: Running it as a daemon).
+With no IMAGE, a fresh sparse 1 GiB demo image is served; with --control or
+--config and no IMAGE, only what the file names or `vdisk ctl add` adds
+(README: Running it as a daemon, Running under systemd).
 
 Durability: writes are acknowledged once in the host page cache; FLUSH makes every
 acknowledged write durable (on every connection); FUA writes and --sync writes are
@@ -92,6 +93,8 @@ Examples:
   vdisk serve vm1.cow vm2.cow               COW overlays (their base opens read-only)
   vdisk serve vm1.cow --backing /new/place/base.img
   vdisk serve --control /run/vdisk.ctl --metrics :9187    a daemon: exports come with `vdisk ctl add`
+  vdisk serve --config /etc/vdisk/vdisk.toml --check       validate the file (exit 0 or 2)
+  vdisk serve --config /etc/vdisk/vdisk.toml --pid-file /run/vdisk.pid --log-format json
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(Box<ServeArgs>),
     /// Talk to a running `vdisk serve --control PATH`: add, remove, list exports,
