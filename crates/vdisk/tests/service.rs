@@ -152,7 +152,14 @@ fn a_broken_reload_changes_nothing() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("gone"), "{}", text(&out));
     assert_eq!(names(&dir), ["a"], "a failed reload left something behind");
-    assert!(String::from_utf8_lossy(&run("nbdinfo", &[&server.uri("a")]).into_bytes()).contains("export-size"));
+    assert!(run("nbdinfo", &[&server.uri("a")]).contains("export-size"));
+    // The file is what should be served: an export of it removed by hand comes back.
+    write_config(&dir, &format!("[[export]]\nimage = \"{a}\"\n"));
+    assert!(ctl(&dir, &["remove", "a", "--hard"]).status.success());
+    assert!(names(&dir).is_empty());
+    let out = ctl(&dir, &["reload", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(json(&String::from_utf8_lossy(&out.stdout))["added"], serde_json::json!(["a"]));
     server.stop();
 }
 
@@ -341,6 +348,30 @@ fn json_log_lines_parse() {
         "{lines:#?}"
     );
     assert!(lines.iter().any(|l| l["client"].is_string() && l["export"] == "a"), "{lines:#?}");
+}
+
+#[test]
+fn under_the_journal_text_lines_carry_a_priority_instead_of_the_name() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new("svc-journal");
+    let a = image(&dir, "a.img");
+    let log = std::fs::File::create(dir.path("stderr")).unwrap();
+    let meta = log.metadata().unwrap();
+    let stream = format!("{}:{}", meta.dev(), meta.ino());
+    let socket = dir.path("nbd.sock");
+    let mut child = Command::new(vdisk_bin())
+        .args(["serve", &a, "--socket", socket.to_str().unwrap()])
+        .env("JOURNAL_STREAM", &stream)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    wait_for_socket(&socket);
+    signal(&child, libc::SIGTERM);
+    assert!(child.wait().unwrap().success());
+    let text = std::fs::read_to_string(dir.path("stderr")).unwrap();
+    assert!(text.lines().any(|l| l.starts_with("<4>warning: signal 15")), "{text}");
+    assert!(!text.contains("vdisk: warning"), "{text}");
 }
 
 fn wait_for_socket(path: &Path) {
