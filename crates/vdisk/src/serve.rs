@@ -262,6 +262,8 @@ impl Listeners {
                 (None, _) => None,
             };
             l.open_nbd(a, &first, tls)?;
+        } else if a.socket.is_some() || a.listen.is_some() {
+            log::info!("NBD sockets came from the service manager (LISTEN_FDS): socket/listen settings not bound");
         }
         l.open_control(a, daemon)?;
         let inherited = crate::systemd::listeners("metrics")?.into_iter().find_map(|i| match i {
