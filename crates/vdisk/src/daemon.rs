@@ -187,6 +187,7 @@ impl Daemon {
             return Err(Refusal::new(ERR_EXISTS, format!("export {name:?} is already served over NBD")));
         }
         let frontends = std::mem::take(&mut frontends.0);
+        log::info!(export:% = name; "export {name:?} added: {}", notes[0].trim_start_matches("vdisk: "));
         self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends });
         drop(closed);
         Ok(notes)
@@ -232,7 +233,9 @@ impl Daemon {
             exports.remove(at)
         };
         drop(export);
-        stop_export(running).map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; ")))
+        let stopped = stop_export(running).map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; ")));
+        log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
+        stopped
     }
 
     /// What is attached to an export, for people ("2 NBD clients", "FUSE file /x").

@@ -99,10 +99,8 @@ fn add_new(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], report: &mu
     for spec in fresh {
         let n = name(spec);
         match daemon.add(spec.clone()) {
-            Ok(notes) => {
-                for note in notes {
-                    log::info!(export:% = n; "reload: {}", note.trim_start_matches("vdisk: "));
-                }
+            // The daemon logs what it added and removed.
+            Ok(_) => {
                 report.added.push(n);
                 source.managed.push(spec.clone());
             }
@@ -163,10 +161,7 @@ fn remove_vanished(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], rep
     let gone: Vec<String> = source.managed.iter().filter(|m| !new.iter().any(|s| s.name == m.name)).map(name).collect();
     for n in gone {
         match daemon.remove(&n, false) {
-            Ok(()) => {
-                log::info!(export:% = n; "reload: export {n:?} removed");
-                report.removed.push(n.clone());
-            }
+            Ok(()) => report.removed.push(n.clone()),
             // Removed already (`vdisk ctl remove`): nothing left to do.
             Err(e) if e.code == ERR_NOT_FOUND => {}
             Err(e) => {

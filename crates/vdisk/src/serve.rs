@@ -86,19 +86,16 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
 /// flags with it, TLS credentials, every image (opened read-only and closed).
 fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Failure> {
     crate::security::policy(&a.security)?;
-    let mut specs = export_specs(a, None)?;
-    let (file, file_specs) = match config {
-        Some(c) => (c.path.display().to_string(), c.exports.clone()),
-        None => ("the command line".into(), Vec::new()),
-    };
+    let cli = export_specs(a, None)?.into_iter().map(|s| (s, "the command line".to_owned()));
+    let file = config
+        .into_iter()
+        .flat_map(|c| c.exports.iter().cloned().zip(c.lines.iter().map(move |l| format!("{}:{l}", c.path.display()))));
     let mut names = std::collections::HashSet::new();
-    for (i, spec) in specs.drain(..).chain(file_specs).enumerate() {
+    for (spec, at) in cli.chain(file) {
         let name = spec.name.clone().unwrap_or_default();
-        let line = config.and_then(|c| c.lines.get(i.wrapping_sub(a.images.len()))).map(|l| format!(":{l}"));
-        let at = format!("{file}{}", line.unwrap_or_default());
         if !names.insert(name.clone()) {
             return Err(Failure::usage(format!(
-                "{at}: export {name:?} is named twice (command line and file): rename one"
+                "{at}: export {name:?} is named on the command line and in the file: rename one (name = \"...\")"
             )));
         }
         let opened = crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
@@ -110,7 +107,8 @@ fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Fa
             )));
         }
     }
-    println!("vdisk: {file}: OK, {} export{}", names.len(), if names.len() == 1 { "" } else { "s" });
+    let what = config.map_or_else(|| "the command line".into(), |c| c.path.display().to_string());
+    println!("vdisk: {what}: OK, {} export{}", names.len(), if names.len() == 1 { "" } else { "s" });
     Ok(())
 }
 
