@@ -154,7 +154,7 @@ pub enum TlsArg {
 }
 
 /// Who may connect and what they may see.
-#[derive(Args, Clone)]
+#[derive(Args, Clone, Default)]
 #[command(next_help_heading = "Security")]
 pub struct SecurityArgs {
     /// TLS on NBD (NBD_OPT_STARTTLS). Default: require if TLS credentials are given, off otherwise.

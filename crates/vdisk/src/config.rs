@@ -20,7 +20,7 @@ use serde::Deserialize;
 use toml::Spanned;
 use vdisk_engine::Limits;
 
-use crate::cli::{BackingArgs, EngineArg, FormatArg, ServeArgs, TlsArg};
+use crate::cli::{BackingArgs, EngineArg, FormatArg, SecurityArgs, ServeArgs, TlsArg};
 use crate::daemon::{export_name, ExportSpec};
 use crate::Failure;
 
@@ -38,8 +38,7 @@ pub struct Config {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
-    #[serde(default)]
-    server: ServerTable,
+    server: Option<Spanned<ServerTable>>,
     #[serde(default)]
     export: Vec<Spanned<ExportTable>>,
 }
@@ -49,9 +48,9 @@ struct File {
 #[serde(deny_unknown_fields)]
 pub struct ServerTable {
     pub socket: Option<PathBuf>,
-    pub listen: Option<String>,
+    pub listen: Option<Spanned<String>>,
     pub control: Option<PathBuf>,
-    pub metrics: Option<String>,
+    pub metrics: Option<Spanned<String>>,
     /// "0600" (a string, as on the command line) or 0o600 (a TOML octal number).
     pub socket_mode: Option<Spanned<Mode>>,
     pub max_connections: Option<Spanned<u32>>,
@@ -113,8 +112,11 @@ pub fn load(path: &Path) -> Result<Config, Failure> {
     };
     let file: File = toml::from_str(&text).map_err(|e| at(e.span(), e.message()))?;
     let dir = std::path::absolute(path).ok().and_then(|p| p.parent().map(Path::to_owned)).unwrap_or_default();
-    check_server(&file.server).map_err(|(span, what)| at(Some(span), &what))?;
-    let mut server = file.server;
+    let (mut server, server_span) = match file.server {
+        Some(s) => (s.get_ref().clone(), s.span()),
+        None => (ServerTable::default(), 0..0),
+    };
+    check_server(&server).map_err(|(span, what)| at(Some(span), &what))?;
     for p in [
         &mut server.socket,
         &mut server.control,
@@ -126,6 +128,7 @@ pub fn load(path: &Path) -> Result<Config, Failure> {
     ] {
         *p = p.take().map(|p| dir.join(p));
     }
+    check_tls(&server).map_err(|e| at(Some(server_span), &format!("[server] TLS settings: {e}")))?;
     let mut names = HashSet::new();
     let (mut exports, mut lines) = (Vec::new(), Vec::new());
     for table in file.export {
@@ -148,12 +151,24 @@ fn check_server(s: &ServerTable) -> Result<(), (Range<usize>, String)> {
     if let Some(mode) = &s.socket_mode {
         mode_of(mode.get_ref()).map_err(|e| (mode.span(), format!("socket_mode: {e}")))?;
     }
+    for (key, value, example) in [("listen", &s.listen, "127.0.0.1:10809"), ("metrics", &s.metrics, "127.0.0.1:9187")] {
+        if let Some(v) = value {
+            crate::serve::parse_listen(v.get_ref(), key, example).map_err(|e| (v.span(), e.to_string()))?;
+        }
+    }
     if let Some(n) = &s.max_connections {
         if *n.get_ref() == 0 {
             return Err((n.span(), "max_connections must be at least 1 (leave it out for no limit)".into()));
         }
     }
     Ok(())
+}
+
+/// The TLS keys load as the same flags would (credentials read and checked).
+fn check_tls(s: &ServerTable) -> Result<(), Failure> {
+    let mut a = SecurityArgs::default();
+    merge_tls(&mut a, s);
+    crate::security::policy(&a).map(drop)
 }
 
 fn mode_of(m: &Mode) -> Result<u32, String> {
@@ -210,9 +225,9 @@ fn export_spec(t: ExportTable, dir: &Path) -> Result<ExportSpec, String> {
 /// Fills in what the command line left out from `[server]` (the command line wins).
 pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
     fill(&mut a.socket, &s.socket);
-    fill(&mut a.listen, &s.listen);
+    fill(&mut a.listen, &s.listen.as_ref().map(|l| l.get_ref().clone()));
     fill(&mut a.control, &s.control);
-    fill(&mut a.metrics, &s.metrics);
+    fill(&mut a.metrics, &s.metrics.as_ref().map(|l| l.get_ref().clone()));
     fill(&mut a.engine, &s.engine);
     if a.socket_mode.is_none() {
         a.socket_mode = s.socket_mode.as_ref().and_then(|m| mode_of(m.get_ref()).ok());
@@ -220,7 +235,7 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
     if a.max_connections.is_none() {
         a.max_connections = s.max_connections.as_ref().map(|n| *n.get_ref());
     }
-    let t = &mut a.security;
+    let t = &a.security;
     let cli_tls = t.tls.is_some()
         || t.tls_certificates.is_some()
         || t.tls_cert.is_some()
@@ -228,14 +243,18 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
         || t.tls_ca.is_some()
         || t.tls_verify_peer;
     if !cli_tls {
-        t.tls = s.tls;
-        t.tls_certificates = s.tls_certificates.clone();
-        t.tls_cert = s.tls_cert.clone();
-        t.tls_key = s.tls_key.clone();
-        t.tls_ca = s.tls_ca.clone();
-        t.tls_verify_peer = s.tls_verify_peer.unwrap_or(false);
-        t.tls_psk = s.tls_psk.clone();
+        merge_tls(&mut a.security, s);
     }
+}
+
+fn merge_tls(t: &mut SecurityArgs, s: &ServerTable) {
+    t.tls = s.tls;
+    t.tls_certificates = s.tls_certificates.clone();
+    t.tls_cert = s.tls_cert.clone();
+    t.tls_key = s.tls_key.clone();
+    t.tls_ca = s.tls_ca.clone();
+    t.tls_verify_peer = s.tls_verify_peer.unwrap_or(false);
+    t.tls_psk = s.tls_psk.clone();
 }
 
 fn fill<T: Clone>(flag: &mut Option<T>, key: &Option<T>) {

@@ -394,7 +394,7 @@ pub(crate) fn bind_unix(path: &Path, mode: u32, flag: &str) -> Result<UnixListen
 }
 
 /// HOST:PORT, :PORT or PORT (host 127.0.0.1).
-fn parse_listen(s: &str, flag: &str, example: &str) -> Result<SocketAddr, Failure> {
+pub(crate) fn parse_listen(s: &str, flag: &str, example: &str) -> Result<SocketAddr, Failure> {
     let full = if let Some(port) = s.strip_prefix(':') {
         format!("127.0.0.1:{port}")
     } else if s.chars().all(|c| c.is_ascii_digit()) {

@@ -180,6 +180,8 @@ fn check_accepts_a_good_file_and_names_file_and_line_of_a_bad_one() {
         ("[server]\nlisten = \"x\"\nsockets = \"y\"\n", 3, "unknown field `sockets`"),
         ("\n\n[[export]]\nimage = \"missing.img\"\n", 3, "missing.img"),
         ("[[export]]\nimage = \"a.img\"\nnum_queues = 4\n", 1, "vhost_user_blk"),
+        ("[server]\nsocket = \"s\"\nlisten = \"no:port:x\"\n", 3, "HOST:PORT"),
+        ("# TLS\n[server]\ntls_certificates = \"nope\"\n", 2, "TLS settings: "),
     ];
     for (i, (body, line, what)) in cases.iter().enumerate() {
         let path = dir.path(&format!("bad{i}.toml"));
