@@ -269,8 +269,9 @@ fn socket_activation_through_systemd_socket_activate() {
     let a = image(&dir, "a.img");
     // No socket or control in the file: both come from the "service manager".
     let config = dir.path("vdisk.toml");
-    std::fs::write(&config, format!("[[export]]\nimage = \"{a}\"\n")).unwrap();
-    let (nbd, control) = (dir.path("nbd.sock"), dir.path("ctl.sock"));
+    let (nbd, control, vhost) = (dir.path("nbd.sock"), dir.path("ctl.sock"), dir.path("a.vhost"));
+    let export = format!("[[export]]\nimage = \"{a}\"\nvhost_user_blk = \"{}\"\n", vhost.display());
+    std::fs::write(&config, export).unwrap();
     let mut child = spawn_quiet(
         "systemd-socket-activate",
         &[
@@ -278,7 +279,9 @@ fn socket_activation_through_systemd_socket_activate() {
             nbd.to_str().unwrap(),
             "-l",
             control.to_str().unwrap(),
-            "--fdname=nbd:control",
+            "-l",
+            vhost.to_str().unwrap(),
+            "--fdname=nbd:control:vhost-user-blk",
             vdisk_bin(),
             "serve",
             "--config",
@@ -295,6 +298,9 @@ fn socket_activation_through_systemd_socket_activate() {
     let uri = format!("nbd+unix:///a?socket={}", nbd.display());
     assert!(run("nbdinfo", &[&uri]).contains("export-size: 8388608"));
     assert_eq!(names(&dir), ["a"], "the control socket came from LISTEN_FDS too");
+    // The vhost-user-blk socket too: binding it would have been refused (it is live).
+    let list = json(&String::from_utf8_lossy(&ctl(&dir, &["list", "--json"]).stdout));
+    assert_eq!(list[0]["transports"][1]["type"], "vhost-user-blk", "{list}");
     signal(&child, libc::SIGTERM);
     assert!(child.wait().unwrap().success());
 }
