@@ -303,6 +303,10 @@ fn socket_activation_through_systemd_socket_activate() {
     assert_eq!(list[0]["transports"][1]["type"], "vhost-user-blk", "{list}");
     signal(&child, libc::SIGTERM);
     assert!(child.wait().unwrap().success());
+    // The socket files belong to the service manager: vdisk leaves them.
+    for s in [&nbd, &control, &vhost] {
+        assert!(s.exists(), "{} was removed", s.display());
+    }
 }
 
 #[test]
