@@ -108,7 +108,8 @@ Examples:
   vdisk ctl --control /run/vdisk.ctl list
   vdisk ctl --control /run/vdisk.ctl stats vm1 --json
   vdisk ctl --control /run/vdisk.ctl qos vm1 --iops 0      lift the limit
-  vdisk ctl --control /run/vdisk.ctl remove vm1 --hard"
+  vdisk ctl --control /run/vdisk.ctl remove vm1 --hard
+  vdisk ctl --control /run/vdisk.ctl reload                reread the server's --config FILE"
     )]
     Ctl(crate::ctl::CtlArgs),
     Soak(crate::soak::SoakArgs),
