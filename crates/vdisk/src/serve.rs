@@ -69,8 +69,11 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     for line in banner.iter().chain(listeners.banner.iter()) {
         println!("{line}");
     }
-    if let Some(p) = pid_file.as_mut() {
-        p.write_pid()?;
+    if let Some(Err(e)) = pid_file.as_mut().map(PidFile::write_pid) {
+        if let Err(more) = daemon.shutdown() {
+            log::warn!("{more}");
+        }
+        return Err(e);
     }
     println!(
         "vdisk: stop with Ctrl-C (SIGINT) or SIGTERM{}",
