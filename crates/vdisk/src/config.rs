@@ -100,7 +100,7 @@ enum Amount {
     Text(String),
 }
 
-/// Reads and checks `path`. Nothing is opened but the file itself.
+/// Reads and checks `path`, and the TLS credentials it names; no image is opened.
 pub fn load(path: &Path) -> Result<Config, Failure> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         Failure::usage(format!("cannot read config file {}: {e} (give the path of a TOML file)", path.display()))
@@ -260,5 +260,63 @@ fn merge_tls(t: &mut SecurityArgs, s: &ServerTable) {
 fn fill<T: Clone>(flag: &mut Option<T>, key: &Option<T>) {
     if flag.is_none() {
         flag.clone_from(key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn serve_args(args: &[&str]) -> ServeArgs {
+        let all = ["vdisk", "serve"].iter().chain(args).copied();
+        match Cli::try_parse_from(all).unwrap().command {
+            Command::Serve(a) => *a,
+            _ => unreachable!(),
+        }
+    }
+
+    fn file(text: &str) -> (std::path::PathBuf, Result<Config, Failure>) {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("vdisk-config-{}-{n}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let loaded = load(&path);
+        let _ = std::fs::remove_file(&path);
+        (path, loaded)
+    }
+
+    #[test]
+    fn the_command_line_wins_key_by_key() {
+        let (_, c) = file("[server]\nsocket = \"/s\"\nlisten = \":1\"\nsocket_mode = 0o660\nengine = \"threads\"\n");
+        let c = c.unwrap();
+        let mut a = serve_args(&["--socket", "/mine", "--socket-mode", "0600"]);
+        merge(&mut a, &c.server);
+        assert_eq!(a.socket.as_deref(), Some(Path::new("/mine")));
+        assert_eq!(a.socket_mode(), 0o600);
+        assert_eq!(a.listen.as_deref(), Some(":1"), "not on the command line: the file's");
+        assert_eq!(a.engine, Some(EngineArg::Threads));
+    }
+
+    #[test]
+    fn exports_get_names_paths_and_limits() {
+        let (path, c) = file("[[export]]\nimage = \"d/vm.img\"\nbps = \"10M\"\niops = 5\n");
+        let c = c.unwrap();
+        let e = &c.exports[0];
+        assert_eq!(e.name.as_deref(), Some("vm"));
+        assert_eq!(e.image, path.parent().unwrap().join("d/vm.img"), "relative to the file");
+        assert_eq!((e.limits.iops, e.limits.bps), (5, 10 << 20));
+        assert_eq!(c.lines, [1]);
+    }
+
+    #[test]
+    fn mistakes_name_file_and_line() {
+        let (path, c) = file("[server]\n\n[[export]]\nimage = \"a\"\nname = \"\"\n");
+        let e = c.unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}:3: name \"\"", path.display())), "{e}");
+        let (_, c) = file("[[export]]\nimage = \"a\"\nbps = \"ten\"\n");
+        assert!(c.unwrap_err().to_string().contains(":1: export \"a\": bps \"ten\""));
     }
 }
