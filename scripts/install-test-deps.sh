@@ -19,6 +19,22 @@ for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo mount u
     fsck.ext4 qemu-storage-daemon nbdfuse openssl; do
     command -v "$tool" >/dev/null || { echo "missing $tool after install" >&2; exit 1; }
 done
+# systemd-analyze and systemd-socket-activate (crates/vdisk/tests/service.rs) come with
+# Debian's systemd package. Only the package, never systemd-sysv, which would
+# replace the container's init: install without recommends, and refuse if apt plans
+# to install it (upgrading one already there is harmless).
+if ! command -v systemd-socket-activate >/dev/null || ! command -v systemd-analyze >/dev/null; then
+    apt-get update -qq
+    if apt-get install -s --no-install-recommends systemd | grep -q '^Inst systemd-sysv ('; then
+        echo "installing systemd would replace init (systemd-sysv); install systemd-analyze by hand" >&2
+        exit 1
+    fi
+    echo "installing: systemd (without systemd-sysv)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null
+fi
+for tool in systemd-analyze systemd-socket-activate; do
+    command -v "$tool" >/dev/null || { echo "missing $tool after install" >&2; exit 1; }
+done
 # The FUSE tests (crates/vdisk/tests/fuse.rs, fuse_reliability.rs) and the power-loss tests
 # (powerloss.rs, whose storage is a FUSE file system) need the fuse module (/dev/fuse) and loop devices.
 [ -e /dev/fuse ] || modprobe fuse 2>/dev/null || true

@@ -265,7 +265,7 @@ impl Server {
     fn spawn_connection(self: &Arc<Self>, stream: Stream) {
         if let Some(max) = self.options.max_connections {
             if self.connections() >= max {
-                log::warn!("{}: refused: already {max} clients, the most allowed", stream.peer());
+                log::warn!(client:% = stream.peer(); "{}: refused: already {max} clients, the most allowed", stream.peer());
                 return;
             }
         }
@@ -321,11 +321,11 @@ impl Server {
         let neg = match handshake::handshake(&mut stream, &exports, &self.options.policy, &stopping) {
             Ok(neg) => neg,
             Err(handshake::HandshakeEnd::Violation(why)) => {
-                log::warn!("{peer}: handshake failed: {why}; closing the connection");
+                log::warn!(client:% = peer; "{peer}: handshake failed: {why}; closing the connection");
                 return;
             }
             Err(handshake::HandshakeEnd::Io(e)) => {
-                log::info!("{peer}: handshake ended: {e}");
+                log::info!(client:% = peer; "{peer}: handshake ended: {e}");
                 return;
             }
             Err(handshake::HandshakeEnd::Aborted) => return,
@@ -333,15 +333,15 @@ impl Server {
         let _ = stream.set_read_timeout(None);
         let export = &exports[neg.export];
         if !self.attach(id, export) {
-            log::info!("{peer}: export {:?} was removed during the handshake; closing the connection", export.name);
+            log::info!(client:% = peer, export:% = export.name; "{peer}: export {:?} was removed during the handshake; closing the connection", export.name);
             return;
         }
-        log::debug!("{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
+        log::debug!(client:% = peer, export:% = export.name; "{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
         if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
             if e.kind() == io::ErrorKind::InvalidData {
-                log::warn!("{peer}: {e}; closing the connection");
+                log::warn!(client:% = peer, export:% = export.name; "{peer}: {e}; closing the connection");
             } else {
-                log::info!("{peer}: connection ended: {e}");
+                log::info!(client:% = peer, export:% = export.name; "{peer}: connection ended: {e}");
             }
         }
     }

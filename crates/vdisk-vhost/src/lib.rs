@@ -39,6 +39,8 @@ pub struct VhostBlk {
     control: Arc<Mutex<Control>>,
     path: PathBuf,
     thread: Option<JoinHandle<()>>,
+    /// Whether [`VhostBlk::stop`] removes the socket file (not when a service manager owns it).
+    remove_socket: bool,
 }
 
 #[derive(Default)]
@@ -61,7 +63,14 @@ impl VhostBlk {
                 .name(name.clone())
                 .spawn(move || serve(Listener::from(listener), &name, &device, num_queues.max(1), serial, &control))?
         };
-        Ok(VhostBlk { control, path: path.to_owned(), thread: Some(thread) })
+        Ok(VhostBlk { control, path: path.to_owned(), thread: Some(thread), remove_socket: true })
+    }
+
+    /// Leaves the socket file in place at [`VhostBlk::stop`]: its owner (a
+    /// service manager that passed the listening socket) keeps it.
+    pub fn keep_socket_file(mut self) -> VhostBlk {
+        self.remove_socket = false;
+        self
     }
 
     /// Disconnects the frontend (after the requests it already gave are
@@ -78,7 +87,9 @@ impl VhostBlk {
         // `stopping` and ends. (Refused is fine: the loop is already past accept.)
         let _ = UnixStream::connect(&self.path);
         let joined = self.thread.take().map(|t| t.join());
-        let _ = std::fs::remove_file(&self.path);
+        if self.remove_socket {
+            let _ = std::fs::remove_file(&self.path);
+        }
         match joined {
             Some(Err(_)) => Err(io::Error::other("the vhost-user-blk thread panicked")),
             _ => Ok(()),
@@ -89,7 +100,12 @@ impl VhostBlk {
 impl Drop for VhostBlk {
     fn drop(&mut self) {
         if self.thread.is_some() {
-            let t = VhostBlk { control: self.control.clone(), path: self.path.clone(), thread: self.thread.take() };
+            let t = VhostBlk {
+                control: self.control.clone(),
+                path: self.path.clone(),
+                thread: self.thread.take(),
+                remove_socket: self.remove_socket,
+            };
             let _ = t.stop();
         }
     }

@@ -32,8 +32,30 @@ pub struct Cli {
     /// Only errors on stderr.
     #[arg(short, long, global = true)]
     pub quiet: bool,
+    /// Log lines as text (as `vdisk: warning: ...`) or JSON, one object per line
+    /// with time, level, message and, where they apply, export and client.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true, value_name = "FORMAT")]
+    pub log_format: LogFormat,
+    /// The least important log lines shown; overrides -v and -q.
+    #[arg(long, value_enum, global = true, value_name = "LEVEL")]
+    pub log_level: Option<LogLevel>,
     #[command(subcommand)]
     pub command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
 }
 
 #[derive(Subcommand)]
@@ -60,8 +82,9 @@ Examples:
     /// Serve images as NBD exports until SIGINT or SIGTERM.
     #[command(after_help = "Each IMAGE becomes an export named after its file stem (disk.img → \"disk\");
 the empty export name selects the first image, so `nbd+unix:///?socket=PATH` just works.
-With no IMAGE, a fresh sparse 1 GiB demo image is served; with --control and no
-IMAGE, nothing until `vdisk ctl add` (README: Running it as a daemon).
+With no IMAGE, a fresh sparse 1 GiB demo image is served; with --control or
+--config and no IMAGE, only what the file names or `vdisk ctl add` adds
+(README: Running it as a daemon, Running under systemd).
 
 Durability: writes are acknowledged once in the host page cache; FLUSH makes every
 acknowledged write durable (on every connection); FUA writes and --sync writes are
@@ -74,6 +97,8 @@ Examples:
   vdisk serve vm1.cow vm2.cow               COW overlays (their base opens read-only)
   vdisk serve vm1.cow --backing /new/place/base.img
   vdisk serve --control /run/vdisk.ctl --metrics :9187    a daemon: exports come with `vdisk ctl add`
+  vdisk serve --config /etc/vdisk/vdisk.toml --check       validate the file (exit 0 or 2)
+  vdisk serve --config /etc/vdisk/vdisk.toml --pid-file /run/vdisk.pid --log-format json
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(Box<ServeArgs>),
     /// Talk to a running `vdisk serve --control PATH`: add, remove, list exports,
@@ -87,7 +112,8 @@ Examples:
   vdisk ctl --control /run/vdisk.ctl list
   vdisk ctl --control /run/vdisk.ctl stats vm1 --json
   vdisk ctl --control /run/vdisk.ctl qos vm1 --iops 0      lift the limit
-  vdisk ctl --control /run/vdisk.ctl remove vm1 --hard"
+  vdisk ctl --control /run/vdisk.ctl remove vm1 --hard
+  vdisk ctl --control /run/vdisk.ctl reload                reread the server's --config FILE"
     )]
     Ctl(crate::ctl::CtlArgs),
     Soak(crate::soak::SoakArgs),
@@ -137,7 +163,8 @@ pub struct CommitArgs {
     pub backing: BackingArgs,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TlsArg {
     /// No TLS: STARTTLS is refused.
     Off,
@@ -148,7 +175,7 @@ pub enum TlsArg {
 }
 
 /// Who may connect and what they may see.
-#[derive(Args, Clone)]
+#[derive(Args, Clone, Default)]
 #[command(next_help_heading = "Security")]
 pub struct SecurityArgs {
     /// TLS on NBD (NBD_OPT_STARTTLS). Default: require if TLS credentials are given, off otherwise.
@@ -188,7 +215,7 @@ pub struct SecurityArgs {
 }
 
 /// How to find a COW or qcow2 overlay's backing file.
-#[derive(Args, Clone, Default)]
+#[derive(Args, Clone, Default, PartialEq, Eq, Debug)]
 pub struct BackingArgs {
     /// The backing file of the COW or qcow2 overlay(s), instead of the path in
     /// the header (for a base that moved). A COW overlay's must still match its size.
@@ -200,7 +227,8 @@ pub struct BackingArgs {
     pub ignore_backing_mtime: bool,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FormatArg {
     /// qcow2 or a COW overlay if the file starts with their magic, raw otherwise.
     Auto,
@@ -221,14 +249,15 @@ pub struct InfoArgs {
 }
 
 /// An octal permission mode such as 0600 or 660.
-fn parse_mode(s: &str) -> Result<u32, String> {
+pub(crate) fn parse_mode(s: &str) -> Result<u32, String> {
     u32::from_str_radix(s.trim_start_matches("0o"), 8)
         .ok()
         .filter(|m| *m <= 0o777)
         .ok_or_else(|| format!("{s:?} is not an octal permission mode such as 0600 or 0660"))
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum EngineArg {
     Uring,
     Threads,
@@ -238,6 +267,20 @@ pub enum EngineArg {
 pub struct ServeArgs {
     /// Images to serve, one export each.
     pub images: Vec<PathBuf>,
+    /// Read server settings and exports from a TOML file (README: Running under
+    /// systemd). A flag on the command line wins over the same [server] key;
+    /// IMAGEs on the command line are served beside the file's exports.
+    /// SIGHUP or `vdisk ctl reload` rereads it and applies the difference.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Only check --config FILE (and the flags with it): exit 0 if it would
+    /// start, 2 with the file, line and mistake if not.
+    #[arg(long, requires = "config")]
+    pub check: bool,
+    /// Write the server's pid to PATH once it is ready, and hold a lock on it
+    /// (a second server with the same PATH refuses to start); removed at exit.
+    #[arg(long, value_name = "PATH")]
+    pub pid_file: Option<PathBuf>,
     /// NBD unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock;
     /// none by default when --fuse or --vhost-user-blk is given).
     #[arg(long)]
@@ -245,9 +288,9 @@ pub struct ServeArgs {
     /// Clients served at once; more are disconnected as they connect.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: Option<u32>,
-    /// Permissions of the unix socket, in octal: who may connect (default: the owner only).
-    #[arg(long, default_value = "0600", value_parser = parse_mode, value_name = "MODE")]
-    pub socket_mode: u32,
+    /// Permissions of the unix sockets, in octal: who may connect (default 0600: the owner only).
+    #[arg(long, value_parser = parse_mode, value_name = "MODE")]
+    pub socket_mode: Option<u32>,
     /// Control socket (unix, JSON-RPC 2.0, one object per line; docs/control.md):
     /// add, remove and inspect exports while serving, with `vdisk ctl`. With it
     /// and no IMAGE the server starts with no exports. Made with --socket-mode.
@@ -280,9 +323,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub readonly: bool,
     /// The I/O engine: uring (batches in one io_uring_enter; falls back to threads
-    /// with a log line where the kernel lacks it) or threads (a pool of workers).
-    #[arg(long, value_enum, default_value_t = EngineArg::Uring)]
-    pub engine: EngineArg,
+    /// with a log line where the kernel lacks it) or threads (a pool of workers). Default: uring.
+    #[arg(long, value_enum)]
+    pub engine: Option<EngineArg>,
     /// Worker threads per device (thread engine).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub workers: u16,
@@ -315,4 +358,11 @@ pub struct ServeArgs {
     pub backing: BackingArgs,
     #[command(flatten)]
     pub security: SecurityArgs,
+}
+
+impl ServeArgs {
+    /// The permissions of every unix socket the server makes.
+    pub fn socket_mode(&self) -> u32 {
+        self.socket_mode.unwrap_or(0o600)
+    }
 }

@@ -41,6 +41,8 @@ const INVALID_PARAMS: i64 = -32602;
 /// The listening control socket; dropping it stops accepting and removes the file.
 pub struct ControlSocket {
     path: PathBuf,
+    /// Ours to remove at the end (not when the service manager made it).
+    remove: bool,
     stopping: Arc<AtomicBool>,
     acceptor: Option<JoinHandle<()>>,
 }
@@ -48,13 +50,22 @@ pub struct ControlSocket {
 impl ControlSocket {
     pub fn start(path: &Path, mode: u32, daemon: Arc<Daemon>) -> Result<ControlSocket, Failure> {
         let listener = crate::serve::bind_unix(path, mode, "--control")?;
+        Self::serve(listener, path, true, daemon)
+    }
+
+    /// Serves on a socket the service manager made (socket activation), bound at `path`.
+    pub fn inherited(listener: UnixListener, path: &Path, daemon: Arc<Daemon>) -> Result<ControlSocket, Failure> {
+        Self::serve(listener, path, false, daemon)
+    }
+
+    fn serve(listener: UnixListener, path: &Path, remove: bool, daemon: Arc<Daemon>) -> Result<ControlSocket, Failure> {
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = stopping.clone();
         let acceptor = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || accept_loop(listener, daemon, stop))
             .map_err(|e| Failure::runtime(format!("cannot start the control socket thread: {e}")))?;
-        Ok(ControlSocket { path: path.to_owned(), stopping, acceptor: Some(acceptor) })
+        Ok(ControlSocket { path: path.to_owned(), remove, stopping, acceptor: Some(acceptor) })
     }
 }
 
@@ -66,7 +77,9 @@ impl Drop for ControlSocket {
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        if self.remove {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -197,6 +210,7 @@ fn call(daemon: &Daemon, method: &str, mut p: Params) -> Result<Value, Refusal> 
             Ok(json!({"name": name, "qos": limits_json(limits)}))
         }
         "server_info" => p.done(method).map(|()| daemon.info()),
+        "config_reload" => p.done(method).and_then(|()| daemon.reload()),
         _ => Err(Refusal {
             code: METHOD_NOT_FOUND,
             message: format!("no method {method:?} (docs/control.md lists them)"),

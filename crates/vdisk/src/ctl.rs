@@ -91,6 +91,8 @@ pub enum CtlCommand {
     },
     /// The server's version, uptime and totals.
     Info,
+    /// Reread the server's --config FILE and apply the difference (as SIGHUP does).
+    Reload,
 }
 
 pub fn run(a: CtlArgs) -> Result<(), Failure> {
@@ -171,6 +173,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure>
             "export_set_qos"
         }
         CtlCommand::Info => "server_info",
+        CtlCommand::Reload => "config_reload",
     };
     Ok((method, p))
 }
@@ -211,8 +214,31 @@ fn human_output(method: &str, r: &Value) -> String {
             let fields = r.as_object().into_iter().flatten();
             fields.map(|(k, v)| format!("{k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect()
         }
+        "config_reload" => reload_text(r),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
+}
+
+fn reload_text(r: &Value) -> String {
+    let names = |k: &str| -> String {
+        let v: Vec<&str> = r[k].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        if v.is_empty() {
+            "-".into()
+        } else {
+            v.join(", ")
+        }
+    };
+    let mut out = format!("reloaded {}\n", r["config"].as_str().unwrap_or("?"));
+    for (label, key) in [("added", "added"), ("removed", "removed"), ("qos changed", "qos_changed")] {
+        out += &format!("  {label}: {}\n", names(key));
+    }
+    for k in r["kept"].as_array().into_iter().flatten() {
+        out += &format!("  kept {}: {}\n", k["name"], k["reason"].as_str().unwrap_or(""));
+    }
+    if r["server_changed"] == true {
+        out += "  [server] changed: takes effect at the next restart\n";
+    }
+    out
 }
 
 fn qos_text(q: &Value) -> String {

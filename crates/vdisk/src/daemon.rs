@@ -30,7 +30,7 @@ pub struct Settings {
 }
 
 /// One export to add: the image and how to serve it.
-#[derive(Clone)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ExportSpec {
     pub image: PathBuf,
     /// Default: the image's file stem.
@@ -61,6 +61,8 @@ pub struct Daemon {
     /// Held by every change, so two never interleave.
     changes: Mutex<bool>,
     started: Instant,
+    /// `--config FILE` and the exports it started; held through a reload.
+    config: Mutex<Option<crate::reload::Source>>,
 }
 
 /// A change refused because of what the caller asked (exit 1 in `vdisk ctl`,
@@ -102,7 +104,42 @@ impl From<Refusal> for Failure {
 
 impl Daemon {
     pub fn new(settings: Settings, nbd: Arc<Server>) -> Daemon {
-        Daemon { settings, nbd, exports: Mutex::new(Vec::new()), changes: Mutex::new(false), started: Instant::now() }
+        Daemon {
+            settings,
+            nbd,
+            exports: Mutex::new(Vec::new()),
+            changes: Mutex::new(false),
+            started: Instant::now(),
+            config: Mutex::new(None),
+        }
+    }
+
+    /// From now on [`Daemon::reload`] rereads this config file.
+    pub fn follow_config(&self, source: crate::reload::Source) {
+        *self.config.lock().unwrap() = Some(source);
+    }
+
+    /// Rereads `--config FILE` and applies the difference (SIGHUP, `vdisk ctl
+    /// reload`); tells a service manager it is reloading, then ready again.
+    pub fn reload(&self) -> Result<Value, Refusal> {
+        let mut config = self.config.lock().unwrap();
+        let Some(source) = config.as_mut() else {
+            log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
+            return Err(Refusal::new(
+                ERR_INVALID,
+                "this server was started without --config FILE: there is nothing to reload",
+            ));
+        };
+        crate::systemd::notify_reloading();
+        let done = crate::reload::apply(self, source);
+        crate::systemd::notify(&format!("READY=1\nSTATUS={}", self.status()));
+        done
+    }
+
+    /// One line for a service manager's status: exports and clients.
+    pub fn status(&self) -> String {
+        let (e, c) = (self.exports.lock().unwrap().len(), self.nbd.connections());
+        format!("serving {e} export{}, {c} NBD client{}", if e == 1 { "" } else { "s" }, if c == 1 { "" } else { "s" })
     }
 
     /// Starts serving one export; returns lines worth printing (where it is served).
@@ -150,6 +187,7 @@ impl Daemon {
             return Err(Refusal::new(ERR_EXISTS, format!("export {name:?} is already served over NBD")));
         }
         let frontends = std::mem::take(&mut frontends.0);
+        log::info!(export:% = name; "export {name:?} added: {}", notes[0].trim_start_matches("vdisk: "));
         self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends });
         drop(closed);
         Ok(notes)
@@ -195,7 +233,9 @@ impl Daemon {
             exports.remove(at)
         };
         drop(export);
-        stop_export(running).map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; ")))
+        let stopped = stop_export(running).map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; ")));
+        log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
+        stopped
     }
 
     /// What is attached to an export, for people ("2 NBD clients", "FUSE file /x").

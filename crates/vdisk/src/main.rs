@@ -4,6 +4,7 @@
 
 mod cli;
 mod commit;
+mod config;
 mod control;
 mod create;
 mod ctl;
@@ -13,11 +14,13 @@ mod fuse;
 mod info;
 mod logger;
 mod metrics;
+mod reload;
 mod security;
 mod serve;
 mod size;
 mod soak;
 mod stats;
+mod systemd;
 mod vhost;
 
 use std::process::ExitCode;
@@ -38,7 +41,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    logger::init(cli.verbose, cli.quiet);
+    logger::init(cli.verbose, cli.quiet, cli.log_format, cli.log_level);
+    let json_logs = cli.log_format == cli::LogFormat::Json;
     let result = match cli.command {
         cli::Command::Create(a) => create::run(a),
         cli::Command::Info(a) => info::run(a),
@@ -50,7 +54,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("vdisk: {e}");
+            if json_logs {
+                // One JSON object per line on stderr, the last words too.
+                log::error!("{e}");
+            } else {
+                eprintln!("vdisk: {e}");
+            }
             ExitCode::from(e.exit_code())
         }
     }

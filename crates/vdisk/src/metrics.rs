@@ -35,7 +35,13 @@ impl MetricsServer {
         let listener = TcpListener::bind(addr).map_err(|e| {
             Failure::usage(format!("cannot serve metrics on {addr}: {e} (pick another --metrics HOST:PORT)"))
         })?;
-        let addr = listener.local_addr().unwrap_or(addr);
+        Self::serve(listener, daemon)
+    }
+
+    /// Serves on `listener`, bound already (by us, or by the service manager).
+    pub fn serve(listener: TcpListener, daemon: Arc<Daemon>) -> Result<MetricsServer, Failure> {
+        let addr =
+            listener.local_addr().map_err(|e| Failure::runtime(format!("the metrics socket has no address: {e}")))?;
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Exports(daemon)));
         let stopping = Arc::new(AtomicBool::new(false));

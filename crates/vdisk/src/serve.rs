@@ -16,15 +16,28 @@ use vdisk_nbd::{Listener, Server, ServerOptions};
 
 use crate::cli::{EngineArg, ServeArgs};
 use crate::daemon::{export_name, Daemon, ExportSpec, Settings};
+use crate::systemd::{Inherited, PidFile};
 use crate::Failure;
 
 const DEMO_SIZE: u64 = 1 << 30;
 
-pub fn run(a: ServeArgs) -> Result<(), Failure> {
+pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
+    let config = a.config.as_deref().map(crate::config::load).transpose()?;
+    if let Some(c) = &config {
+        crate::config::merge(&mut a, &c.server);
+    }
+    if a.check {
+        return check(&a, config.as_ref());
+    }
+    // Before any other thread starts: the environment is read once, here.
+    let mut pid_file = a.pid_file.as_deref().map(PidFile::lock).transpose()?;
+    crate::systemd::init_notify();
+    crate::systemd::init_listen_fds()?;
     // Signals go to one thread that waits for them; block them before any thread starts.
     let signals = block_signals();
+    let daemon_mode = a.control.is_some() || config.is_some() || crate::systemd::has("control");
     // Declared first, so dropped (and removed) last, on every way out of this function.
-    let demo = if a.images.is_empty() && a.control.is_none() { Some(DemoImage::create()?) } else { None };
+    let demo = if a.images.is_empty() && !daemon_mode { Some(DemoImage::create()?) } else { None };
     let specs = export_specs(&a, demo.as_ref().map(|d| d.image.clone()))?;
     let policy = crate::security::policy(&a.security)?;
     let tls = policy.tls.as_ref().map(|t| t.summary.clone());
@@ -34,7 +47,9 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         Server::new(Vec::new(), options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
     let daemon = Arc::new(Daemon::new(settings(&a), server.clone()));
     let mut banner = Vec::new();
-    let started = start_exports(&daemon, specs, &mut banner).and_then(|()| Listeners::open(&a, &daemon, tls.is_some()));
+    let started = start_exports(&daemon, specs, &mut banner)
+        .and_then(|()| start_config(&daemon, config.as_ref(), &mut banner))
+        .and_then(|()| Listeners::open(&a, &daemon, tls.is_some()));
     let listeners = match started {
         Ok(l) => l,
         Err(e) => {
@@ -54,9 +69,71 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
     for line in banner.iter().chain(listeners.banner.iter()) {
         println!("{line}");
     }
-    println!("vdisk: stop with Ctrl-C (SIGINT) or SIGTERM");
+    if let Some(Err(e)) = pid_file.as_mut().map(PidFile::write_pid) {
+        if let Err(more) = daemon.shutdown() {
+            log::warn!("{more}");
+        }
+        return Err(e);
+    }
+    println!(
+        "vdisk: stop with Ctrl-C (SIGINT) or SIGTERM{}",
+        if config.is_some() { "; reload the config with SIGHUP" } else { "" }
+    );
     println!("vdisk: ready");
+    // Every listener is bound and listening: a client that connects now waits in its queue.
+    crate::systemd::notify(&format!("READY=1\nMAINPID={}\nSTATUS={}", std::process::id(), daemon.status()));
     serve_until_signal(&server, &daemon, listeners, signals)
+}
+
+/// `--check`: everything start-up would check, without serving: the file, the
+/// flags with it, TLS credentials, every image (opened read-only and closed).
+fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Failure> {
+    crate::security::policy(&a.security)?;
+    let cli = export_specs(a, None)?.into_iter().map(|s| (s, "the command line".to_owned()));
+    let file = config
+        .into_iter()
+        .flat_map(|c| c.exports.iter().cloned().zip(c.lines.iter().map(move |l| format!("{}:{l}", c.path.display()))));
+    let mut names = std::collections::HashSet::new();
+    for (spec, at) in cli.chain(file) {
+        let name = spec.name.clone().unwrap_or_default();
+        if !names.insert(name.clone()) {
+            return Err(Failure::usage(format!(
+                "{at}: export {name:?} is named on the command line and in the file: rename one (name = \"...\")"
+            )));
+        }
+        let opened = crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
+            .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
+        if opened.image.size() == 0 {
+            return Err(Failure::usage(format!(
+                "{at}: export {name:?}: {} is empty (make a disk with `vdisk create IMAGE --size 10G`)",
+                spec.image.display()
+            )));
+        }
+    }
+    let what = config.map_or_else(|| "the command line".into(), |c| c.path.display().to_string());
+    println!("vdisk: {what}: OK, {} export{}", names.len(), if names.len() == 1 { "" } else { "s" });
+    Ok(())
+}
+
+/// Adds the config file's exports and lets the daemon follow the file from now on.
+fn start_config(
+    daemon: &Daemon,
+    config: Option<&crate::config::Config>,
+    banner: &mut Vec<String>,
+) -> Result<(), Failure> {
+    let Some(c) = config else { return Ok(()) };
+    for (spec, line) in c.exports.iter().zip(&c.lines) {
+        let notes = daemon.add(spec.clone()).map_err(|r| {
+            let name = spec.name.clone().unwrap_or_default();
+            Failure::from(crate::daemon::Refusal {
+                message: format!("{}:{line}: export {name:?}: {}", c.path.display(), r.message),
+                ..r
+            })
+        })?;
+        banner.extend(notes);
+    }
+    daemon.follow_config(crate::reload::Source::new(c));
+    Ok(())
 }
 
 /// Serves until the first signal, then stops everything: NBD clients finish,
@@ -101,7 +178,7 @@ fn serve_until_signal(
 
 fn settings(a: &ServeArgs) -> Settings {
     let engine = EngineConfig {
-        kind: match a.engine {
+        kind: match a.engine.unwrap_or(EngineArg::Uring) {
             EngineArg::Uring => EngineKind::Uring,
             EngineArg::Threads => EngineKind::Threads,
         },
@@ -114,7 +191,7 @@ fn settings(a: &ServeArgs) -> Settings {
         inline: !a.no_inline,
         ..Default::default()
     };
-    Settings { engine, direct: a.direct, socket_mode: a.socket_mode, fuse_uring: a.fuse_uring }
+    Settings { engine, direct: a.direct, socket_mode: a.socket_mode(), fuse_uring: a.fuse_uring }
 }
 
 /// The exports the command line asks for, checked against each other.
@@ -176,30 +253,86 @@ struct Listeners {
 impl Listeners {
     fn open(a: &ServeArgs, daemon: &Arc<Daemon>, tls: bool) -> Result<Listeners, Failure> {
         let mut l = Listeners { nbd: Vec::new(), socket: None, control: None, metrics: None, banner: Vec::new() };
-        let others = !a.fuse.is_empty() || !a.vhost_user_blk.is_empty();
-        l.socket = match (&a.socket, &a.listen) {
-            (Some(p), _) => Some(p.clone()),
-            (None, None) if !others => Some(default_socket()),
-            (None, _) => None,
+        let first = daemon.names().into_iter().next().unwrap_or_else(|| "NAME".into());
+        // Sockets from the service manager replace binding our own (README: Running under systemd).
+        if !l.inherit_nbd(&first, tls)? {
+            let others = !a.fuse.is_empty() || !a.vhost_user_blk.is_empty();
+            l.socket = match (&a.socket, &a.listen) {
+                (Some(p), _) => Some(p.clone()),
+                (None, None) if !others => Some(default_socket()),
+                (None, _) => None,
+            };
+            l.open_nbd(a, &first, tls)?;
+        } else if a.socket.is_some() || a.listen.is_some() {
+            log::info!("NBD sockets came from the service manager (LISTEN_FDS): socket/listen settings not bound");
+        }
+        l.open_control(a, daemon)?;
+        let inherited = crate::systemd::listeners("metrics")?.into_iter().find_map(|i| match i {
+            Inherited::Tcp(t) => Some(t),
+            Inherited::Unix(..) => None,
+        });
+        let metrics = match (inherited, &a.metrics) {
+            (Some(t), _) => Some(crate::metrics::MetricsServer::serve(t, daemon.clone())?),
+            (None, Some(addr)) => Some(crate::metrics::MetricsServer::start(
+                parse_listen(addr, "--metrics", "127.0.0.1:9100")?,
+                daemon.clone(),
+            )?),
+            (None, None) => None,
         };
-        l.open_nbd(a, &daemon.names().into_iter().next().unwrap_or_else(|| "NAME".into()), tls)?;
-        if let Some(path) = &a.control {
-            l.control = Some(crate::control::ControlSocket::start(path, a.socket_mode, daemon.clone())?);
-            l.banner.push(format!("vdisk: control socket {}", path.display()));
-            l.banner.push(format!("  try: vdisk ctl --control {} list", path.display()));
+        if let Some(m) = &metrics {
+            l.banner.push(format!("vdisk: metrics on http://{}/metrics", m.addr()));
         }
-        if let Some(addr) = &a.metrics {
-            let addr = parse_listen(addr, "--metrics", "127.0.0.1:9100")?;
-            let metrics = crate::metrics::MetricsServer::start(addr, daemon.clone())?;
-            l.banner.push(format!("vdisk: metrics on http://{}/metrics", metrics.addr()));
-            l.metrics = Some(metrics);
-        }
+        l.metrics = metrics;
         Ok(l)
+    }
+
+    /// Takes the NBD sockets the service manager passed; false if there are none.
+    fn inherit_nbd(&mut self, first: &str, tls: bool) -> Result<bool, Failure> {
+        let scheme = if tls { "nbds" } else { "nbd" };
+        for i in crate::systemd::listeners("nbd")? {
+            match i {
+                Inherited::Unix(l, path) => {
+                    let path = path.unwrap_or_else(|| PathBuf::from("(unnamed)"));
+                    self.banner
+                        .push(format!("vdisk: listening on unix socket {} (from the service manager)", path.display()));
+                    self.banner.push(format!("  try: nbdinfo '{scheme}+unix:///{first}?socket={}'", path.display()));
+                    self.nbd.push(Listener::Unix(l, path));
+                }
+                Inherited::Tcp(t) => {
+                    let addr = t.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                    self.banner.push(format!("vdisk: listening on tcp {addr} (from the service manager)"));
+                    self.banner.push(format!("  try: nbdinfo {scheme}://{addr}/{first}"));
+                    self.nbd.push(Listener::Tcp(t));
+                }
+            }
+        }
+        Ok(!self.nbd.is_empty())
+    }
+
+    fn open_control(&mut self, a: &ServeArgs, daemon: &Arc<Daemon>) -> Result<(), Failure> {
+        let inherited = crate::systemd::listeners("control")?.into_iter().find_map(|i| match i {
+            Inherited::Unix(l, Some(path)) => Some((l, path)),
+            _ => None,
+        });
+        let (control, path, from) = match (inherited, &a.control) {
+            (Some((l, path)), _) => {
+                let c = crate::control::ControlSocket::inherited(l, &path, daemon.clone())?;
+                (c, path, " (from the service manager)")
+            }
+            (None, Some(path)) => {
+                (crate::control::ControlSocket::start(path, a.socket_mode(), daemon.clone())?, path.clone(), "")
+            }
+            (None, None) => return Ok(()),
+        };
+        self.control = Some(control);
+        self.banner.push(format!("vdisk: control socket {}{from}", path.display()));
+        self.banner.push(format!("  try: vdisk ctl --control {} list", path.display()));
+        Ok(())
     }
 
     fn open_nbd(&mut self, a: &ServeArgs, first: &str, tls: bool) -> Result<(), Failure> {
         if let Some(path) = &self.socket {
-            self.nbd.push(Listener::Unix(bind_unix(path, a.socket_mode, "--socket")?, path.clone()));
+            self.nbd.push(Listener::Unix(bind_unix(path, a.socket_mode(), "--socket")?, path.clone()));
             self.banner.push(format!("vdisk: listening on unix socket {}", path.display()));
             if tls {
                 let uri = format!("nbds+unix:///{first}?socket={}", path.display());
@@ -264,7 +397,7 @@ pub(crate) fn bind_unix(path: &Path, mode: u32, flag: &str) -> Result<UnixListen
 }
 
 /// HOST:PORT, :PORT or PORT (host 127.0.0.1).
-fn parse_listen(s: &str, flag: &str, example: &str) -> Result<SocketAddr, Failure> {
+pub(crate) fn parse_listen(s: &str, flag: &str, example: &str) -> Result<SocketAddr, Failure> {
     let full = if let Some(port) = s.strip_prefix(':') {
         format!("127.0.0.1:{port}")
     } else if s.chars().all(|c| c.is_ascii_digit()) {
@@ -311,6 +444,8 @@ fn block_signals() -> libc::sigset_t {
     unsafe { libc::sigaddset(&mut set, libc::SIGINT) };
     // SAFETY: as above.
     unsafe { libc::sigaddset(&mut set, libc::SIGTERM) };
+    // SAFETY: as above.
+    unsafe { libc::sigaddset(&mut set, libc::SIGHUP) };
     // SAFETY: changes only this thread's mask (inherited by threads it starts).
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     set
@@ -355,25 +490,42 @@ impl Stop {
     }
 }
 
-/// First signal: stop cleanly. Second: give up at once.
+/// SIGHUP: reload the config. First SIGINT/SIGTERM: stop cleanly; second: give
+/// up at once. Between signals, every few seconds, the status line for systemd.
 fn wait_for_signals(set: libc::sigset_t, server: &Server, daemon: &Daemon, stop: &Stop) {
     let mut count = 0;
+    let mut status = String::new();
     loop {
-        let mut sig = 0;
-        // SAFETY: `set` is an initialised signal set and `sig` a valid out-pointer.
-        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+        let timeout = libc::timespec { tv_sec: STATUS_EVERY, tv_nsec: 0 };
+        // SAFETY: `set` is an initialised signal set, `timeout` a valid timespec; no siginfo asked for.
+        let sig = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &timeout) };
+        if sig < 0 {
+            if count == 0 && status != daemon.status() {
+                status = daemon.status();
+                crate::systemd::notify(&format!("STATUS={status}"));
+            }
+            continue;
+        }
+        if sig == libc::SIGHUP {
+            log::info!("SIGHUP: reloading the config");
+            // Its outcome, failures included, is logged by the reload itself.
+            let _ = daemon.reload();
             continue;
         }
         count += 1;
         if count == 1 {
-            eprintln!("vdisk: signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            log::warn!("signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            crate::systemd::notify("STOPPING=1\nSTATUS=stopping: finishing requests and flushing");
             // Requests waiting for QoS tokens are in flight too: let them finish now.
             daemon.lift_limits();
             server.stop();
             stop.trigger();
         } else {
-            eprintln!("vdisk: second signal: quitting without waiting");
+            log::warn!("second signal: quitting without waiting");
             std::process::exit(1);
         }
     }
 }
+
+/// Seconds between STATUS= updates (sent only when the line changed).
+const STATUS_EVERY: libc::time_t = 5;

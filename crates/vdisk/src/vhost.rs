@@ -18,11 +18,18 @@ pub fn start(
 ) -> Result<Box<dyn Frontend>, Failure> {
     let queues =
         num_queues.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get().min(64) as u16).unwrap_or(1));
-    let listener = bind_unix(socket, socket_mode, "--vhost-user-blk")?;
+    // A socket the service manager passed is used as it is, and left to it at the end.
+    let (listener, inherited) = match crate::systemd::take_vhost(socket) {
+        Some(l) => (l, true),
+        None => (bind_unix(socket, socket_mode, "--vhost-user-blk")?, false),
+    };
     let export = VhostBlk::start(listener, socket, device.clone(), queues).map_err(|e| {
-        let _ = std::fs::remove_file(socket);
+        if !inherited {
+            let _ = std::fs::remove_file(socket);
+        }
         Failure::runtime(format!("cannot start the vhost-user-blk export on {}: {e}", socket.display()))
     })?;
+    let export = if inherited { export.keep_socket_file() } else { export };
     banner.push(format!(
         "vdisk: vhost-user-blk for {:?} on {} ({queues} queue{})",
         device.name(),
