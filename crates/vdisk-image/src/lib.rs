@@ -9,6 +9,7 @@
 pub mod cow;
 mod error;
 pub mod raw;
+pub mod rbd;
 
 use std::fs::File;
 use std::path::Path;
@@ -16,6 +17,7 @@ use std::path::Path;
 pub use cow::CowImage;
 pub use error::{Error, ErrorKind, Result};
 pub use raw::RawImage;
+pub use rbd::RbdImage;
 
 /// Where one piece of a request lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +70,12 @@ pub trait Image: Send + Sync {
     /// whose offset, length and memory are aligned, and `files()` for the rest.
     fn direct_files(&self) -> &[File] {
         &[]
+    }
+
+    /// The RBD image that file number `file` is, when it is one rather than a
+    /// file of [`Image::files`]: the engine then moves its bytes with librbd's AIO.
+    fn rbd(&self, _file: usize) -> Option<&RbdImage> {
+        None
     }
 
     /// The path of file number `file`, for messages.
