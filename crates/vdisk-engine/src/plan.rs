@@ -281,6 +281,9 @@ impl Planner {
     /// Syncs file 0, the only one writes reach (the others, such as a COW
     /// overlay's backing file, are read-only).
     fn sync_files(&self) -> Result<()> {
+        if let Some(rbd) = self.image.rbd(0) {
+            return rbd.flush();
+        }
         sys::fdatasync(&self.image.files()[0]).map_err(|e| Error::io(e, format!("flush of {}", self.describe(0))))
     }
 

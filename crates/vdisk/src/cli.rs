@@ -68,6 +68,7 @@ Examples:
   vdisk serve disk.img --listen 0.0.0.0:10809 --workers 32
   vdisk serve vm1.cow vm2.cow               COW overlays (their base opens read-only)
   vdisk serve vm1.cow --backing /new/place/base.img
+  vdisk serve rbd:rbd/disk --ceph-conf /etc/ceph/ceph.conf   an image on Ceph RBD
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(Box<ServeArgs>),
     Soak(crate::soak::SoakArgs),
@@ -75,7 +76,8 @@ Examples:
 
 #[derive(Args)]
 pub struct CreateArgs {
-    /// Path of the new image; an existing file is never overwritten.
+    /// Path of the new image (or rbd:POOL/IMAGE for an image on Ceph RBD); an
+    /// existing file or image is never overwritten.
     pub image: PathBuf,
     /// Virtual size: bytes, or with a K, M, G or T suffix (binary units), e.g. 10G.
     /// Required unless --backing is given (an overlay takes its size from BASE).
@@ -86,8 +88,11 @@ pub struct CreateArgs {
     pub preallocate: bool,
     /// Make IMAGE a copy-on-write overlay (UML COW v3, as uml_mkcow makes) over
     /// BASE: it records BASE's absolute path, size and mtime; BASE is never written.
+    /// BASE may be an RBD snapshot, rbd:POOL/IMAGE@SNAP.
     #[arg(long, value_name = "BASE")]
     pub backing: Option<PathBuf>,
+    #[command(flatten)]
+    pub ceph: CephArgs,
 }
 
 #[derive(Args)]
@@ -162,6 +167,28 @@ pub struct BackingArgs {
     /// overlay recorded (only if you know its data did not change).
     #[arg(long)]
     pub ignore_backing_mtime: bool,
+    #[command(flatten)]
+    pub ceph: CephArgs,
+}
+
+/// How to reach a Ceph cluster for `rbd:` images (defaults: librados's own
+/// lookup, $CEPH_CONF then /etc/ceph/ceph.conf, and client id "admin").
+/// `:conf=PATH` and `:id=NAME` in an image name win over these.
+#[derive(Args, Clone, Default)]
+#[command(next_help_heading = "Ceph RBD")]
+pub struct CephArgs {
+    /// The Ceph configuration file for rbd:POOL/IMAGE names.
+    #[arg(long, value_name = "PATH")]
+    pub ceph_conf: Option<PathBuf>,
+    /// The Ceph client id (as in client.ID) for rbd:POOL/IMAGE names.
+    #[arg(long, value_name = "NAME")]
+    pub ceph_id: Option<String>,
+}
+
+impl CephArgs {
+    pub fn options(&self) -> vdisk_image::rbd::ConnectOptions {
+        vdisk_image::rbd::ConnectOptions { conf: self.ceph_conf.clone(), id: self.ceph_id.clone(), extra: Vec::new() }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -176,10 +203,13 @@ pub enum FormatArg {
 
 #[derive(Args)]
 pub struct InfoArgs {
+    /// An image file, or rbd:POOL/IMAGE[@SNAP].
     pub image: PathBuf,
     /// Print JSON (keys: path, format, virtual-size, allocated).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub ceph: CephArgs,
 }
 
 /// An octal permission mode such as 0600 or 660.
@@ -198,7 +228,8 @@ pub enum EngineArg {
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Images to serve, one export each.
+    /// Images to serve, one export each: files, or rbd:POOL/IMAGE[@SNAP] on Ceph
+    /// (qemu's spelling, with :conf=PATH:id=NAME; a snapshot is served read-only).
     pub images: Vec<PathBuf>,
     /// NBD unix socket to listen on (default: $XDG_RUNTIME_DIR or /tmp, vdisk-PID.sock;
     /// none by default when --fuse or --vhost-user-blk is given).

@@ -1,13 +1,27 @@
 //! `vdisk create`.
 
 use indicatif::{ProgressBar, ProgressStyle};
-use vdisk_image::{CowImage, Image, RawImage};
+use vdisk_image::{CowImage, Image, RawImage, RbdImage};
 
 use crate::cli::CreateArgs;
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: CreateArgs) -> Result<(), Failure> {
+    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+        if a.backing.is_some() || a.preallocate {
+            return Err(Failure::usage(format!(
+                "{spec} is an RBD image: --backing and --preallocate apply to image files \
+                 (for an overlay over an RBD snapshot: vdisk create --backing rbd:POOL/IMAGE@SNAP overlay.cow)"
+            )));
+        }
+        let Some(size) = a.size else {
+            return Err(Failure::usage("vdisk create needs --size for an RBD image (e.g. --size 10G)"));
+        };
+        RbdImage::create(&spec, size)?;
+        println!("created {spec} ({}, rbd)", human(size));
+        return Ok(());
+    }
     if let Some(base) = &a.backing {
         CowImage::create(&a.image, base)?;
         let image = CowImage::open(&a.image, true, None, false)?;

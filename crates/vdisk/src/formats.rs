@@ -1,11 +1,13 @@
-//! Opening an image in whichever format it is: a UML COW overlay when the file
-//! starts with the COW magic (or `--format cow`), raw otherwise.
+//! Opening an image in whichever format it is: an RBD image on Ceph for an
+//! `rbd:POOL/IMAGE[@SNAP]` name, a UML COW overlay when the file starts with
+//! the COW magic (or `--format cow`), raw otherwise.
 
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
-use vdisk_image::{cow, CowImage, Image, RawImage};
+use vdisk_image::rbd::{self, ConnectOptions, Spec};
+use vdisk_image::{cow, CowImage, Image, RawImage, RbdImage};
 
 use crate::cli::{BackingArgs, FormatArg};
 use crate::size::human;
@@ -24,6 +26,23 @@ pub struct Opened {
     pub description: String,
 }
 
+/// The RBD image an `rbd:` name means, or None for a path.
+pub fn rbd_spec(name: &Path, defaults: &ConnectOptions) -> Result<Option<Spec>, Failure> {
+    if !rbd::is_rbd(name) {
+        return Ok(None);
+    }
+    let Some(text) = name.to_str() else {
+        return Err(Failure::usage(format!("{} is not valid UTF-8", name.display())));
+    };
+    Ok(Some(Spec::parse(text, defaults)?))
+}
+
+/// The export name an image gets by default: an RBD image's name (and
+/// snapshot), a file's stem. None: the caller's own rule.
+pub fn export_name(name: &Path) -> Option<String> {
+    rbd_spec(name, &ConnectOptions::default()).ok().flatten().map(|s| s.export_name())
+}
+
 pub fn open(
     path: &Path,
     format: FormatArg,
@@ -31,6 +50,22 @@ pub fn open(
     direct: bool,
     backing: &BackingArgs,
 ) -> Result<Opened, Failure> {
+    if let Some(spec) = rbd_spec(path, &backing.ceph.options())? {
+        if format == FormatArg::Cow || backing.backing.is_some() || backing.ignore_backing_mtime {
+            return Err(Failure::usage(format!(
+                "{spec} is an RBD image: --format cow, --backing and --ignore-backing-mtime apply to COW overlay files"
+            )));
+        }
+        if direct {
+            return Err(Failure::usage(format!(
+                "{spec} is an RBD image: --direct applies to files (librbd's cache is off already)"
+            )));
+        }
+        let image = RbdImage::open(&spec, read_only)?;
+        let ro = if spec.snap.is_some() { ", snapshot" } else { "" };
+        let description = format!("{spec} (rbd{ro}, {})", human(image.size()));
+        return Ok(Opened { image: Arc::new(image), description });
+    }
     let cow = match format {
         FormatArg::Auto => is_cow(path),
         FormatArg::Raw => false,

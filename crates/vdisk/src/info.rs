@@ -2,7 +2,8 @@
 
 use std::os::unix::fs::MetadataExt;
 
-use vdisk_image::{cow, Image, RawImage};
+use vdisk_image::rbd::Spec;
+use vdisk_image::{cow, Image, RawImage, RbdImage};
 
 use crate::cli::InfoArgs;
 use crate::formats::is_cow;
@@ -10,6 +11,9 @@ use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: InfoArgs) -> Result<(), Failure> {
+    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+        return rbd_info(&spec, a.json);
+    }
     if is_cow(&a.image) {
         return cow_info(&a);
     }
@@ -111,5 +115,36 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
         human(in_overlay)
     );
     println!("allocated:    {} ({} bytes)", human(allocated), allocated);
+    Ok(())
+}
+
+/// An RBD image or snapshot, opened read-only.
+fn rbd_info(spec: &Spec, json: bool) -> Result<(), Failure> {
+    let image = RbdImage::open(spec, true)?;
+    let i = image.info()?;
+    if json {
+        let v = serde_json::json!({
+            "path": spec.to_string(),
+            "format": "rbd",
+            "virtual-size": i.size,
+            "allocated": i.allocated,
+            "pool": spec.pool,
+            "image": spec.image,
+            "snapshot": spec.snap,
+            "object-size": i.object_size,
+            "objects": i.objects,
+            "features": i.features,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        return Ok(());
+    }
+    println!("image:        {spec}");
+    println!("format:       rbd (Ceph RBD{})", if spec.snap.is_some() { " snapshot, read-only" } else { "" });
+    println!("virtual size: {} ({} bytes)", human(i.size), i.size);
+    println!("objects:      {} of {}", i.objects, human(i.object_size));
+    match i.allocated {
+        Some(a) => println!("allocated:    {} ({a} bytes, whole objects)", human(a)),
+        None => println!("allocated:    unknown (the image has no fast-diff)"),
+    }
     Ok(())
 }

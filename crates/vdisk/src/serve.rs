@@ -129,6 +129,7 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
         let engine = match e.device.kind() {
             EngineKind::Uring => format!("io_uring engine, {} ring(s)", a.rings),
             EngineKind::Threads => format!("thread engine, {} workers", a.workers),
+            EngineKind::Rbd => "librbd AIO engine".to_owned(),
         };
         println!("vdisk: export {:?}: {}, {mode}, {engine}{sync}", e.name, e.description);
     }
@@ -179,7 +180,8 @@ pub fn run(a: ServeArgs) -> Result<(), Failure> {
 
 /// The export name of an image: its file stem.
 fn export_name(path: &Path) -> String {
-    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into())
+    formats::export_name(path)
+        .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into()))
 }
 
 fn default_socket() -> PathBuf {
