@@ -1,0 +1,322 @@
+//! Images on Ceph RBD, against a real single-node cluster (scripts/cephrig:
+//! one monitor, one memstore OSD, pool "rbd"), started once for this test
+//! binary in a temporary directory on its own monitor port and stopped when
+//! the binary exits. The real binary is driven with real clients (qemu-io,
+//! nbdcopy, nbdsh, fio, the kernel through FUSE) and checked against the
+//! cluster's own tool (`rbd export`, `rbd import`).
+//!
+//! Needs the Ceph daemons and librbd (scripts/install-test-deps.sh installs
+//! them); the FUSE test needs root, as CI has.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{OnceLock, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant};
+
+use common::{assert_same, output, qemu_io, read_file, run, text, vdisk, vdisk_bounded, Server, TempDir, MIB};
+
+/// The running cluster: its directory and configuration file.
+struct Cluster {
+    dir: PathBuf,
+    conf: String,
+}
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+/// Tests take it shared; the one that stops the OSD takes it alone.
+static OSD: RwLock<()> = RwLock::new(());
+
+fn rig() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cephrig/ceph-micro.sh")
+}
+
+extern "C" fn stop_cluster() {
+    if let Some(c) = CLUSTER.get() {
+        let _ = Command::new("bash").arg(rig()).arg("stop").arg(&c.dir).status();
+        // A daemon that was still exiting may have left a pid file behind the script's rm.
+        let _ = std::fs::remove_dir_all(&c.dir);
+    }
+}
+
+/// Starts the cluster the first time (about 10 s), then hands it out.
+fn cluster() -> &'static Cluster {
+    CLUSTER.get_or_init(|| {
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("vdisk-ceph-{pid}"));
+        let port = (20000 + pid % 20000).to_string();
+        let out = Command::new("bash")
+            .arg(rig())
+            .arg("start")
+            .arg(&dir)
+            .env("CEPH_PORT", &port)
+            .env("CEPH_MEM_BYTES", (1u64 << 30).to_string())
+            .output()
+            .expect("run scripts/cephrig/ceph-micro.sh");
+        assert!(
+            out.status.success(),
+            "the Ceph test cluster did not start (scripts/install-test-deps.sh installs it):\n{}",
+            text(&out)
+        );
+        // SAFETY: registers a plain function that takes no arguments; it runs at exit.
+        unsafe { libc::atexit(stop_cluster) };
+        Cluster { conf: dir.join("ceph.conf").display().to_string(), dir }
+    })
+}
+
+/// The cluster, held shared against the OSD stall test.
+fn shared() -> (&'static Cluster, RwLockReadGuard<'static, ()>) {
+    let c = cluster();
+    (c, OSD.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// A fresh image name.
+fn name(tag: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("{tag}{}", N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// `rbd ARGS` against the test cluster, asserting success.
+fn rbd(c: &Cluster, args: &[&str]) -> String {
+    let out = Command::new("rbd").args(args).env("CEPH_CONF", &c.conf).output().expect("run rbd");
+    assert!(out.status.success(), "rbd {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The image's bytes as `rbd export` gives them.
+fn export(c: &Cluster, dir: &TempDir, image: &str) -> Vec<u8> {
+    let to = dir.path(&format!("{}.export", image.replace(['/', '@'], "_")));
+    let _ = std::fs::remove_file(&to);
+    rbd(c, &["export", image, to.to_str().unwrap()]);
+    read_file(&to)
+}
+
+fn create(c: &Cluster, image: &str, size: &str) {
+    let spec = format!("rbd:rbd/{image}");
+    let out = vdisk(&["create", &spec, "--size", size, "--ceph-conf", &c.conf]);
+    assert!(out.status.success(), "vdisk create {spec}: {}", text(&out));
+}
+
+fn serve(c: &Cluster, dir: &TempDir, args: &[&str]) -> Server {
+    Server::start_env(dir, args, &[("CEPH_CONF", &c.conf)])
+}
+
+/// Deterministic bytes that differ at every offset and between seeds.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn create_and_info_and_mistakes() {
+    let (c, _g) = shared();
+    let img = name("info");
+    create(c, &img, "64M");
+    let spec = format!("rbd:rbd/{img}");
+    let out = vdisk(&["info", &spec, "--ceph-conf", &c.conf, "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let v = common::json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(v["format"], "rbd");
+    assert_eq!(v["virtual-size"], 64 * MIB as u64);
+    // :conf= in the name instead of the flag.
+    let out = vdisk(&["info", &format!("{spec}:conf={}", c.conf)]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("64 MiB"), "{}", text(&out));
+
+    let again = vdisk(&["create", &spec, "--size", "1M", "--ceph-conf", &c.conf]);
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again));
+    assert!(text(&again).contains("already exists"), "{}", text(&again));
+
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec![format!("rbd:rbd/{img}-missing")], "does not exist in pool"),
+        (vec!["rbd:nosuchpool/x".into()], "pool \"nosuchpool\" does not exist"),
+        (vec![spec.clone(), "--ceph-conf".into(), "/nonexistent/ceph.conf".into()], "/nonexistent/ceph.conf"),
+        (vec![format!("{spec}@nosnap")], "snapshot"),
+        (vec!["rbd:justapool".into()], "rbd:POOL/IMAGE"),
+    ];
+    for (args, want) in cases {
+        let mut all = vec!["serve".to_owned()];
+        all.extend(args.iter().cloned());
+        if !args.iter().any(|a| a == "--ceph-conf") {
+            all.extend(["--ceph-conf".to_owned(), c.conf.clone()]);
+        }
+        let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+        let out = vdisk_bounded(&refs);
+        assert_eq!(out.status.code(), Some(2), "{refs:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{refs:?}: wanted {want:?} in {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{refs:?}: one line, got {err}");
+    }
+}
+
+#[test]
+fn an_unreachable_cluster_fails_within_30_seconds() {
+    let dir = TempDir::new("rbd-unreachable");
+    // A monitor address nobody listens on.
+    let conf = dir.path("ceph.conf");
+    std::fs::write(&conf, "[global]\nmon host = v1:127.0.0.1:9\nauth client required = none\n").unwrap();
+    let t = Instant::now();
+    let out = vdisk_bounded(&["serve", "rbd:rbd/disk", "--ceph-conf", conf.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot connect to the Ceph cluster") && err.contains("mon host"), "{err}");
+}
+
+#[test]
+fn what_vdisk_writes_is_what_rbd_export_returns() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-export");
+    let img = name("exp");
+    create(c, &img, "32M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}")]);
+    let uri = server.uri(&img);
+    let mut want = vec![0u8; 32 * MIB];
+    // 8 MiB of distinct data over 4 connections, in 256 KiB requests.
+    let data = pattern(8 * MIB, 1);
+    let src = dir.path("src");
+    std::fs::write(&src, &data).unwrap();
+    run("nbdcopy", &["--connections=4", "--flush", src.to_str().unwrap(), &uri]);
+    want[..8 * MIB].copy_from_slice(&data);
+    // Small unaligned writes, a FUA write, zeroes (with and without holes), a trim of written data.
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0x5a 12345 3000",
+            "write -f -P 0x77 10M 64k",
+            "write -z 1M 128k",
+            "write -P 0x11 20M 1M",
+            "write -z -u 20M 512k",
+            "flush",
+        ],
+    );
+    want[12345..12345 + 3000].fill(0x5a);
+    want[10 * MIB..10 * MIB + 64 * 1024].fill(0x77);
+    want[MIB..MIB + 128 * 1024].fill(0);
+    want[20 * MIB..21 * MIB].fill(0x11);
+    want[20 * MIB..20 * MIB + 512 * 1024].fill(0);
+    assert_same("rbd export after writes through vdisk", &export(c, &dir, &format!("rbd/{img}")), &want);
+    // And read back through vdisk the same.
+    let back = dir.path("back");
+    run("nbdcopy", &[&uri, back.to_str().unwrap()]);
+    assert_same("read back through vdisk", &read_file(&back), &want);
+    server.stop();
+}
+
+#[test]
+fn what_rbd_import_put_in_reads_the_same_and_snapshots_are_read_only() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-import");
+    let img = name("imp");
+    let data = pattern(16 * MIB + 4096, 2);
+    let src = dir.path("src.img");
+    std::fs::write(&src, &data).unwrap();
+    rbd(c, &["import", src.to_str().unwrap(), &format!("rbd/{img}")]);
+    rbd(c, &["snap", "create", &format!("rbd/{img}@s1")]);
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}"), &format!("rbd:rbd/{img}@s1")]);
+    let back = dir.path("back");
+    run("nbdcopy", &[&server.uri(&img), back.to_str().unwrap()]);
+    assert_same("rbd import read through vdisk", &read_file(&back), &data);
+    // The image changes; the snapshot keeps the imported data and refuses writes.
+    qemu_io(&server.uri(&img), &["write -P 0x33 0 1M", "flush"]);
+    let snap = format!("{img}@s1");
+    let out = output("qemu-io", &["-f", "raw", &server.uri(&snap), "-c", "write -P 1 0 4k"]);
+    assert!(text(&out).to_lowercase().contains("failed") || !out.status.success(), "{}", text(&out));
+    let snap_back = dir.path("snap");
+    run("nbdcopy", &[&server.uri(&snap), snap_back.to_str().unwrap()]);
+    assert_same("snapshot through vdisk", &read_file(&snap_back), &data);
+    assert!(server.stdout.iter().any(|l| l.contains("@s1") && l.contains("read-only")), "{:?}", server.stdout);
+    server.stop();
+}
+
+#[test]
+fn fio_verify_over_nbd() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-fio");
+    let img = name("fio");
+    create(c, &img, "64M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}")]);
+    let uri = server.uri(&img);
+    let out = output(
+        "fio",
+        &[
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--bsrange=4k-64k",
+            "--iodepth=16",
+            "--size=32M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ],
+    );
+    assert!(out.status.success(), "fio verify: {}", text(&out));
+    assert!(!text(&out).contains("verify: bad"), "{}", text(&out));
+    server.stop();
+}
+
+#[test]
+fn sigkill_loses_nothing_acknowledged_before_a_flush() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-kill");
+    let img = name("kill");
+    create(c, &img, "16M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}")]);
+    // Many writes in flight at once, then one FLUSH; SIGKILL right after its reply.
+    let script = "
+import os
+bufs = []
+for i in range(64):
+    buf = bytes([i + 1]) * 65536
+    h.aio_pwrite(buf, i * 131072)
+    bufs.append(buf)
+while h.aio_in_flight() > 0:
+    h.poll(-1)
+h.flush()
+print('flushed')
+";
+    let out = common::nbdsh(&server.uri(&img), script);
+    assert!(out.contains("flushed"));
+    let st = server.stop_with(libc::SIGKILL);
+    assert!(!st.success());
+    let got = export(c, &dir, &format!("rbd/{img}"));
+    for i in 0..64usize {
+        let at = i * 131072;
+        assert!(got[at..at + 65536].iter().all(|&b| b == i as u8 + 1), "write {i} at {at} lost after SIGKILL");
+    }
+}
+
+#[test]
+fn the_fuse_export_of_an_rbd_image() {
+    // SAFETY: geteuid only returns a number.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the FUSE test mounts a file system and needs root");
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-fuse");
+    let img = name("fuse");
+    create(c, &img, "16M");
+    let file = dir.path("disk.raw");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}"), "--fuse", file.to_str().unwrap()]);
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&file).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 16 * MIB as u64);
+    let data = pattern(MIB + 777, 3);
+    f.write_all_at(&data, 3 * MIB as u64 + 5).unwrap();
+    f.sync_all().unwrap();
+    let mut back = vec![0u8; data.len()];
+    f.read_exact_at(&mut back, 3 * MIB as u64 + 5).unwrap();
+    assert_same("read back through FUSE", &back, &data);
+    drop(f);
+    let got = export(c, &dir, &format!("rbd/{img}"));
+    assert_same("rbd export after FUSE writes", &got[3 * MIB + 5..3 * MIB + 5 + data.len()], &data);
+    server.stop();
+}
