@@ -320,3 +320,68 @@ fn the_fuse_export_of_an_rbd_image() {
     assert_same("rbd export after FUSE writes", &got[3 * MIB + 5..3 * MIB + 5 + data.len()], &data);
     server.stop();
 }
+
+/// Sends SIGCONT to a stopped process when dropped, also when a test fails.
+struct Stopped(i32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: kill only reads its integer arguments.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+#[test]
+fn an_osd_stopped_for_10_seconds_delays_rbd_requests_and_nothing_else() {
+    let c = cluster();
+    let _alone = OSD.write().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("rbd-stall");
+    let img = name("stall");
+    create(c, &img, "16M");
+    let local = dir.path("local.img");
+    common::create_image(&local, "16M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}"), local.to_str().unwrap()]);
+    let (rbd_uri, local_uri) = (server.uri(&img), server.uri("local"));
+    qemu_io(&rbd_uri, &["write -P 0x21 0 1M", "flush"]);
+
+    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
+    // SAFETY: kill only reads its integer arguments.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Stopped(pid);
+    let t0 = Instant::now();
+    let writer = {
+        let uri = rbd_uri.clone();
+        std::thread::spawn(move || {
+            qemu_io(&uri, &["write -P 0x42 1M 4M", "read -P 0x21 0 1M", "flush"]);
+            Instant::now()
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    // The other export goes on as if nothing happened.
+    for round in 0..3 {
+        let t = Instant::now();
+        qemu_io(&local_uri, &[format!("write -P {} 0 1M", round + 1), format!("read -P {} 0 1M", round + 1)]);
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "the file export took {:?} while the OSD was stopped",
+            t.elapsed()
+        );
+    }
+    assert!(!writer.is_finished(), "RBD requests completed while the OSD was stopped");
+    std::thread::sleep(Duration::from_secs(10).saturating_sub(t0.elapsed()));
+    drop(stopped);
+    let resumed = Instant::now();
+    // The waiting requests finish once the OSD is back.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !writer.is_finished() {
+        assert!(Instant::now() < deadline, "RBD requests did not resume within 60 s of the OSD's return");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let done = writer.join().expect("the writer's qemu-io succeeded");
+    assert!(done >= resumed - Duration::from_millis(100), "finished before the OSD came back");
+    let mut want = vec![0u8; 16 * MIB];
+    want[..MIB].fill(0x21);
+    want[MIB..5 * MIB].fill(0x42);
+    assert_same("rbd export after the stall", &export(c, &dir, &format!("rbd/{img}")), &want);
+    server.stop();
+}
