@@ -9,8 +9,9 @@
 //! Pieces on an ordinary file (a COW overlay's own file, whose backing is an
 //! RBD snapshot) are done with the planner's blocking calls in the loop.
 //!
-//! Durability on RBD: a write completes once librbd has it (with librbd's
-//! cache off, the default here, once the OSDs have it). FLUSH is
+//! Durability on RBD: a write completes once librbd has it (in librbd's
+//! cache when the cluster enables it, as Pacific does by default: the part
+//! the page cache plays for files). FLUSH is
 //! `rbd_aio_flush`, which covers every write completed before it was
 //! submitted; FUA and sync-mode writes are emulated as the write, then a
 //! flush, before the reply. WRITE_ZEROES is `rbd_aio_write_zeroes`, or with
@@ -242,7 +243,7 @@ impl RbdWorker {
                 }
                 self.jobs[k].flush_after = self.planner.sync || flags.fua;
             }
-            // Nothing to prefetch into: librbd's cache is off.
+            // A hint; librbd has no prefetch call.
             Op::Cache if on_rbd => {}
             _ => {
                 let slot = &mut self.jobs[k];
