@@ -23,6 +23,11 @@ pub fn run(a: CreateArgs) -> Result<(), Failure> {
         return Ok(());
     }
     if let Some(base) = &a.backing {
+        if let Some(spec) = crate::formats::rbd_spec(base, &a.ceph.options())? {
+            CowImage::create_over_rbd(&a.image, &spec)?;
+            println!("created {} (cow overlay over RBD snapshot {spec}, {})", a.image.display(), human(spec_size(&a)?));
+            return Ok(());
+        }
         CowImage::create(&a.image, base)?;
         let image = CowImage::open(&a.image, true, None, false)?;
         println!(
@@ -51,4 +56,9 @@ pub fn run(a: CreateArgs) -> Result<(), Failure> {
     let how = if a.preallocate { "preallocated" } else { "sparse" };
     println!("created {} ({}, raw, {how})", a.image.display(), human(size));
     Ok(())
+}
+
+/// The size a new overlay recorded (from its header).
+fn spec_size(a: &CreateArgs) -> Result<u64, Failure> {
+    Ok(vdisk_image::cow::inspect(&a.image)?.header.size)
 }

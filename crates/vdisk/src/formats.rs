@@ -86,7 +86,14 @@ pub fn open(
         let description = format!("{} ({}, {})", path.display(), image.format(), human(image.size()));
         return Ok(Opened { image: Arc::new(image), description });
     }
-    let mut image = CowImage::open(path, read_only, backing.backing.as_deref(), backing.ignore_backing_mtime)?;
+    let options = cow::OverlayOptions {
+        read_only,
+        backing: backing.backing.clone(),
+        ignore_mtime: backing.ignore_backing_mtime,
+        backing_writable: false,
+        ceph: backing.ceph.options(),
+    };
+    let mut image = CowImage::open_with(path, &options)?;
     if direct {
         image = image.with_direct_io().map_err(direct_err)?;
     }

@@ -88,6 +88,7 @@ table! {
     rbd_get_features: fn(ImageT, *mut u64) -> c_int;
     rbd_stat: fn(ImageT, *mut ImageInfo, usize) -> c_int;
     rbd_flush: fn(ImageT) -> c_int;
+    rbd_read: fn(ImageT, u64, usize, *mut c_char) -> isize;
     rbd_diff_iterate2: fn(ImageT, *const c_char, u64, u64, u8, u8, DiffCallback, *mut c_void) -> c_int;
     rbd_set_image_notification: fn(ImageT, c_int, c_int) -> c_int;
     rbd_poll_io_events: fn(ImageT, *mut CompletionT, c_int) -> c_int;

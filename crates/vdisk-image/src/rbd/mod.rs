@@ -462,6 +462,30 @@ impl RbdImage {
         n
     }
 
+    /// A blocking read of `buf.len()` bytes at `offset` (a COW overlay's copy-up
+    /// or merge). librbd's synchronous calls bypass the completion eventfd.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = &mut buf[done..];
+            // SAFETY: an open image; `rest` is writable memory of the length passed, borrowed
+            // for this synchronous call only.
+            let n = unsafe {
+                (self.conn.lib.rbd_read)(self.image, offset + done as u64, rest.len(), rest.as_mut_ptr().cast())
+            };
+            if n < 0 {
+                return Err(os_err(n as i64));
+            }
+            if n == 0 {
+                // Past the end of the image: reads as zeros, like a file's tail.
+                rest.fill(0);
+                break;
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
     /// A blocking flush (shutdown).
     pub fn flush(&self) -> Result<()> {
         // SAFETY: an open image.
