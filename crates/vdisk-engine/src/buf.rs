@@ -8,17 +8,14 @@
 //! steady stream of requests allocates nothing and large buffers are not
 //! mapped and unmapped (and page-faulted in) per request.
 //!
-//! A buffer may also borrow memory it does not own ([`Buf::borrowed`]): an
-//! export lends the engine a guest's memory so reads land there directly.
-//! Such a buffer is not 4 KiB-aligned unless the lender's memory is; the
-//! engine checks the real pointer before choosing O_DIRECT.
+//! Memory the engine does not own (a VM guest's) is never a `Buf`: see
+//! [`crate::Lent`].
 
 use std::alloc::{self, Layout};
-use std::any::Any;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 /// The alignment of every buffer: enough for O_DIRECT on any common device.
 pub const ALIGN: usize = 4096;
@@ -80,42 +77,16 @@ pub struct Buf {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
-    /// Set for borrowed memory: keeps it alive; the memory never goes to the pool.
-    owner: Option<Arc<dyn Any + Send + Sync>>,
 }
 
-// SAFETY: Buf owns its allocation exclusively, like Vec<u8>; borrowed memory is
-// lent exclusively for the Buf's lifetime (the contract of `Buf::borrowed`).
+// SAFETY: Buf owns its allocation exclusively, like Vec<u8>.
 unsafe impl Send for Buf {}
 // SAFETY: shared access only reads, like &Vec<u8>.
 unsafe impl Sync for Buf {}
 
 impl Buf {
     pub const fn new() -> Buf {
-        Buf { ptr: NonNull::dangling(), len: 0, cap: 0, owner: None }
-    }
-
-    /// A buffer over `len` bytes at `ptr` that someone else owns, kept alive
-    /// by `owner` (held until the Buf is dropped; the memory is never freed or
-    /// pooled by the Buf). Growing it past `len` moves the contents to a
-    /// pooled allocation and releases the borrowed memory.
-    ///
-    /// # Safety
-    ///
-    /// For as long as `owner` is alive, `ptr` must be valid for reads and
-    /// writes of `len` bytes, and those bytes must be initialised. Until the
-    /// Buf is dropped nothing else in this process may access them (the Buf
-    /// hands out `&mut [u8]` over them). Memory shared with another process
-    /// (a VM guest) may still be changed from outside; the engine only passes
-    /// such memory to the kernel or fills it, so the only effect is on the
-    /// data, which is then the other side's to worry about.
-    pub unsafe fn borrowed(ptr: NonNull<u8>, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Buf {
-        Buf { ptr, len, cap: len, owner: Some(owner) }
-    }
-
-    /// True when the memory is borrowed (see [`Buf::borrowed`]).
-    pub fn is_borrowed(&self) -> bool {
-        self.owner.is_some()
+        Buf { ptr: NonNull::dangling(), len: 0, cap: 0 }
     }
 
     /// `len` zero bytes.
@@ -132,7 +103,7 @@ impl Buf {
             return Buf::new();
         }
         let (ptr, cap) = obtain(len);
-        Buf { ptr, len, cap, owner: None }
+        Buf { ptr, len, cap }
     }
 
     pub fn from_slice(data: &[u8]) -> Buf {
@@ -154,10 +125,7 @@ impl Buf {
         if self.cap > 0 {
             // SAFETY: both regions are valid for `len` bytes and are distinct allocations.
             unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), new.as_ptr(), self.len) };
-            // Borrowed memory goes back to its owner (by dropping our hold), never to the pool.
-            if self.owner.take().is_none() {
-                give_back(self.ptr, self.cap);
-            }
+            give_back(self.ptr, self.cap);
         }
         self.ptr = new;
         self.cap = new_cap;
@@ -168,8 +136,9 @@ impl Buf {
         if len > self.cap {
             self.reserve_total(len);
         } else if len > self.len {
-            // SAFETY: [len, new len) is inside the allocation.
-            unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(self.len), 0, len - self.len) };
+            let tail = self.ptr.as_ptr().wrapping_add(self.len);
+            // SAFETY: [self.len, len) is inside the allocation (len <= cap).
+            unsafe { std::ptr::write_bytes(tail, 0, len - self.len) };
         }
         self.len = len;
     }
@@ -211,7 +180,7 @@ impl Default for Buf {
 
 impl Drop for Buf {
     fn drop(&mut self) {
-        if self.cap > 0 && self.owner.is_none() {
+        if self.cap > 0 {
             give_back(self.ptr, self.cap);
         }
     }
@@ -281,21 +250,5 @@ mod tests {
         assert_eq!(b.len(), 120_000);
         let z = Buf::zeroed(120_000);
         assert!(z.iter().all(|&x| x == 0), "zeroed() zeroes a reused buffer");
-    }
-
-    #[test]
-    fn borrowed_memory_is_never_pooled_and_grows_into_a_copy() {
-        let owner = Arc::new(Mutex::new(vec![7u8; 8192]));
-        let ptr = NonNull::new(owner.lock().unwrap()[100..].as_mut_ptr()).unwrap();
-        // SAFETY: the Vec lives as long as `owner`, which the Buf holds; nothing else touches it meanwhile.
-        let mut b = unsafe { Buf::borrowed(ptr, 4096, owner.clone()) };
-        assert!(b.is_borrowed() && !b.is_aligned());
-        b[0] = 1;
-        b.extend_from_slice(&[2; 10]);
-        assert!(!b.is_borrowed() && b.is_aligned(), "growing moves the data to an owned buffer");
-        assert_eq!((b[0], b[1], b[4096]), (1, 7, 2));
-        assert_eq!(Arc::strong_count(&owner), 1, "the hold on the owner was released");
-        drop(b);
-        assert_eq!(owner.lock().unwrap()[100], 1, "writes went to the borrowed memory");
     }
 }

@@ -15,14 +15,18 @@
 
 mod buf;
 mod faults;
+pub mod inflight;
+mod lent;
 mod plan;
 mod queue;
 mod rbd;
 mod request;
 pub mod slab;
+pub mod submit;
 mod sys;
 mod threads;
 mod uring;
+pub mod wake;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,7 +35,8 @@ use std::thread::JoinHandle;
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
-pub use request::{Flags, Op, Request, Sink};
+pub use lent::Lent;
+pub use request::{Op, Request, Sink};
 
 use queue::Queue;
 
@@ -254,7 +259,7 @@ impl Device {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
                 let (small, large): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| !matches!(r.op, Op::Read | Op::Write) || r.len <= INLINE_MAX);
+                    batch.into_iter().partition(|r| !r.op.is_data() || r.len <= INLINE_MAX);
                 let first = done.len();
                 done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
@@ -268,7 +273,8 @@ impl Device {
                 let runs = planner.plan(reads.iter_mut().enumerate());
                 let mut missed = vec![false; reads.len()];
                 for run in &runs {
-                    let hit = match planner.perform_cached(run) {
+                    // SAFETY: the runs point into `reads`, alive and untouched until after the loop.
+                    let hit = match unsafe { planner.perform_cached(run) } {
                         Ok(hit) => hit,
                         Err(e) => {
                             if e.raw_os_error() == Some(libc::EOPNOTSUPP) {

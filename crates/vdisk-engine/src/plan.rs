@@ -24,6 +24,10 @@ struct Piece {
 }
 
 /// One vectored call: pieces contiguous in one file, all reads or all writes.
+///
+/// Its segments point into the buffers (or lent memory) of the requests it
+/// was planned from: performing it is `unsafe`, and sound only while those
+/// requests are alive and nothing else touches their data.
 pub(crate) struct Run {
     pub write: bool,
     pub dsync: bool,
@@ -66,7 +70,7 @@ impl Planner {
         for (key, req) in jobs {
             let write = match req.op {
                 Op::Read => false,
-                Op::Write => true,
+                Op::Write { .. } => true,
                 _ => continue,
             };
             if let Err(e) = self.map_one(key, req, write, &mut pieces) {
@@ -83,12 +87,15 @@ impl Planner {
         if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, req.offset, req.len)) {
             return Err(e);
         }
-        if req.buf.len() as u64 != req.len {
-            if write {
-                return Err(Error::invalid("write buffer does not match its length"));
+        match &req.lent {
+            Some(lent) if lent.len() as u64 != req.len => {
+                return Err(Error::invalid("lent memory does not match the request's length"));
             }
+            Some(_) => {}
+            None if req.buf.len() as u64 == req.len => {}
+            None if write => return Err(Error::invalid("write buffer does not match its length")),
             // The read fills every byte: a pooled buffer needs no zeroing.
-            req.buf = crate::Buf::for_io(req.len as usize);
+            None => req.buf = crate::Buf::for_io(req.len as usize),
         }
         self.extents.clear();
         if write {
@@ -97,24 +104,29 @@ impl Planner {
         } else {
             self.image.map_read(req.offset, req.len, &mut self.extents)?;
         }
-        let dsync = write && (self.sync || req.flags.fua);
+        let dsync = write && (self.sync || req.op.fua());
         let can_direct = !self.image.direct_files().is_empty();
         let mut at = 0usize;
         for ext in &self.extents {
             let len = ext.len() as usize;
-            let region = &mut req.buf[at..at + len];
             let aligned = |v: usize| v.is_multiple_of(ALIGN);
             match *ext {
-                Extent::Data { file, offset, .. } => pieces.push(Piece {
-                    write,
-                    dsync,
-                    direct: can_direct && aligned(offset as usize) && aligned(len) && aligned(region.as_ptr() as usize),
-                    file,
-                    offset,
-                    job: key,
-                    seg: Segment { ptr: region.as_mut_ptr(), len },
-                }),
-                Extent::Zero { .. } if !write => region.fill(0),
+                Extent::Data { file, offset, .. } => {
+                    let seg = segment(req, at, len);
+                    pieces.push(Piece {
+                        write,
+                        dsync,
+                        direct: can_direct && aligned(offset as usize) && aligned(len) && aligned(seg.ptr as usize),
+                        file,
+                        offset,
+                        job: key,
+                        seg,
+                    })
+                }
+                Extent::Zero { .. } if !write => match &req.lent {
+                    Some(lent) => lent.zero(at, len),
+                    None => req.buf[at..at + len].fill(0),
+                },
                 Extent::Zero { .. } => {}
             }
             at += len;
@@ -153,29 +165,65 @@ impl Planner {
     }
 
     /// Performs a run with blocking vectored calls.
-    pub fn perform(&self, run: &Run) -> Result<()> {
-        self.perform_segs(run, &run.segs, run.offset)
+    ///
+    /// # Safety
+    /// The requests `run` was planned from are alive, and nothing else touches
+    /// their data, until this returns (see [`Run`]).
+    pub unsafe fn perform(&self, run: &Run) -> Result<()> {
+        // SAFETY: the caller's contract above.
+        unsafe { self.perform_segs(run, &run.segs, run.offset) }
     }
 
     /// Performs part of a run (segments starting at `offset`) with blocking calls.
-    pub fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
+    ///
+    /// # Safety
+    /// `segs` are (parts of) `run`'s, under [`Planner::perform`]'s contract.
+    unsafe fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
         let file = self.file_of(run);
-        // The segments point into buffers of requests the engine owns until it
-        // completes them, and no two overlap: `Segment`'s promise holds.
         let r = if run.write {
-            sys::pwritev_full(file, segs, offset, run.dsync)
+            // SAFETY: the segments point into data of live requests (the caller's contract).
+            unsafe { sys::pwritev_full(file, segs, offset, run.dsync) }
         } else {
-            sys::preadv_full(file, segs, offset)
+            // SAFETY: as above, and no two segments of a plan overlap.
+            unsafe { sys::preadv_full(file, segs, offset) }
         };
         r.map_err(|e| self.run_error(run, e))
     }
 
+    /// Finishes a run whose vectored call did not do it all: after a short
+    /// transfer of `done` bytes, the rest with blocking calls; after a failure
+    /// (or if that fails too), piece by piece, so that only the requests that
+    /// really failed see an error (`fail(job, error)`).
+    ///
+    /// # Safety
+    /// As for [`Planner::perform`].
+    pub unsafe fn finish_run(&self, run: &Run, done: Option<usize>, mut fail: impl FnMut(usize, Error)) {
+        if let Some(n) = done {
+            let rest = sys::skip(&run.segs, n);
+            // SAFETY: the rest of `run`'s segments, under the caller's contract.
+            if unsafe { self.perform_segs(run, &rest, run.offset + n as u64) }.is_ok() {
+                return;
+            }
+        }
+        let mut at = run.offset;
+        for (seg, &job) in run.segs.iter().zip(&run.jobs) {
+            // SAFETY: one of `run`'s segments, under the caller's contract.
+            if let Err(e) = unsafe { self.perform_segs(run, std::slice::from_ref(seg), at) } {
+                fail(job, e);
+            }
+            at += seg.len as u64;
+        }
+    }
+
     /// Tries a read run from the page cache only. False when any of it would
     /// have to wait for the device (or the file system cannot tell).
-    pub fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
+    ///
+    /// # Safety
+    /// As for [`Planner::perform`].
+    pub unsafe fn perform_cached(&self, run: &Run) -> std::io::Result<bool> {
         let file = self.file_of(run);
-        // Same promise as `perform_segs`.
-        Ok(sys::preadv_nowait(file, &run.segs, run.offset)? == run.len())
+        // SAFETY: the run's segments point into data of live requests (the caller's contract).
+        Ok(unsafe { sys::preadv_nowait(file, &run.segs, run.offset) }? == run.len())
     }
 
     /// The file a run goes to: the O_DIRECT twin for a direct run.
@@ -200,10 +248,10 @@ impl Planner {
     /// `false`, untouched): trim, write zeroes, cache, block status.
     pub fn perform_other(&mut self, req: &mut Request) -> bool {
         let r = match req.op {
-            Op::Read | Op::Write | Op::Flush => return false,
-            Op::Trim | Op::WriteZeroes => self.deallocate(req),
+            Op::Read | Op::Write { .. } | Op::Flush => return false,
+            Op::Trim { .. } | Op::WriteZeroes { .. } => self.deallocate(req),
             Op::Cache => self.cache(req),
-            Op::BlockStatus => self.image.allocation(req.offset, req.len, req.max_status.max(1), &mut req.status),
+            Op::BlockStatus { max } => self.image.allocation(req.offset, req.len, max.max(1), &mut req.status),
         };
         if let Err(e) = r {
             req.error.get_or_insert(e);
@@ -221,9 +269,10 @@ impl Planner {
         for ext in &self.extents {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
             let file = &self.image.files()[f];
-            let at =
-                |e| Error::io(e, format!("{:?} of {len} bytes at offset {offset} of {}", req.op, self.describe(f)));
-            if req.op == Op::Trim {
+            let at = |e| {
+                Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op.name(), self.describe(f)))
+            };
+            let Op::WriteZeroes { no_hole, fast_zero, .. } = req.op else {
                 match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
                     Ok(()) => {}
                     // TRIM is advisory: a file system that cannot punch keeps the data.
@@ -231,10 +280,10 @@ impl Planner {
                     Err(e) => return Err(at(e)),
                 }
                 continue;
-            }
-            zero_range(file, offset, len, req.flags.no_hole, req.flags.fast_zero).map_err(at)?;
+            };
+            zero_range(file, offset, len, no_hole, fast_zero).map_err(at)?;
         }
-        let durable = self.sync || req.flags.fua;
+        let durable = self.sync || req.op.fua();
         if durable {
             self.sync_files()?;
         }
@@ -247,14 +296,14 @@ impl Planner {
     /// caller makes the metadata durable once for the whole batch with
     /// [`Planner::settle_metadata`] before any reply goes out.
     pub fn write_done(&self, req: &mut Request) -> bool {
-        if req.op != Op::Write || req.error.is_some() {
+        if !matches!(req.op, Op::Write { .. }) || req.error.is_some() {
             return false;
         }
         if let Err(e) = self.image.write_done(req.offset, req.len, false) {
             req.error = Some(e);
             return false;
         }
-        self.sync || req.flags.fua
+        self.sync || req.op.fua()
     }
 
     /// One metadata sync for the durable writes of a batch; if it fails, they fail.
@@ -284,17 +333,48 @@ impl Planner {
         if let Some(rbd) = self.image.rbd(0) {
             return rbd.flush();
         }
-        sys::fdatasync(&self.image.files()[0]).map_err(|e| Error::io(e, format!("flush of {}", self.describe(0))))
+        sys::fdatasync(&self.image.files()[0]).map_err(|e| self.flush_error(e))
     }
 
     /// Syncs the image's written file, then its metadata: data before the
-    /// metadata that points at it.
+    /// metadata that points at it. The one flush path: the thread engine runs
+    /// it as is; the ring engine runs [`Planner::flush_begin`], its own
+    /// `IORING_OP_FSYNC` of file 0, then [`Planner::flush_end`].
     pub fn flush(&self) -> Result<()> {
-        if let Some(e) = self.faults.as_ref().and_then(|f| f.check_flush(&self.describe(0))) {
-            return Err(e);
+        self.flush_begin()?;
+        if let Some(rbd) = self.image.rbd(0) {
+            // An RBD image (shutdown; the RBD engine flushes with AIO): librbd's own flush.
+            rbd.flush()?;
+            return self.image.sync_metadata();
         }
-        self.sync_files()?;
+        self.flush_end(sys::fdatasync(&self.image.files()[0]))
+    }
+
+    /// What must pass before a flush syncs anything (an injected failure, in tests).
+    pub fn flush_begin(&self) -> Result<()> {
+        match self.faults.as_ref().and_then(|f| f.check_flush(&self.describe(0))) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The rest of a flush once file 0's data sync returned `synced`: its
+    /// metadata, only if the data is durable.
+    pub fn flush_end(&self, synced: std::io::Result<()>) -> Result<()> {
+        synced.map_err(|e| self.flush_error(e))?;
         self.image.sync_metadata()
+    }
+
+    fn flush_error(&self, e: std::io::Error) -> Error {
+        Error::io(e, format!("flush of {}", self.describe(0)))
+    }
+}
+
+/// Bytes `[at, at + len)` of a read's or write's data, wherever it lives.
+fn segment(req: &mut Request, at: usize, len: usize) -> Segment {
+    match &req.lent {
+        Some(lent) => lent.segment(at, len),
+        None => Segment { ptr: req.buf[at..at + len].as_mut_ptr(), len },
     }
 }
 
@@ -325,7 +405,8 @@ fn zero_range(file: &File, offset: u64, len: u64, no_hole: bool, fast: bool) -> 
     while at < len {
         let n = CHUNK.min(len - at) as usize;
         let seg = Segment { ptr: zeros.as_mut_ptr(), len: n };
-        sys::pwritev_full(file, &[seg], offset + at, false)?;
+        // SAFETY: the segment is the first `n` bytes of `zeros`, ours until the loop ends.
+        unsafe { sys::pwritev_full(file, &[seg], offset + at, false)? };
         at += n as u64;
     }
     Ok(())

@@ -5,25 +5,23 @@
 //! and a push writes to it only when that ring said it was going idle.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
+use crate::wake::EventFd;
 use crate::{Request, Sink};
 
 pub(crate) type Job = (Request, Arc<dyn Sink>);
 
-/// How a sleeping ring is woken.
+/// How a sleeping ring is woken: its eventfd, written only when it said it was going idle.
 pub(crate) struct Waker {
-    pub fd: OwnedFd,
+    pub efd: EventFd,
     pub idle: AtomicBool,
 }
 
 impl Waker {
     pub fn wake(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a valid u64 to an eventfd we own.
-        unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.efd.wake();
     }
 }
 

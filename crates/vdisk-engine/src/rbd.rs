@@ -23,7 +23,7 @@
 //! eventfd; librbd's own threads do the work, so one loop keeps many
 //! operations in flight.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -32,6 +32,7 @@ use vdisk_image::{Error, ErrorKind, Extent, RbdImage};
 use crate::plan::{Planner, Run};
 use crate::queue::{deliver, Job, Queue, Waker};
 use crate::slab::Slab;
+use crate::wake::EventFd;
 use crate::Op;
 
 /// A request in flight, how many of its operations are outstanding, and
@@ -79,10 +80,10 @@ fn eventfd() -> std::io::Result<OwnedFd> {
 }
 
 /// Empties an eventfd (non-blocking; nothing to read is fine).
-fn drain(fd: &OwnedFd) {
+fn drain(fd: RawFd) {
     let mut v = 0u64;
-    // SAFETY: reads 8 bytes into a valid u64 from an eventfd we own.
-    unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd this worker owns.
+    unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
 }
 
 /// True when the image has an RBD target the engine must drive with librbd.
@@ -98,7 +99,12 @@ impl RbdWorker {
                 r.notify_completions(events.as_raw_fd()).map_err(std::io::Error::other)?;
             }
         }
-        let waker = Arc::new(Waker { fd: eventfd()?, idle: false.into() });
+        let waker = Arc::new(Waker { efd: EventFd::new()?, idle: false.into() });
+        // The loop empties it after every sleep, readable or not: it must not block.
+        // SAFETY: fcntl on a descriptor this worker owns, with integer arguments only.
+        if unsafe { libc::fcntl(waker.efd.fd(), libc::F_SETFL, libc::O_NONBLOCK) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         queue.add_waker(waker.clone());
         Ok(RbdWorker {
             planner,
@@ -136,7 +142,7 @@ impl RbdWorker {
                 self.sleep();
             }
             self.waker.idle.store(false, Ordering::SeqCst);
-            drain(&self.waker.fd);
+            drain(self.waker.efd.fd());
             if !new.is_empty() {
                 self.start(&mut new);
             }
@@ -146,7 +152,7 @@ impl RbdWorker {
     /// Waits until a request is pushed or an operation finishes.
     fn sleep(&self) {
         let mut fds = [
-            libc::pollfd { fd: self.waker.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.waker.efd.fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.events.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         ];
         // SAFETY: two valid pollfd entries on fds this worker owns.
@@ -170,7 +176,9 @@ impl RbdWorker {
             jobs.dedup();
             if self.planner.image.rbd(run.file).is_none() {
                 // An ordinary file beside the RBD target: blocking, as the thread engine does it.
-                if let Err(e) = self.planner.perform(&run) {
+                // SAFETY: the run points into requests held in `self.jobs`, alive and
+                // untouched by anyone else until this blocking call returns.
+                if let Err(e) = unsafe { self.planner.perform(&run) } {
                     for &j in &jobs {
                         self.jobs[j].job.0.error.get_or_insert(Error::new(e.kind(), e.to_string()));
                     }
@@ -185,18 +193,16 @@ impl RbdWorker {
             let iov: Vec<libc::iovec> =
                 run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
             let (file, write, offset) = (run.file, run.write, run.offset);
-            let iov_ptr = iov.as_ptr();
-            let n = iov.len();
             let op = self.ops.insert(OpKind::Data { run, _iov: iov, jobs });
-            // SAFETY: the iovecs and the request buffers they point into are owned by
-            // `ops[op]` and `jobs` until this op's completion is collected.
-            let r = unsafe {
-                let iov = std::slice::from_raw_parts(iov_ptr, n);
-                if write {
-                    self.rbd(file).aio_writev(iov, offset, op as u64)
-                } else {
-                    self.rbd(file).aio_readv(iov, offset, op as u64)
-                }
+            let OpKind::Data { _iov: iov, .. } = &self.ops[op] else { unreachable!("just inserted") };
+            let rbd = self.planner.image.rbd(file).expect("an RBD target");
+            let r = if write {
+                // SAFETY: the iovecs and the request buffers they point into are owned by
+                // `ops[op]` and `jobs` until this op's completion is collected.
+                unsafe { rbd.aio_writev(iov, offset, op as u64) }
+            } else {
+                // SAFETY: as above; no two segments of a plan overlap.
+                unsafe { rbd.aio_readv(iov, offset, op as u64) }
             };
             if let Err(e) = r {
                 self.op_done(op, -(e.raw_os_error().unwrap_or(libc::EIO) as i64));
@@ -215,10 +221,10 @@ impl RbdWorker {
     /// Starts what a request needs besides data runs: a flush, a discard, zeroes.
     fn start_other(&mut self, k: usize) {
         let req = &self.jobs[k].job.0;
-        let (op, offset, len, flags) = (req.op, req.offset, req.len, req.flags);
+        let (op, offset, len) = (req.op, req.offset, req.len);
         let on_rbd = self.planner.image.rbd(0).is_some();
         match op {
-            Op::Read | Op::Write => {}
+            Op::Read | Op::Write { .. } => {}
             Op::Flush if on_rbd => self.submit(k, OpKind::Flush { job: k }),
             Op::Flush => {
                 let r = self.planner.flush();
@@ -226,7 +232,7 @@ impl RbdWorker {
                     self.jobs[k].job.0.error = Some(e);
                 }
             }
-            Op::Trim | Op::WriteZeroes if on_rbd => {
+            Op::Trim { .. } | Op::WriteZeroes { .. } if on_rbd => {
                 if self.planner.image.read_only() {
                     self.jobs[k].job.0.error = Some(Error::new(ErrorKind::ReadOnly, "the device is read-only"));
                     return;
@@ -241,7 +247,7 @@ impl RbdWorker {
                         self.submit(k, OpKind::Other { job: k, offset, len });
                     }
                 }
-                self.jobs[k].flush_after = self.planner.sync || flags.fua;
+                self.jobs[k].flush_after = self.planner.sync || op.fua();
             }
             // A hint; librbd has no prefetch call.
             Op::Cache if on_rbd => {}
@@ -255,7 +261,7 @@ impl RbdWorker {
     /// Submits one operation for job `k`.
     fn submit(&mut self, k: usize, kind: OpKind) {
         self.jobs[k].pending += 1;
-        let (op_code, flags) = (self.jobs[k].job.0.op, self.jobs[k].job.0.flags);
+        let op_code = self.jobs[k].job.0.op;
         let r = match &kind {
             OpKind::Flush { .. } => {
                 let op = self.ops.insert(kind);
@@ -265,8 +271,8 @@ impl RbdWorker {
                 let op = self.ops.insert(kind);
                 let rbd = self.rbd(0);
                 let r = match op_code {
-                    Op::Trim => rbd.aio_discard(offset, len, op as u64),
-                    _ if flags.no_hole => {
+                    Op::Trim { .. } => rbd.aio_discard(offset, len, op as u64),
+                    Op::WriteZeroes { no_hole: true, .. } => {
                         let chunk = ZEROS.len() as u64;
                         let mut iov = Vec::with_capacity(len.div_ceil(chunk) as usize);
                         let mut left = len;
@@ -294,7 +300,7 @@ impl RbdWorker {
     fn collect(&mut self) -> bool {
         let mut any = false;
         loop {
-            drain(&self.events);
+            drain(self.events.as_raw_fd());
             let mut polled = std::mem::take(&mut self.polled);
             let mut n = 0;
             for file in 0..2 {
@@ -336,7 +342,7 @@ impl RbdWorker {
             }
             OpKind::Other { job, offset, len } => {
                 if res < 0 {
-                    let what = if self.jobs[job].job.0.op == Op::Trim { "trim" } else { "write zeroes" };
+                    let what = if matches!(self.jobs[job].job.0.op, Op::Trim { .. }) { "trim" } else { "write zeroes" };
                     let e = self.rbd(0).error(what, offset, len, res);
                     self.jobs[job].job.0.error.get_or_insert(e);
                 }

@@ -1,38 +1,69 @@
 //! What an export hands the engine, and what comes back. A request owns its
 //! buffer from submission to completion: the engine reads into it or writes
 //! from it, and gives it back inside the completed request.
+//!
+//! The operation is typed: each [`Op`] carries only the parameters that mean
+//! something for it (FUA for what writes, the zeroing mode for WRITE_ZEROES,
+//! the most runs for BLOCK_STATUS). Nothing of an export's wire format rides
+//! along: an export that needs more to build its reply keeps it itself, keyed
+//! by the request's opaque `tag`.
 
 use vdisk_image::{Allocation, Error};
 
-use crate::Buf;
+use crate::{Buf, Lent};
 
-/// The operations every export maps its own commands onto.
+/// The operations every export maps its own commands onto, each with its own parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
+    /// Fill [`Request::buf`] with `len` bytes.
     Read,
-    Write,
+    /// Write [`Request::buf`]; with `fua`, durable before completion.
+    Write { fua: bool },
     /// Every write completed before this was submitted becomes durable.
     Flush,
     /// The range may be deallocated; reading it afterwards is unspecified by NBD,
     /// but on a raw file it reads as zeros.
-    Trim,
-    /// The range must read as zeros afterwards.
-    WriteZeroes,
+    Trim { fua: bool },
+    /// The range must read as zeros afterwards. `no_hole`: it must stay
+    /// allocated; `fast_zero`: fail with `Unsupported` rather than be slow.
+    WriteZeroes { fua: bool, no_hole: bool, fast_zero: bool },
     /// Prefetch the range into the host cache.
     Cache,
-    /// Report allocation of the range into [`Request::status`].
-    BlockStatus,
+    /// Report allocation of the range into [`Request::status`], at most `max` runs.
+    BlockStatus { max: usize },
 }
 
-/// Modifiers of a request; exports translate their wire flags into these.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Flags {
-    /// Durable before completion (NBD FUA).
-    pub fua: bool,
-    /// WRITE_ZEROES must leave the range allocated.
-    pub no_hole: bool,
-    /// WRITE_ZEROES must fail with `Unsupported` rather than be slow.
-    pub fast_zero: bool,
+impl Op {
+    /// A plain write.
+    pub const WRITE: Op = Op::Write { fua: false };
+
+    /// The operation's name, without its parameters (for messages).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Read => "Read",
+            Op::Write { .. } => "Write",
+            Op::Flush => "Flush",
+            Op::Trim { .. } => "Trim",
+            Op::WriteZeroes { .. } => "WriteZeroes",
+            Op::Cache => "Cache",
+            Op::BlockStatus { .. } => "BlockStatus",
+        }
+    }
+
+    /// True for the data transfers (read, write): the ones with a buffer.
+    pub fn is_data(self) -> bool {
+        matches!(self, Op::Read | Op::Write { .. })
+    }
+
+    /// True for what changes the disk (write, trim, write zeroes).
+    pub fn writes(self) -> bool {
+        matches!(self, Op::Write { .. } | Op::Trim { .. } | Op::WriteZeroes { .. })
+    }
+
+    /// True when the caller asked for it to be durable before completion (FUA).
+    pub fn fua(self) -> bool {
+        matches!(self, Op::Write { fua: true } | Op::Trim { fua: true } | Op::WriteZeroes { fua: true, .. })
+    }
 }
 
 /// One request in flight. `tag` is the export's own: the engine never looks at it.
@@ -41,33 +72,21 @@ pub struct Request {
     pub op: Op,
     pub offset: u64,
     pub len: u64,
-    pub flags: Flags,
-    /// Read: filled by the engine (must be `len` bytes). Write: the data.
+    /// Read: filled by the engine (must be `len` bytes). Write: the data. Others: empty.
     pub buf: Buf,
-    /// BlockStatus: the runs found, at most `max_status` of them.
+    /// Read or write in memory the export lends instead (a VM guest's), of
+    /// exactly `len` bytes; `buf` then stays empty.
+    pub lent: Option<Lent>,
+    /// BlockStatus: the runs found, at most its `max`. Others: empty.
     pub status: Vec<Allocation>,
-    pub max_status: usize,
     pub tag: u64,
-    /// The export's own flags for this request, carried untouched.
-    pub wire_flags: u16,
     /// Set by the engine when the request failed.
     pub error: Option<Error>,
 }
 
 impl Request {
     pub fn new(op: Op, offset: u64, len: u64, tag: u64) -> Self {
-        Request {
-            op,
-            offset,
-            len,
-            flags: Flags::default(),
-            buf: Buf::new(),
-            status: Vec::new(),
-            max_status: 0,
-            tag,
-            wire_flags: 0,
-            error: None,
-        }
+        Request { op, offset, len, buf: Buf::new(), lent: None, status: Vec::new(), tag, error: None }
     }
 }
 

@@ -1,5 +1,8 @@
-//! Thin wrappers over the system calls the engine uses. Every unsafe call of
-//! the engine lives here, each with the rule that makes it sound.
+//! Thin wrappers over the system calls the engine uses, each with the rule
+//! that makes it sound. Those that take [`Segment`]s (raw memory) are
+//! `unsafe fn`: the caller vouches for the memory. The other unsafe code of
+//! the engine is the ring submission (`submit`, `uring`), the buffer pool
+//! (`buf`) and lent memory (`lent`).
 
 use std::fs::File;
 use std::io;
@@ -8,10 +11,9 @@ use std::os::unix::io::AsRawFd;
 /// The most iovecs one vectored call takes (Linux's UIO_MAXIOV).
 pub const IOV_MAX: usize = 1024;
 
-/// A region of memory a vectored call reads into or writes from.
-///
-/// Holding a `Segment` is a promise made by the engine: the memory stays valid
-/// and is touched by nobody else until the call that uses it returns.
+/// A region of memory a vectored call reads into or writes from: an address
+/// and a length, nothing more. Making one is safe; passing it to a call is
+/// not (see the `# Safety` of each function that takes segments).
 #[derive(Clone, Copy)]
 pub struct Segment {
     pub ptr: *mut u8,
@@ -22,33 +24,32 @@ fn iovecs(segs: &[Segment]) -> Vec<libc::iovec> {
     segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect()
 }
 
-/// Drops the first `n` bytes from a list of iovecs (after a short transfer).
-fn advance(iov: &mut Vec<libc::iovec>, mut n: usize) {
-    let mut skip = 0;
-    while skip < iov.len() && n >= iov[skip].iov_len {
-        n -= iov[skip].iov_len;
-        skip += 1;
+/// The segments left after the first `n` bytes of `segs` (after a short transfer).
+pub fn skip(segs: &[Segment], mut n: usize) -> Vec<Segment> {
+    let mut out = Vec::with_capacity(segs.len());
+    for s in segs {
+        if n >= s.len {
+            n -= s.len;
+            continue;
+        }
+        out.push(Segment { ptr: s.ptr.wrapping_add(n), len: s.len - n });
+        n = 0;
     }
-    iov.drain(..skip);
-    if n > 0 {
-        let first = &mut iov[0];
-        // SAFETY: n < iov_len, so the new base stays inside the same buffer.
-        first.iov_base = unsafe { first.iov_base.cast::<u8>().add(n) }.cast();
-        first.iov_len -= n;
-    }
+    out
 }
 
 /// Runs one vectored call (`call(iovecs, count, offset)`, returning bytes or
 /// -1 with errno) until every byte of `segs` is done, retrying after EINTR and
-/// short transfers. Returns the iovecs left when a call moved no bytes (end of
-/// file), empty when all is done.
+/// short transfers. Returns the bytes left when a call moved none (end of
+/// file), 0 when all is done.
 fn vectored_full(
     segs: &[Segment],
     mut offset: u64,
     mut call: impl FnMut(*const libc::iovec, i32, i64) -> isize,
-) -> io::Result<Vec<libc::iovec>> {
-    let mut iov = iovecs(segs);
-    while !iov.is_empty() {
+) -> io::Result<usize> {
+    let mut rest = std::borrow::Cow::Borrowed(segs);
+    while !rest.is_empty() {
+        let iov = iovecs(&rest);
         let r = call(iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64);
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -60,33 +61,40 @@ fn vectored_full(
         if r == 0 {
             break;
         }
-        advance(&mut iov, r as usize);
+        rest = std::borrow::Cow::Owned(skip(&rest, r as usize));
         offset += r as u64;
     }
-    Ok(iov)
+    Ok(rest.iter().map(|s| s.len).sum())
 }
 
 /// Reads the whole of `segs` from `offset`. The image maps reads only inside
 /// its files, so reaching the end of a file means it shrank under us (a
 /// backing file truncated while served): that is an error (EIO at the edge),
 /// never zeros the disk did not hold.
-pub fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()> {
-    // SAFETY: each iovec points at memory the caller's `Segment`s vouch for
-    // (valid, exclusively ours until we return); the kernel writes at most iov_len bytes.
+///
+/// # Safety
+/// Every segment must be valid for writes of its length, and touched by
+/// nothing else in this process, until this returns.
+pub unsafe fn preadv_full(file: &File, segs: &[Segment], offset: u64) -> io::Result<()> {
+    // SAFETY: each iovec points at memory the caller vouches for (above); the
+    // kernel writes at most iov_len bytes.
     let rest = vectored_full(segs, offset, |iov, n, at| unsafe { libc::preadv(file.as_raw_fd(), iov, n, at) })?;
-    if !rest.is_empty() {
+    if rest > 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ends before the image does (truncated?)"));
     }
     Ok(())
 }
 
 /// Writes the whole of `segs` at `offset`; with `dsync` each call is durable on return.
-pub fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> io::Result<()> {
+///
+/// # Safety
+/// Every segment must be valid for reads of its length until this returns.
+pub unsafe fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> io::Result<()> {
     let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-    // SAFETY: each iovec points at memory the caller's `Segment`s vouch for; the kernel only reads it.
+    // SAFETY: each iovec points at memory the caller vouches for (above); the kernel only reads it.
     let rest =
         vectored_full(segs, offset, |iov, n, at| unsafe { libc::pwritev2(file.as_raw_fd(), iov, n, at, flags) })?;
-    if !rest.is_empty() {
+    if rest > 0 {
         return Err(io::Error::new(io::ErrorKind::WriteZero, "the file took no bytes"));
     }
     Ok(())
@@ -94,9 +102,12 @@ pub fn pwritev_full(file: &File, segs: &[Segment], offset: u64, dsync: bool) -> 
 
 /// One `preadv2(RWF_NOWAIT)`: reads only what is already in the page cache.
 /// Returns the bytes read (possibly fewer than asked); EAGAIN when it would block.
-pub fn preadv_nowait(file: &File, segs: &[Segment], offset: u64) -> io::Result<usize> {
+///
+/// # Safety
+/// As for [`preadv_full`].
+pub unsafe fn preadv_nowait(file: &File, segs: &[Segment], offset: u64) -> io::Result<usize> {
     let iov = iovecs(segs);
-    // SAFETY: as in `preadv_full`: the segments vouch for the memory.
+    // SAFETY: the caller vouches for the memory (above).
     let r = unsafe {
         libc::preadv2(file.as_raw_fd(), iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64, libc::RWF_NOWAIT)
     };
@@ -149,14 +160,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn advance_skips_whole_and_partial_iovecs() {
+    fn skip_drops_whole_and_partial_segments() {
         let mut a = [0u8; 4];
         let mut b = [0u8; 8];
         let segs = [Segment { ptr: a.as_mut_ptr(), len: 4 }, Segment { ptr: b.as_mut_ptr(), len: 8 }];
-        let mut iov = iovecs(&segs);
-        advance(&mut iov, 6);
-        assert_eq!(iov.len(), 1);
-        assert_eq!(iov[0].iov_len, 6);
-        assert_eq!(iov[0].iov_base as usize, b.as_ptr() as usize + 2);
+        let rest = skip(&segs, 6);
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].len, 6);
+        assert_eq!(rest[0].ptr as usize, b.as_ptr() as usize + 2);
+        assert!(skip(&segs, 12).is_empty());
     }
 }

@@ -93,7 +93,7 @@ impl Rig {
 }
 
 fn write(off: u64, data: Vec<u8>, tag: u64) -> Request {
-    let mut r = Request::new(Op::Write, off, data.len() as u64, tag);
+    let mut r = Request::new(Op::WRITE, off, data.len() as u64, tag);
     r.buf = Buf::from_slice(&data);
     r
 }
@@ -153,7 +153,7 @@ fn reads_return_what_batched_writes_wrote() {
             assert_eq!(r.buf, expect[at..at + 4096], "{name}: block at {at}");
         }
         let mut fua = write(1 << 20, pattern(7, 65536), 0);
-        fua.flags.fua = true;
+        fua.op = Op::Write { fua: true };
         let flush = Request::new(Op::Flush, 0, 0, 1);
         assert!(rig.run(vec![fua, flush]).iter().all(|r| r.error.is_none()));
         rig.dev.shutdown().unwrap();
@@ -165,19 +165,16 @@ fn trim_and_write_zeroes_read_back_as_zeros() {
     for (name, cfg, format) in cases() {
         let rig = Rig::new_as(&format!("zero-{name}"), 1 << 20, false, &cfg, format);
         rig.run(vec![write(0, vec![0xab; 1 << 20], 0)]);
-        let trim = Request::new(Op::Trim, 0, 65536, 0);
-        let mut zero = Request::new(Op::WriteZeroes, 65536, 65536, 1);
-        zero.flags.no_hole = true;
-        let mut zero_odd = Request::new(Op::WriteZeroes, 200_001, 999, 2);
-        zero_odd.flags.fast_zero = true;
+        let trim = Request::new(Op::Trim { fua: false }, 0, 65536, 0);
+        let zero = Request::new(Op::WriteZeroes { fua: false, no_hole: true, fast_zero: false }, 65536, 65536, 1);
+        let zero_odd = Request::new(Op::WriteZeroes { fua: false, no_hole: false, fast_zero: true }, 200_001, 999, 2);
         assert!(rig.run(vec![trim, zero, zero_odd]).iter().all(|r| r.error.is_none()), "{name}");
         let got = rig.run(vec![Request::new(Op::Read, 0, 1 << 20, 0)]).remove(0).buf;
         assert!(got[..131072].iter().all(|&b| b == 0), "{name}");
         assert!(got[200_001..201_000].iter().all(|&b| b == 0), "{name}");
         assert_eq!(got[200_000], 0xab);
         assert_eq!(got[201_000], 0xab);
-        let mut bs = Request::new(Op::BlockStatus, 0, 1 << 20, 0);
-        bs.max_status = 16;
+        let bs = Request::new(Op::BlockStatus { max: 16 }, 0, 1 << 20, 0);
         let st = rig.run(vec![bs]).remove(0).status;
         assert!(st[0].hole, "{name}: a trimmed start is a hole: {st:?}");
         assert_eq!(st[0].len, 65536, "{name}: {st:?}");
@@ -193,8 +190,11 @@ fn read_only_devices_refuse_writes() {
 
 fn read_only_refuses(name: &str, cfg: &EngineConfig, format: Format) {
     let rig = Rig::new_as(&format!("ro-{name}"), 65536, true, cfg, format);
-    let done =
-        rig.run(vec![write(0, vec![1; 512], 0), Request::new(Op::Trim, 0, 512, 1), Request::new(Op::Read, 0, 512, 2)]);
+    let done = rig.run(vec![
+        write(0, vec![1; 512], 0),
+        Request::new(Op::Trim { fua: false }, 0, 512, 1),
+        Request::new(Op::Read, 0, 512, 2),
+    ]);
     assert_eq!(done[0].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
     assert_eq!(done[1].error.as_ref().unwrap().kind(), ErrorKind::ReadOnly);
     assert!(done[2].error.is_none());
@@ -251,7 +251,7 @@ fn inline_submission_matches_queued_submission() {
             assert!(rig.run_inline(writes).iter().all(|r| r.error.is_none()), "{name}");
             let mut mixed: Vec<Request> = (0..32).map(|i| Request::new(Op::Read, i * 8192, 8192, i)).collect();
             mixed.push(Request::new(Op::Flush, 0, 0, 100));
-            mixed.push(Request::new(Op::Trim, 0, 8192, 101));
+            mixed.push(Request::new(Op::Trim { fua: false }, 0, 8192, 101));
             let done = rig.run_inline(mixed);
             for r in &done[..32] {
                 assert!(r.error.is_none(), "{name}");
@@ -374,13 +374,14 @@ impl Lender {
         Lender { mem, base }
     }
 
-    /// A borrowed Buf over `len` bytes at `at` of the lent memory.
-    fn lend(&self, at: usize, len: usize) -> Buf {
+    /// `len` bytes at `at` of the lent memory.
+    fn lend(&self, at: usize, len: usize) -> Option<Lent> {
         assert!(at + len <= self.mem.lock().unwrap().len());
-        // SAFETY: the range lies inside the Buf that `mem` keeps alive (the borrowed
-        // Buf holds `mem`); the test lends disjoint ranges and reads them only after
+        let ptr = self.base.as_ptr().wrapping_add(at);
+        // SAFETY: the range lies inside the Buf that `mem` keeps alive (the Lent
+        // holds `mem`); the test lends disjoint ranges and reads them only after
         // the requests are back.
-        unsafe { Buf::borrowed(self.base.add(at), len, self.mem.clone()) }
+        Some(unsafe { Lent::new(std::ptr::NonNull::new(ptr).unwrap(), len, self.mem.clone()) })
     }
 
     fn bytes(&self, at: usize, len: usize) -> Vec<u8> {
@@ -400,24 +401,24 @@ fn borrowed_buffers_are_read_into_and_written_from_in_place() {
         // and one piece at an odd address.
         let mut reqs = Vec::new();
         for i in 0..3u64 {
-            let mut r = Request::new(Op::Write, 65536 + i * 4096, 4096, i);
-            r.buf = lender.lend(i as usize * 4096, 4096);
+            let mut r = Request::new(Op::WRITE, 65536 + i * 4096, 4096, i);
+            r.lent = lender.lend(i as usize * 4096, 4096);
             reqs.push(r);
         }
-        let mut odd = Request::new(Op::Write, 131072, 1536, 3);
-        odd.buf = lender.lend(100_000 + 3, 1536);
+        let mut odd = Request::new(Op::WRITE, 131072, 1536, 3);
+        odd.lent = lender.lend(100_000 + 3, 1536);
         reqs.push(odd);
         let done = rig.run(reqs);
-        assert!(done.iter().all(|r| r.error.is_none() && r.buf.is_borrowed()), "{name}: {done:?}");
+        assert!(done.iter().all(|r| r.error.is_none() && r.lent.is_some() && r.buf.is_empty()), "{name}: {done:?}");
         drop(done);
         let mut reqs = Vec::new();
         for i in 0..3u64 {
             let mut r = Request::new(Op::Read, 65536 + i * 4096, 4096, i);
-            r.buf = lender.lend(524288 + i as usize * 4096, 4096);
+            r.lent = lender.lend(524288 + i as usize * 4096, 4096);
             reqs.push(r);
         }
         let mut odd = Request::new(Op::Read, 131072, 1536, 3);
-        odd.buf = lender.lend(700_000 + 1, 1536);
+        odd.lent = lender.lend(700_000 + 1, 1536);
         reqs.push(odd);
         let done = rig.run(reqs);
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");

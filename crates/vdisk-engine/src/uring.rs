@@ -13,7 +13,7 @@
 //! synced after the files' fsyncs complete. FUA and sync-mode writes carry
 //! `RWF_DSYNC` on their SQE and still run in parallel.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -23,7 +23,7 @@ use vdisk_image::{Error, Result};
 use crate::plan::{Planner, Run};
 use crate::queue::{deliver, Job, Queue, Waker};
 use crate::slab::Slab;
-use crate::sys::Segment;
+use crate::wake::EventFd;
 use crate::Op;
 
 /// Builds an SQE on file number `$file` of the image (its O_DIRECT twin when
@@ -87,13 +87,8 @@ impl Ring {
     /// guarantee it by keeping the owner (the request and the `OpKind` holding
     /// the iovecs, or the eventfd buffer) in the in-flight table until then.
     unsafe fn push(&mut self, entry: &squeue::Entry) -> std::io::Result<()> {
-        loop {
-            // SAFETY: the caller's contract above.
-            if unsafe { self.ring.submission().push(entry) }.is_ok() {
-                return Ok(());
-            }
-            self.ring.submit()?;
-        }
+        // SAFETY: the caller's contract above is `submit::push`'s.
+        unsafe { crate::submit::push(&mut self.ring, entry) }
     }
 }
 
@@ -125,13 +120,7 @@ impl RingWorker {
         let image = &planner.image;
         let fds: Vec<i32> = image.files().iter().chain(image.direct_files()).map(|f| f.as_raw_fd()).collect();
         let fixed_files = ring.submitter().register_files(&fds).is_ok();
-        // SAFETY: eventfd returns a new fd that nobody else owns, or -1 (checked).
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if efd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: efd is a fresh, valid fd owned by nobody else.
-        let waker = Arc::new(Waker { fd: unsafe { OwnedFd::from_raw_fd(efd) }, idle: false.into() });
+        let waker = Arc::new(Waker { efd: EventFd::new()?, idle: false.into() });
         queue.add_waker(waker.clone());
         Ok(RingWorker {
             ring: Ring { ring, fixed_files },
@@ -200,7 +189,7 @@ impl RingWorker {
     }
 
     fn arm_wake(&mut self) -> std::io::Result<()> {
-        let read = opcode::Read::new(types::Fd(self.waker.fd.as_raw_fd()), (&mut *self.wake_buf as *mut u64).cast(), 8)
+        let read = opcode::Read::new(types::Fd(self.waker.efd.fd()), (&mut *self.wake_buf as *mut u64).cast(), 8)
             .build()
             .user_data(WAKE);
         // SAFETY: wake_buf is a heap u64 owned by this worker, which waits for this
@@ -240,7 +229,7 @@ impl RingWorker {
         for &k in &keys {
             let slot = &mut self.jobs[k];
             if slot.job.0.op == Op::Flush {
-                if let Some(e) = self.planner.faults.as_ref().and_then(|f| f.check_flush(&self.planner.describe(0))) {
+                if let Err(e) = self.planner.flush_begin() {
                     // Failed before the fsync, like a failed fsync: no metadata round.
                     slot.job.0.error = Some(e);
                     self.finish(k);
@@ -279,10 +268,9 @@ impl RingWorker {
                     }
                 }
                 OpKind::Fsync { job } => {
-                    if res < 0 {
-                        let e = std::io::Error::from_raw_os_error(-res);
-                        let err = Error::io(e, format!("flush of {}", self.planner.describe(0)));
-                        self.jobs[job].job.0.error.get_or_insert(err);
+                    let synced = if res < 0 { Err(std::io::Error::from_raw_os_error(-res)) } else { Ok(()) };
+                    if let Err(e) = self.planner.flush_end(synced) {
+                        self.jobs[job].job.0.error.get_or_insert(e);
                     }
                     self.release(job);
                 }
@@ -298,26 +286,19 @@ impl RingWorker {
         Ok(())
     }
 
-    /// Checks a data completion; a short transfer is finished with blocking
-    /// calls, a failed one is retried piece by piece so only the requests that
-    /// really failed see the error.
+    /// Checks a data completion; what it did not do is finished by
+    /// [`Planner::finish_run`] (the same retry as the thread engine's).
     fn data_done(&mut self, run: &Run, res: i32) {
         if res >= 0 && res as usize == run.len() {
             return;
         }
-        if res >= 0 {
-            let (rest, at) = skip(&run.segs, res as usize);
-            if self.planner.perform_segs(run, &rest, run.offset + at as u64).is_ok() {
-                return;
-            }
-        }
-        let mut at = run.offset;
-        for (seg, &job) in run.segs.iter().zip(&run.jobs) {
-            if let Err(e) = self.planner.perform_segs(run, std::slice::from_ref(seg), at) {
-                self.jobs[job].job.0.error.get_or_insert(e);
-            }
-            at += seg.len as u64;
-        }
+        let jobs = &mut self.jobs;
+        let fail = |job: usize, e| {
+            jobs[job].job.0.error.get_or_insert(e);
+        };
+        // SAFETY: the run's requests are in `jobs` until this op is released,
+        // after this returns; the kernel is done with them (the CQE is reaped).
+        unsafe { self.planner.finish_run(run, usize::try_from(res).ok(), fail) };
     }
 
     fn release(&mut self, k: usize) {
@@ -327,11 +308,6 @@ impl RingWorker {
             if self.planner.write_done(&mut slot.job.0) {
                 self.owed.push(self.done.len());
             }
-            if slot.job.0.op == Op::Flush && slot.job.0.error.is_none() {
-                if let Err(e) = self.planner.image.sync_metadata() {
-                    slot.job.0.error = Some(e);
-                }
-            }
             self.finish(k);
         }
     }
@@ -340,22 +316,6 @@ impl RingWorker {
         let slot = self.jobs.remove(k).expect("a live slab key");
         self.done.push(slot.job);
     }
-}
-
-/// The segments left after the first `n` bytes, and where they start.
-fn skip(segs: &[Segment], mut n: usize) -> (Vec<Segment>, usize) {
-    let start = n;
-    let mut out = Vec::new();
-    for s in segs {
-        if n >= s.len {
-            n -= s.len;
-            continue;
-        }
-        // SAFETY: n < s.len, so the pointer stays inside the same buffer.
-        out.push(Segment { ptr: unsafe { s.ptr.add(n) }, len: s.len - n });
-        n = 0;
-    }
-    (out, start)
 }
 
 /// Whether this kernel can run the ring engine.

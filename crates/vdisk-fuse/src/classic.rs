@@ -18,7 +18,7 @@ use std::sync::Arc;
 use vdisk_engine::{Buf, Op, Request, Sink};
 
 use crate::proto::{self, Wire};
-use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
+use crate::session::{Action, ReplyBody, Session, MAX_IO};
 
 /// Most requests a reader hands the engine at once.
 const BATCH: usize = 64;
@@ -52,7 +52,7 @@ impl FdSink {
     }
 
     fn answer(&self, req: &Request) {
-        let (errno, body) = reply_of(req);
+        let (errno, body) = self.session.reply_of(req, req.tag);
         match body {
             ReplyBody::Empty => self.send(req.tag, errno, &[]),
             ReplyBody::Data => self.send(req.tag, errno, &req.buf[..req.len as usize]),
@@ -68,7 +68,7 @@ impl Sink for FdSink {
             self.answer(req);
         }
         drop(done);
-        self.session.ended(n);
+        self.session.inflight.end(n, 0);
     }
 }
 
@@ -97,12 +97,11 @@ fn fresh_payload() -> Buf {
 
 impl Reader {
     pub fn new(fd: OwnedFd, session: Arc<Session>) -> io::Result<Reader> {
-        // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
-        unsafe {
-            let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-            if fl < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
-                return Err(io::Error::last_os_error());
-            }
+        // SAFETY: F_GETFL on a descriptor we own; it touches no memory.
+        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        // SAFETY: F_SETFL on a descriptor we own; it touches no memory.
+        if fl < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
         }
         let sink = Arc::new(FdSink { fd, session });
         Ok(Reader { dyn_sink: sink.clone(), sink, head: [0; proto::WRITE_HEADER], payload: fresh_payload() })
@@ -160,7 +159,7 @@ impl Reader {
             let action = if h.opcode == proto::WRITE && n >= proto::WRITE_HEADER {
                 let action = session.dispatch(&h, &self.head[40..]);
                 match action {
-                    Action::Submit(mut req) if req.op == Op::Write => {
+                    Action::Submit(mut req) if matches!(req.op, Op::Write { .. }) => {
                         let data = n - proto::WRITE_HEADER;
                         if data as u64 != req.len {
                             Action::Reply(libc::EINVAL, Vec::new())
@@ -203,7 +202,7 @@ impl Reader {
             return;
         }
         let session = &self.sink.session;
-        session.began(batch.len());
+        session.inflight.begin(batch.len(), 0);
         session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done);
         if !done.is_empty() {
             self.sink.complete(std::mem::take(done));

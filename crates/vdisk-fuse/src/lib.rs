@@ -212,10 +212,7 @@ impl FuseExport {
             }
         }
         // Requests the engine still holds are answered (into a closed connection) before the device stops.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.session.inflight.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.session.inflight.wait_idle_timeout(Duration::from_secs(10));
         self.remove_created();
         result
     }

@@ -87,8 +87,10 @@ pub fn clone_dev(session: &OwnedFd) -> io::Result<OwnedFd> {
 /// Mounts the file system served on `fd` at the file `path`.
 pub fn mount(path: &Path, fd: &OwnedFd, read_only: bool) -> Result<(), String> {
     let target = cstr(path).map_err(|e| format!("--fuse {}: {e}", path.display()))?;
-    // SAFETY: getuid/getgid cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    // SAFETY: getgid cannot fail and touches no memory.
+    let gid = unsafe { libc::getgid() };
     let opts =
         format!("fd={},rootmode=100000,user_id={uid},group_id={gid},allow_other,default_permissions", fd.as_raw_fd());
     let opts = CString::new(opts).expect("no NUL in options");

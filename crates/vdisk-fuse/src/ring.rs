@@ -14,16 +14,17 @@
 //! entry's buffers stay allocated as long as the kernel may write to them.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use io_uring::{cqueue, opcode, squeue::Entry128, types, IoUring};
+use vdisk_engine::wake::EventFd;
 use vdisk_engine::{Buf, Op, Request, Sink};
 
 use crate::proto::{self, Wire};
 use crate::ring_entry::{self, Header};
-use crate::session::{reply_of, Action, ReplyBody, Session, MAX_IO};
+use crate::session::{Action, ReplyBody, Session, MAX_IO};
 
 /// Entries per queue: 128 in all, spread over the queues, 8 to 64 each. A
 /// request waits for an entry of its own CPU's queue, so with few CPUs each
@@ -36,7 +37,7 @@ const WAKE: u64 = u64::MAX;
 /// Completions on their way back to a queue's thread.
 pub struct RingSink {
     done: Mutex<Vec<Request>>,
-    efd: OwnedFd,
+    efd: EventFd,
 }
 
 impl Sink for RingSink {
@@ -48,9 +49,7 @@ impl Sink for RingSink {
 
 impl RingSink {
     pub fn wake(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-        unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.efd.wake();
     }
 }
 
@@ -106,13 +105,7 @@ impl Queue {
         give_up: Arc<AtomicBool>,
     ) -> io::Result<(Queue, Arc<RingSink>)> {
         let ring = IoUring::<Entry128, cqueue::Entry>::builder().build((depth as u32 * 2 + 2).next_power_of_two())?;
-        // SAFETY: eventfd returns a new descriptor (checked below) that we own.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if efd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `efd` is a fresh descriptor owned by nobody else.
-        let sink = Arc::new(RingSink { done: Mutex::new(Vec::new()), efd: unsafe { OwnedFd::from_raw_fd(efd) } });
+        let sink = Arc::new(RingSink { done: Mutex::new(Vec::new()), efd: EventFd::new()? });
         let slots = (0..depth)
             .map(|_| {
                 let mut payload = Buf::for_io(MAX_IO);
@@ -147,7 +140,9 @@ impl Queue {
         };
         for i in 0..depth {
             let sqe = ring_entry::register(q.fd, qid, q.slots[i].iovs.cast(), i as u64);
-            q.push(&sqe)?;
+            // SAFETY: the entry's header, payload and iovecs are freed only once the
+            // kernel has given the entry back (Dead), else leaked (see Drop).
+            unsafe { q.push(&sqe)? };
         }
         q.arm_wake()?;
         q.ring.submit()?;
@@ -168,23 +163,23 @@ impl Queue {
         Ok((q, sink))
     }
 
-    fn push(&mut self, sqe: &Entry128) -> io::Result<()> {
-        loop {
-            // SAFETY: every SQE we push points only at memory that outlives the
-            // command: entry buffers (freed only once their entry is Dead, or
-            // leaked) and the leaked eventfd word.
-            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
-                return Ok(());
-            }
-            self.ring.submit()?;
-        }
+    /// Queues one SQE on this queue's ring.
+    ///
+    /// # Safety
+    /// Every buffer the SQE points at must outlive the command: an entry's
+    /// buffers (freed only once the entry is Dead, else leaked) or the leaked
+    /// eventfd word.
+    unsafe fn push(&mut self, sqe: &Entry128) -> io::Result<()> {
+        // SAFETY: the caller's contract above is `submit::push`'s.
+        unsafe { vdisk_engine::submit::push(&mut self.ring, sqe) }
     }
 
     fn arm_wake(&mut self) -> io::Result<()> {
-        let read = opcode::Read::new(types::Fd(self.sink.efd.as_raw_fd()), (self.efd_buf as *mut u64).cast(), 8)
+        let read = opcode::Read::new(types::Fd(self.sink.efd.fd()), (self.efd_buf as *mut u64).cast(), 8)
             .build()
             .user_data(WAKE);
-        self.push(&read.into())?;
+        // SAFETY: the read lands in the leaked eventfd word, valid for ever.
+        unsafe { self.push(&read.into())? };
         self.efd_armed = true;
         Ok(())
     }
@@ -230,7 +225,7 @@ impl Queue {
                 self.take(i, &mut batch)?;
             }
             if !batch.is_empty() {
-                self.session.began(batch.len());
+                self.session.inflight.begin(batch.len(), 0);
                 self.session.device.submit_inline(std::mem::take(&mut batch), &self.dyn_sink, &mut done);
                 for req in done.drain(..) {
                     self.finish(req)?;
@@ -259,8 +254,8 @@ impl Queue {
             Action::Nothing => self.reply(i, 0, &[]),
             Action::Submit(mut req) => {
                 req.tag = i as u64;
-                if matches!(req.op, Op::Read | Op::Write) {
-                    if req.op == Op::Write && ent.payload_sz as u64 != req.len {
+                if req.op.is_data() {
+                    if req.op != Op::Read && ent.payload_sz as u64 != req.len {
                         return self.reply(i, libc::EINVAL, &[]);
                     }
                     let mut buf = slot.payload.take().expect("an idle entry has its payload");
@@ -275,10 +270,10 @@ impl Queue {
 
     /// The engine finished the request of entry `req.tag`.
     fn finish(&mut self, mut req: Request) -> io::Result<()> {
-        self.session.ended(1);
+        self.session.inflight.end(1, 0);
         let i = req.tag as usize;
         let mut body_len = 0;
-        if matches!(req.op, Op::Read | Op::Write) {
+        if req.op.is_data() {
             let mut buf = std::mem::take(&mut req.buf);
             if buf.as_ptr() != self.slots[i].payload_ptr {
                 // The kernel holds this entry's payload address: had the engine
@@ -290,7 +285,7 @@ impl Queue {
             body_len = req.len as usize;
             self.slots[i].payload = Some(buf);
         }
-        let (errno, body) = reply_of(&req);
+        let (errno, body) = self.session.reply_of(&req, self.slots[i].unique);
         match body {
             // A READ's data is already in the payload: the engine read into it.
             ReplyBody::Data => self.commit(i, errno, body_len),
@@ -318,7 +313,8 @@ impl Queue {
         }
         slot.state = State::Waiting;
         let sqe = ring_entry::commit_and_fetch(self.fd, self.qid, slot.unique, i as u64);
-        self.push(&sqe)
+        // SAFETY: the entry's buffers outlive the command (freed only once Dead, else leaked).
+        unsafe { self.push(&sqe) }
     }
 }
 
@@ -328,10 +324,9 @@ impl Drop for Queue {
         for s in self.slots.drain(..) {
             if all_dead {
                 // SAFETY: allocated by Box::into_raw in `start`; the kernel let go of every entry.
-                unsafe {
-                    drop(Box::from_raw(s.header));
-                    drop(Box::from_raw(s.iovs));
-                }
+                drop(unsafe { Box::from_raw(s.header) });
+                // SAFETY: as above, for the entry's iovecs.
+                drop(unsafe { Box::from_raw(s.iovs) });
             } else {
                 // The kernel may still write to these: leak them rather than free them under it.
                 std::mem::forget(s.payload);

@@ -4,10 +4,11 @@
 //! entries) call [`Session::dispatch`] and send what it returns; they own the
 //! bytes, this module owns the meaning.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::{Device, Op, Request};
 
 use crate::proto::{self, Wire};
@@ -21,7 +22,7 @@ const ATTR_VALID_SECS: u64 = 3600;
 pub enum Action {
     /// Answer now: an errno (0 for success) and the reply's body.
     Reply(i32, Vec<u8>),
-    /// Hand to the engine; the reply is built from the completed request by [`reply_of`].
+    /// Hand to the engine; the reply is built from the completed request by [`Session::reply_of`].
     Submit(Request),
     /// The kernel expects no answer (FORGET, INTERRUPT).
     Nothing,
@@ -35,15 +36,29 @@ pub struct Session {
     gid: u32,
     started: u64,
     /// Requests with the engine; stop waits for none.
-    pub inflight: AtomicUsize,
+    pub inflight: InFlight,
+    /// LSEEKs with the engine, by FUSE `unique`: whether each wants a hole
+    /// (SEEK_HOLE) or data (SEEK_DATA). The engine's BLOCK_STATUS does not
+    /// carry it; the reply needs it.
+    seeks: Mutex<HashMap<u64, bool>>,
 }
 
 impl Session {
     pub fn new(device: Arc<Device>) -> Session {
-        // SAFETY: getuid/getgid cannot fail and touch no memory.
-        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        // SAFETY: getuid cannot fail and touches no memory.
+        let uid = unsafe { libc::getuid() };
+        // SAFETY: getgid cannot fail and touches no memory.
+        let gid = unsafe { libc::getgid() };
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        Session { read_only: device.read_only(), device, uid, gid, started, inflight: AtomicUsize::new(0) }
+        Session {
+            read_only: device.read_only(),
+            device,
+            uid,
+            gid,
+            started,
+            inflight: InFlight::new(),
+            seeks: Mutex::new(HashMap::new()),
+        }
     }
 
     pub fn size(&self) -> u64 {
@@ -128,7 +143,7 @@ impl Session {
                 if w.offset.checked_add(w.size as u64).is_none_or(|end| end > self.size()) {
                     return fail(libc::ENOSPC);
                 }
-                Action::Submit(Request::new(Op::Write, w.offset, w.size as u64, h.unique))
+                Action::Submit(Request::new(Op::WRITE, w.offset, w.size as u64, h.unique))
             }
             proto::FLUSH | proto::FSYNC if self.read_only => ok(Vec::new()),
             proto::FLUSH | proto::FSYNC => Action::Submit(Request::new(Op::Flush, 0, 0, h.unique)),
@@ -141,10 +156,9 @@ impl Session {
                 match l.whence as i32 {
                     libc::SEEK_DATA | libc::SEEK_HOLE if l.offset >= self.size() => fail(libc::ENXIO),
                     libc::SEEK_DATA | libc::SEEK_HOLE => {
-                        let mut req = Request::new(Op::BlockStatus, l.offset, self.size() - l.offset, h.unique);
-                        req.max_status = 256;
-                        req.wire_flags = l.whence as u16;
-                        Action::Submit(req)
+                        self.seeks.lock().unwrap().insert(h.unique, l.whence as i32 == libc::SEEK_HOLE);
+                        let op = Op::BlockStatus { max: 256 };
+                        Action::Submit(Request::new(op, l.offset, self.size() - l.offset, h.unique))
                     }
                     // SEEK_SET/CUR/END never reach the file system.
                     _ => fail(libc::EINVAL),
@@ -160,8 +174,9 @@ impl Session {
         let size = self.size();
         let end = f.offset.saturating_add(f.length);
         let op = match f.mode {
-            m if m == PUNCH | KEEP => Op::Trim,
-            m if m == ZERO || m == ZERO | KEEP => Op::WriteZeroes,
+            m if m == PUNCH | KEEP => Op::Trim { fua: false },
+            // ZERO_RANGE keeps the blocks allocated; a punch frees them.
+            m if m == ZERO || m == ZERO | KEEP => Op::WriteZeroes { fua: false, no_hole: true, fast_zero: false },
             0 | KEEP => {
                 // Plain allocation: a disk's blocks are all there already.
                 let errno = if end > size && f.mode == 0 { libc::EFBIG } else { 0 };
@@ -179,47 +194,40 @@ impl Session {
         if len == 0 {
             return Action::Reply(0, Vec::new());
         }
-        let mut req = Request::new(op, f.offset, len, h.unique);
-        // ZERO_RANGE keeps the blocks allocated; a punch frees them.
-        req.flags.no_hole = op == Op::WriteZeroes;
-        Action::Submit(req)
+        Action::Submit(Request::new(op, f.offset, len, h.unique))
     }
 
-    pub fn began(&self, n: usize) {
-        self.inflight.fetch_add(n, Ordering::AcqRel);
-    }
-
-    pub fn ended(&self, n: usize) {
-        self.inflight.fetch_sub(n, Ordering::AcqRel);
-    }
-}
-
-/// The reply of a request the engine completed: errno and body. For a READ the
-/// body is the request's own buffer (the transport sends it as it is).
-pub fn reply_of(req: &Request) -> (i32, ReplyBody) {
-    if let Some(e) = &req.error {
-        log::debug!("fuse: {:?} at {} (+{}) failed: {e}", req.op, req.offset, req.len);
-        return (e.errno(), ReplyBody::Empty);
-    }
-    match req.op {
-        Op::Read => (0, ReplyBody::Data),
-        Op::Write => {
-            (0, ReplyBody::Out(proto::WriteOut { size: req.len as u32, padding: 0 }.bytes().try_into().unwrap()))
+    /// The reply of a request the engine completed (the FUSE request
+    /// `unique`): errno and body. For a READ the body is the request's own
+    /// buffer (the transport sends it as it is).
+    pub fn reply_of(&self, req: &Request, unique: u64) -> (i32, ReplyBody) {
+        let want_hole = match req.op {
+            Op::BlockStatus { .. } => self.seeks.lock().unwrap().remove(&unique).unwrap_or(false),
+            _ => false,
+        };
+        if let Some(e) = &req.error {
+            log::debug!("fuse: {} at {} (+{}) failed: {e}", req.op.name(), req.offset, req.len);
+            return (e.errno(), ReplyBody::Empty);
         }
-        Op::BlockStatus => match seek(req) {
-            Ok(offset) => (0, ReplyBody::Out(proto::LseekOut { offset }.bytes().try_into().unwrap())),
-            Err(errno) => (errno, ReplyBody::Empty),
-        },
-        _ => (0, ReplyBody::Empty),
+        match req.op {
+            Op::Read => (0, ReplyBody::Data),
+            Op::Write { .. } => {
+                (0, ReplyBody::Out(proto::WriteOut { size: req.len as u32, padding: 0 }.bytes().try_into().unwrap()))
+            }
+            Op::BlockStatus { .. } => match seek(req, want_hole) {
+                Ok(offset) => (0, ReplyBody::Out(proto::LseekOut { offset }.bytes().try_into().unwrap())),
+                Err(errno) => (errno, ReplyBody::Empty),
+            },
+            _ => (0, ReplyBody::Empty),
+        }
     }
 }
 
 /// SEEK_DATA / SEEK_HOLE from the allocation runs found at the offset. Past
 /// the runs looked at, the rest counts as data: a hole may be reported as data,
 /// never data as a hole (a sparse copy would lose it).
-fn seek(req: &Request) -> Result<u64, i32> {
+fn seek(req: &Request, want_hole: bool) -> Result<u64, i32> {
     let end = req.offset + req.len;
-    let want_hole = req.wire_flags as i32 == libc::SEEK_HOLE;
     let mut pos = req.offset;
     for run in &req.status {
         if run.hole == want_hole {

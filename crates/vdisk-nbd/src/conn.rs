@@ -14,7 +14,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use vdisk_engine::{Buf, Device, Flags, Op, Request, Sink};
+use vdisk_engine::{Buf, Device, Op, Request, Sink};
 
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
@@ -27,23 +27,31 @@ const READ_BUFFER: usize = 512 << 10;
 /// Payloads bigger than this are read straight into their request's buffer.
 const DIRECT_PAYLOAD: usize = READ_BUFFER / 2;
 
-/// What the edge decided about one request.
+/// What the edge decided about one request: the engine's operation, and
+/// DF (a structured read's reply in one chunk), which only the reply needs.
 pub(crate) struct Valid {
     pub(crate) op: Op,
-    pub(crate) flags: Flags,
+    pub(crate) dont_fragment: bool,
 }
 
 /// Checks a request once, against the export and what was negotiated. The
 /// error is the errno the NBD spec names for the case.
 pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only: bool) -> Result<Valid, u32> {
+    let flag = |f: u16| h.flags & f != 0;
+    let fua = flag(CMD_FLAG_FUA);
     let (op, allowed) = match h.kind {
         CMD_READ => (Op::Read, CMD_FLAG_DF),
-        CMD_WRITE => (Op::Write, 0),
+        CMD_WRITE => (Op::Write { fua }, 0),
         CMD_FLUSH => (Op::Flush, 0),
-        CMD_TRIM => (Op::Trim, 0),
-        CMD_WRITE_ZEROES => (Op::WriteZeroes, CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO),
+        CMD_TRIM => (Op::Trim { fua }, 0),
+        CMD_WRITE_ZEROES => (
+            Op::WriteZeroes { fua, no_hole: flag(CMD_FLAG_NO_HOLE), fast_zero: flag(CMD_FLAG_FAST_ZERO) },
+            CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
+        ),
         CMD_CACHE => (Op::Cache, 0),
-        CMD_BLOCK_STATUS => (Op::BlockStatus, CMD_FLAG_REQ_ONE),
+        CMD_BLOCK_STATUS => {
+            (Op::BlockStatus { max: if flag(CMD_FLAG_REQ_ONE) { 1 } else { MAX_EXTENTS } }, CMD_FLAG_REQ_ONE)
+        }
         _ => return Err(EINVAL),
     };
     // FUA is valid on every command once SEND_FUA is advertised (it is, always);
@@ -54,29 +62,23 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
     if h.flags & CMD_FLAG_DF != 0 && !neg.structured {
         return Err(EINVAL);
     }
-    let writes = matches!(op, Op::Write | Op::Trim | Op::WriteZeroes);
-    if writes && read_only {
+    if op.writes() && read_only {
         return Err(EPERM);
     }
-    if op == Op::BlockStatus && neg.allocation_context.is_none() {
+    if matches!(op, Op::BlockStatus { .. }) && neg.allocation_context.is_none() {
         return Err(EINVAL);
     }
     if op == Op::Flush {
-        return if h.offset == 0 && h.len == 0 { Ok(Valid { op, flags: Flags::default() }) } else { Err(EINVAL) };
+        return if h.offset == 0 && h.len == 0 { Ok(Valid { op, dont_fragment: false }) } else { Err(EINVAL) };
     }
-    if matches!(op, Op::Read | Op::Write) && h.len > MAX_REQUEST {
+    if op.is_data() && h.len > MAX_REQUEST {
         return Err(if op == Op::Read && neg.structured { EOVERFLOW } else { EINVAL });
     }
     let in_range = h.len > 0 && h.offset.checked_add(h.len as u64).is_some_and(|end| end <= size);
     if !in_range {
-        return Err(if matches!(op, Op::Write | Op::WriteZeroes) && h.len > 0 { ENOSPC } else { EINVAL });
+        return Err(if matches!(op, Op::Write { .. } | Op::WriteZeroes { .. }) && h.len > 0 { ENOSPC } else { EINVAL });
     }
-    let flags = Flags {
-        fua: h.flags & CMD_FLAG_FUA != 0,
-        no_hole: h.flags & CMD_FLAG_NO_HOLE != 0,
-        fast_zero: h.flags & CMD_FLAG_FAST_ZERO != 0,
-    };
-    Ok(Valid { op, flags })
+    Ok(Valid { op, dont_fragment: flag(CMD_FLAG_DF) })
 }
 
 /// Serves requests on `stream` until the client disconnects, sends DISC, breaks
@@ -138,8 +140,7 @@ impl Reader<'_> {
         if self.batching {
             let mut done = Vec::new();
             self.device.submit_inline(batch, &sink, &mut done);
-            let encoder = self.outbox.encoder;
-            self.outbox.deliver(done.into_iter().map(|r| encoder.encode(r)).collect());
+            self.outbox.deliver(done.into_iter().map(|r| self.outbox.encode(r)).collect());
         } else {
             self.device.submit(batch, &sink);
         }
@@ -210,11 +211,9 @@ impl Reader<'_> {
                     }
                 };
                 let mut req = Request::new(v.op, h.offset, h.len as u64, h.cookie);
-                req.flags = v.flags;
-                req.wire_flags = h.flags;
                 req.buf = data;
-                if v.op == Op::BlockStatus {
-                    req.max_status = if h.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+                if v.dont_fragment {
+                    self.outbox.dont_fragment(h.cookie);
                 }
                 self.charge(cost(v.op, req.len));
                 self.batch.push(req);

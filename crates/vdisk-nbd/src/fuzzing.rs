@@ -149,18 +149,18 @@ pub fn requests_input(input: &[u8]) -> usize {
                     let end = h.offset.checked_add(h.len as u64);
                     assert!(h.len > 0 && end.is_some_and(|e| e <= size), "out of range passed: {h:?} size {size}");
                 }
-                if matches!(v.op, Op::Read | Op::Write) {
+                if v.op.is_data() {
                     assert!(h.len <= MAX_REQUEST, "an oversized request passed: {h:?}");
                 }
-                if matches!(v.op, Op::Write | Op::Trim | Op::WriteZeroes) {
+                if v.op.writes() {
                     assert!(!read_only, "a write passed on a read-only export: {h:?}");
                 }
-                if v.op == Op::BlockStatus {
+                if matches!(v.op, Op::BlockStatus { .. }) {
                     assert!(neg.allocation_context.is_some(), "BLOCK_STATUS passed without a context: {h:?}");
                 }
-                // FUA on a FLUSH is allowed and means nothing (see conn::validate).
-                if v.op != Op::Flush {
-                    assert!(v.flags.fua == (h.flags & CMD_FLAG_FUA != 0), "FUA lost: {h:?}");
+                // FUA is allowed everywhere but means something only where data is written.
+                if v.op.writes() {
+                    assert!(v.op.fua() == (h.flags & CMD_FLAG_FUA != 0), "FUA lost: {h:?}");
                 }
             }
             Err(errno) => {

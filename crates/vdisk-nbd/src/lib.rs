@@ -25,9 +25,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::Device;
 
 pub use conn::MAX_INFLIGHT_BYTES;
@@ -105,8 +106,8 @@ pub struct Server {
     wake: (OwnedFd, OwnedFd),
     conns: Mutex<HashMap<u64, Stream>>,
     next_id: AtomicU64,
-    live: Mutex<usize>,
-    idle: Condvar,
+    /// Connections open (each counts as one in flight).
+    live: InFlight,
 }
 
 impl Server {
@@ -116,8 +117,10 @@ impl Server {
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: both fds were just created by pipe2 and are owned by nobody else.
-        let wake = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: fds[0] was just created by pipe2 and is owned by nobody else.
+        let read_end = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+        // SAFETY: the same for fds[1].
+        let wake = (read_end, unsafe { OwnedFd::from_raw_fd(fds[1]) });
         Ok(Arc::new(Server {
             exports,
             options,
@@ -125,8 +128,7 @@ impl Server {
             wake,
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
-            live: Mutex::new(0),
-            idle: Condvar::new(),
+            live: InFlight::new(),
         }))
     }
 
@@ -146,16 +148,12 @@ impl Server {
         for a in acceptors {
             let _ = a.join();
         }
-        let live = self.live.lock().unwrap();
-        let (live, timeout) = self.idle.wait_timeout_while(live, SHUTDOWN_GRACE, |n| *n > 0).unwrap();
-        drop(live);
-        if timeout.timed_out() {
+        if !self.live.wait_idle_timeout(SHUTDOWN_GRACE) {
             log::warn!("clients still busy after {SHUTDOWN_GRACE:?}; disconnecting them");
             for s in self.conns.lock().unwrap().values() {
                 s.shutdown(Shutdown::Both);
             }
-            let live = self.live.lock().unwrap();
-            drop(self.idle.wait_while(live, |n| *n > 0).unwrap());
+            self.live.wait_idle();
         }
         Ok(())
     }
@@ -174,7 +172,7 @@ impl Server {
 
     /// Number of connections open now.
     pub fn connections(&self) -> usize {
-        *self.live.lock().unwrap()
+        self.live.counts().requests
     }
 
     fn accept_loop(self: Arc<Self>, listener: Listener) {
@@ -209,7 +207,7 @@ impl Server {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let Ok(handle) = stream.try_clone() else { return };
         self.conns.lock().unwrap().insert(id, handle);
-        *self.live.lock().unwrap() += 1;
+        self.live.begin(1, 0);
         if self.stopping.load(Ordering::SeqCst) {
             stream.shutdown(Shutdown::Read);
         }
@@ -229,11 +227,7 @@ impl Server {
 
     fn forget(&self, id: u64) {
         self.conns.lock().unwrap().remove(&id);
-        let mut live = self.live.lock().unwrap();
-        *live -= 1;
-        if *live == 0 {
-            self.idle.notify_all();
-        }
+        self.live.end(1, 0);
     }
 
     fn connection(&self, mut stream: Stream) {

@@ -9,11 +9,14 @@
 //! needed. So in the common case a reply costs no thread hand-off, and a client
 //! that stops reading only ever blocks its own writer.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
-use vdisk_engine::{Request, Sink};
+use vdisk_engine::inflight::Counts;
+use vdisk_engine::{Op, Request, Sink};
 
 use crate::reply::{Encoder, OutMsg};
 use crate::stream::Stream;
@@ -24,8 +27,13 @@ pub struct Outbox {
     state: Mutex<State>,
     changed: Condvar,
     stream: Stream,
-    pub encoder: Encoder,
+    encoder: Encoder,
     batching: bool,
+    /// Cookies of reads in flight whose reply must be one chunk (NBD's DF
+    /// flag, rarely set): the reply needs it, the engine does not. `df_count`
+    /// lets every other read skip the lock.
+    df: Mutex<HashMap<u64, usize>>,
+    df_count: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -36,8 +44,8 @@ struct State {
     sent: usize,
     /// Someone is sending right now.
     sending: bool,
-    inflight: usize,
-    inflight_bytes: usize,
+    /// Requests read and not yet answered, and their cost.
+    inflight: Counts,
     /// The writer thread is blocked on `changed`.
     writer_waiting: bool,
     /// The reader is blocked on `changed`, over its in-flight budget.
@@ -52,20 +60,51 @@ struct State {
 
 impl Sink for Outbox {
     fn complete(&self, done: Vec<Request>) {
-        let msgs = done.into_iter().map(|r| self.encoder.encode(r)).collect();
+        let msgs = done.into_iter().map(|r| self.encode(r)).collect();
         self.deliver(msgs);
     }
 }
 
 impl Outbox {
     pub fn new(stream: Stream, encoder: Encoder, batching: bool) -> Self {
-        Outbox { state: Mutex::new(State::default()), changed: Condvar::new(), stream, encoder, batching }
+        Outbox {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            stream,
+            encoder,
+            batching,
+            df: Mutex::new(HashMap::new()),
+            df_count: AtomicUsize::new(0),
+        }
+    }
+
+    /// Notes that the read with this cookie, about to be submitted, has DF set.
+    pub fn dont_fragment(&self, cookie: u64) {
+        *self.df.lock().unwrap().entry(cookie).or_default() += 1;
+        self.df_count.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The reply to a completed request (DF looked up for reads).
+    pub fn encode(&self, req: Request) -> OutMsg {
+        let mut df = false;
+        if req.op == Op::Read && self.df_count.load(Ordering::Acquire) > 0 {
+            let mut map = self.df.lock().unwrap();
+            if let Some(n) = map.get_mut(&req.tag) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&req.tag);
+                }
+                self.df_count.fetch_sub(1, Ordering::AcqRel);
+                df = true;
+            }
+        }
+        self.encoder.encode(req, df)
     }
 
     /// Wakes whoever has something to do now; a futex call only when owed.
     fn notify(&self, st: &State) {
         let writer_has_work =
-            !st.sending && (!st.queue.is_empty() || st.flush_owed || (st.reader_done && st.inflight == 0));
+            !st.sending && (!st.queue.is_empty() || st.flush_owed || (st.reader_done && st.inflight.is_idle()));
         if st.reader_waiting || (st.writer_waiting && writer_has_work) {
             self.changed.notify_all();
         }
@@ -123,15 +162,14 @@ impl Outbox {
     }
 
     fn release(&self, st: &mut State, msgs: &[OutMsg]) {
-        st.inflight -= msgs.len();
-        st.inflight_bytes -= msgs.iter().map(|m| m.cost).sum::<usize>();
+        st.inflight.remove(msgs.len(), msgs.iter().map(|m| m.cost).sum::<usize>());
     }
 
     /// Adds a request to the in-flight count. Without `wait`, refuses (false)
     /// when over budget; with it, blocks until replies drain.
     pub fn charge(&self, cost: usize, wait: bool) -> bool {
         let mut st = self.state.lock().unwrap();
-        while st.inflight > 0 && st.inflight_bytes + cost > MAX_INFLIGHT_BYTES {
+        while !st.inflight.admits(cost, MAX_INFLIGHT_BYTES) {
             if !wait {
                 return false;
             }
@@ -139,8 +177,7 @@ impl Outbox {
             st = self.changed.wait(st).unwrap();
             st.reader_waiting = false;
         }
-        st.inflight += 1;
-        st.inflight_bytes += cost;
+        st.inflight.add(1, cost);
         true
     }
 
@@ -157,7 +194,7 @@ impl Outbox {
         let mut st = self.state.lock().unwrap();
         loop {
             if (st.queue.is_empty() && !st.flush_owed) || st.sending {
-                if st.reader_done && st.inflight == 0 && !st.sending && !st.flush_owed {
+                if st.reader_done && st.inflight.is_idle() && !st.sending && !st.flush_owed {
                     return;
                 }
                 st.writer_waiting = true;

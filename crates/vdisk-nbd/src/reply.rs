@@ -44,7 +44,7 @@ impl OutMsg {
 
 /// What a request costs against the in-flight bound.
 pub fn cost(op: Op, len: u64) -> usize {
-    REQUEST_OVERHEAD + if matches!(op, Op::Read | Op::Write) { len as usize } else { 0 }
+    REQUEST_OVERHEAD + if op.is_data() { len as usize } else { 0 }
 }
 
 fn wire_errno(e: &Error) -> u32 {
@@ -76,15 +76,17 @@ pub fn refusal(structured: bool, kind: u16, cookie: u64, errno: u32) -> OutMsg {
 }
 
 impl Encoder {
-    pub fn encode(&self, req: Request) -> OutMsg {
+    /// The reply to a completed request; `dont_fragment`: a structured read
+    /// goes in one chunk (the client's DF flag).
+    pub fn encode(&self, req: Request, dont_fragment: bool) -> OutMsg {
         let cost = cost(req.op, req.len);
         let cookie = req.tag;
         let mut head = Vec::with_capacity(32);
         if let Some(e) = &req.error {
             if e.kind() != ErrorKind::Unsupported {
-                log::warn!("{:?} of {} bytes at {} failed: {e}", req.op, req.len, req.offset);
+                log::warn!("{} of {} bytes at {} failed: {e}", req.op.name(), req.len, req.offset);
             }
-            if self.structured && matches!(req.op, Op::Read | Op::BlockStatus) {
+            if self.structured && matches!(req.op, Op::Read | Op::BlockStatus { .. }) {
                 error_chunk(&mut head, cookie, wire_errno(e), e.message());
             } else {
                 simple_reply(&mut head, wire_errno(e), cookie);
@@ -92,14 +94,15 @@ impl Encoder {
             return OutMsg::header_only(head, cost);
         }
         match req.op {
-            Op::Read if self.structured => encode_structured_read(req, cost),
+            Op::Read if self.structured => encode_structured_read(req, cost, dont_fragment),
             Op::Read => {
                 simple_reply(&mut head, 0, cookie);
                 let n = req.buf.len();
                 OutMsg { parts: vec![Part::Head(0, head.len()), Part::Data(0, n)], head, data: req.buf, cost }
             }
-            Op::BlockStatus => {
-                let one = req.wire_flags & CMD_FLAG_REQ_ONE != 0;
+            Op::BlockStatus { max } => {
+                // REQ_ONE is the only way a request asks for one run.
+                let one = max == 1;
                 encode_block_status(&mut head, cookie, self.allocation_context, req.len, &req.status, one);
                 OutMsg::header_only(head, cost)
             }
@@ -118,10 +121,10 @@ fn is_zero(b: &[u8]) -> bool {
 }
 
 /// OFFSET_DATA and OFFSET_HOLE chunks: all-zero granules travel as holes.
-fn encode_structured_read(req: Request, cost: usize) -> OutMsg {
+fn encode_structured_read(req: Request, cost: usize, dont_fragment: bool) -> OutMsg {
     let (cookie, offset, buf) = (req.tag, req.offset, req.buf);
     let mut runs: Vec<(bool, usize, usize)> = Vec::new();
-    if req.wire_flags & CMD_FLAG_DF != 0 {
+    if dont_fragment {
         runs.push((false, 0, buf.len()));
     } else {
         let mut at = 0;
@@ -193,13 +196,13 @@ mod tests {
         let mut req = Request::new(Op::Read, 4096, 3 * HOLE_GRANULE as u64, 5);
         req.buf = Buf::zeroed(3 * HOLE_GRANULE);
         req.buf[HOLE_GRANULE + 7] = 1;
-        let m = encode_structured_read(req, 0);
+        let m = encode_structured_read(req, 0, false);
         // hole, data, hole: three chunks, two header-only.
         let kinds: Vec<&str> = m.parts.iter().map(|p| if matches!(p, Part::Head(..)) { "h" } else { "d" }).collect();
         assert_eq!(kinds, ["h", "h", "d", "h"]);
         let mut whole = Request::new(Op::Read, 0, 4096, 5);
         whole.buf = Buf::zeroed(4096);
-        assert_eq!(encode_structured_read(whole, 0).parts.len(), 1);
+        assert_eq!(encode_structured_read(whole, 0, false).parts.len(), 1);
     }
 
     #[test]

@@ -55,9 +55,12 @@ pub fn virtio_blk_input(input: &[u8]) -> Option<Parsed> {
             assert!(parsed.status.is_some(), "a request without a status byte went to the engine");
             assert!(offset.checked_add(*len).is_some_and(|end| end <= limits.size), "out of range: {parsed:?}");
             let data: u64 = segs.iter().map(|&(_, l)| u64::from(l)).sum();
-            if matches!(op, vdisk_engine::Op::Read | vdisk_engine::Op::Write) {
+            if op.is_data() {
                 assert!(*len > 0 && len % 512 == 0 && data == *len, "bad data length: {parsed:?}");
-                assert!(!(limits.read_only && *op == vdisk_engine::Op::Write), "write to a read-only disk");
+                assert!(
+                    !(limits.read_only && matches!(op, vdisk_engine::Op::Write { .. })),
+                    "write to a read-only disk"
+                );
             }
             for &(addr, l) in segs {
                 assert!(addr.checked_add(u64::from(l)).is_some(), "segment wraps: {parsed:?}");
@@ -104,11 +107,11 @@ mod tests {
             virtio_blk_input(input).unwrap().action
         };
         assert!(matches!(get("read"), Action::Io { op: vdisk_engine::Op::Read, len: 512, .. }));
-        assert!(matches!(get("write"), Action::Io { op: vdisk_engine::Op::Write, len: 1024, .. }));
+        assert!(matches!(get("write"), Action::Io { op: vdisk_engine::Op::Write { .. }, len: 1024, .. }));
         assert!(matches!(get("flush"), Action::Io { op: vdisk_engine::Op::Flush, .. }));
         assert!(matches!(get("get_id"), Action::GetId { .. }));
-        assert!(matches!(get("discard"), Action::Io { op: vdisk_engine::Op::Trim, .. }));
-        assert!(matches!(get("write_zeroes_unmap"), Action::Io { op: vdisk_engine::Op::WriteZeroes, .. }));
+        assert!(matches!(get("discard"), Action::Io { op: vdisk_engine::Op::Trim { .. }, .. }));
+        assert!(matches!(get("write_zeroes_unmap"), Action::Io { op: vdisk_engine::Op::WriteZeroes { .. }, .. }));
         assert!(matches!(get("indirect_read"), Action::Io { op: vdisk_engine::Op::Read, len: 4096, .. }));
         assert_eq!(get("across_region_end"), Action::Answer(S_IOERR));
     }

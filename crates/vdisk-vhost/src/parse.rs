@@ -12,7 +12,7 @@
 
 use std::ops::Deref;
 
-use vdisk_engine::{Flags, Op};
+use vdisk_engine::Op;
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::DescriptorChain;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
@@ -43,7 +43,7 @@ pub struct Limits {
 #[derive(Debug, PartialEq)]
 pub enum Action {
     /// Hand to the engine: `segs` are the data (read into / written from).
-    Io { op: Op, offset: u64, len: u64, flags: Flags, segs: Vec<Seg> },
+    Io { op: Op, offset: u64, len: u64, segs: Vec<Seg> },
     /// Write the serial into `segs`.
     GetId { segs: Vec<Seg> },
     /// Nothing to do but write this status.
@@ -127,10 +127,10 @@ where
             if len == 0 {
                 return answer(S_OK);
             }
-            let op = if write { Op::Write } else { Op::Read };
-            Action::Io { op, offset, len, flags: Flags { fua: write && fua, ..Flags::default() }, segs }
+            let op = if write { Op::Write { fua } } else { Op::Read };
+            Action::Io { op, offset, len, segs }
         }
-        VIRTIO_BLK_T_FLUSH => Action::Io { op: Op::Flush, offset: 0, len: 0, flags: Flags::default(), segs: vec![] },
+        VIRTIO_BLK_T_FLUSH => Action::Io { op: Op::Flush, offset: 0, len: 0, segs: vec![] },
         VIRTIO_BLK_T_GET_ID => {
             if total(&writable) == 0 {
                 return answer(S_IOERR);
@@ -167,8 +167,9 @@ where
                 return answer(S_OK);
             }
             let unmap = rflags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
-            let (op, no_hole) = if discard { (Op::Trim, false) } else { (Op::WriteZeroes, !unmap) };
-            Action::Io { op, offset, len, flags: Flags { fua, no_hole, fast_zero: false }, segs: vec![] }
+            let op =
+                if discard { Op::Trim { fua } } else { Op::WriteZeroes { fua, no_hole: !unmap, fast_zero: false } };
+            Action::Io { op, offset, len, segs: vec![] }
         }
         _ => return answer(S_UNSUPP),
     };

@@ -16,10 +16,11 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::slab::Slab;
-use vdisk_engine::{Buf, Device, Op, Request, Sink};
+use vdisk_engine::{Buf, Device, Lent, Op, Request, Sink};
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
@@ -72,8 +73,8 @@ pub struct QueueCtx {
     vring: OnceLock<Vring>,
     /// Pending requests; the engine tag is the slot.
     pending: Mutex<Slab<Pending>>,
-    inflight: Mutex<usize>,
-    idle: Condvar,
+    /// Virtio requests with the engine.
+    inflight: InFlight,
 }
 
 impl QueueCtx {
@@ -82,8 +83,7 @@ impl QueueCtx {
             shared,
             vring: OnceLock::new(),
             pending: Mutex::new(Slab::default()),
-            inflight: Mutex::new(0),
-            idle: Condvar::new(),
+            inflight: InFlight::new(),
         })
     }
 
@@ -115,7 +115,7 @@ impl QueueCtx {
             // Counted under the ring's lock: a stop that marked the queue not
             // ready before this drain sees nothing; one after it sees these.
             let engine = parsed.iter().filter(|p| matches!(p.action, Action::Io { .. })).count();
-            *self.inflight.lock().unwrap() += engine;
+            self.inflight.begin(engine, 0);
         }
         self.dispatch(parsed, &mem);
     }
@@ -137,13 +137,9 @@ impl QueueCtx {
                         };
                         answered.push(self.answer(mem, p.head, p.status, s, n));
                     }
-                    Action::Io { op, offset, len, flags, segs } => {
+                    Action::Io { op, offset, len, segs } => {
                         let read = op == Op::Read;
-                        let lent = if self.shared.zero_copy && matches!(op, Op::Read | Op::Write) {
-                            lend(mem, &segs)
-                        } else {
-                            None
-                        };
+                        let lent = if self.shared.zero_copy && op.is_data() { lend(mem, &segs) } else { None };
                         let mut pending = Pending {
                             head: p.head,
                             status: p.status,
@@ -153,22 +149,20 @@ impl QueueCtx {
                             parts: 1,
                             failed: false,
                         };
-                        if let Some(bufs) = lent {
-                            pending.parts = bufs.len();
+                        if let Some(pieces) = lent {
+                            pending.parts = pieces.len();
                             let slot = slab.insert(pending) as u64;
                             let mut at = offset;
-                            for buf in bufs {
-                                let mut req = Request::new(op, at, buf.len() as u64, slot);
-                                at += buf.len() as u64;
-                                req.flags = flags;
-                                req.buf = buf;
+                            for piece in pieces {
+                                let mut req = Request::new(op, at, piece.len() as u64, slot);
+                                at += piece.len() as u64;
+                                req.lent = Some(piece);
                                 batch.push(req);
                             }
                             continue;
                         }
                         let mut req = Request::new(op, offset, len, 0);
-                        req.flags = flags;
-                        if op == Op::Write {
+                        if matches!(op, Op::Write { .. }) {
                             match copy_in(mem, &segs, len) {
                                 Some(buf) => req.buf = buf,
                                 None => {
@@ -227,20 +221,12 @@ impl QueueCtx {
     }
 
     fn release(&self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let mut inflight = self.inflight.lock().unwrap();
-        *inflight -= n;
-        if *inflight == 0 {
-            self.idle.notify_all();
-        }
+        self.inflight.end(n, 0);
     }
 
     /// Waits until the engine holds no request of this queue.
     pub fn wait_idle(&self) {
-        let inflight = self.inflight.lock().unwrap();
-        drop(self.idle.wait_while(inflight, |n| *n > 0).unwrap());
+        self.inflight.wait_idle();
     }
 }
 
@@ -253,12 +239,12 @@ impl Sink for QueueCtx {
                 let slot = req.tag as usize;
                 let Some(p) = slab.get_mut(slot) else { continue };
                 if let Some(e) = &req.error {
-                    log::warn!("vhost-user-blk: {:?} of {} bytes at {} failed: {e}", req.op, req.len, req.offset);
+                    log::warn!("vhost-user-blk: {} of {} bytes at {} failed: {e}", req.op.name(), req.len, req.offset);
                     p.failed = true;
                 } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
                     p.failed = true;
                 }
-                // A borrowed buffer lets go of the guest memory here, before the guest sees the request done.
+                // Lent guest memory is let go of here, before the guest sees the request done.
                 drop(req);
                 p.parts -= 1;
                 if p.parts > 0 {
@@ -274,10 +260,10 @@ impl Sink for QueueCtx {
     }
 }
 
-/// Engine buffers over the guest memory of `segs`, one per segment, when each
-/// lies in one memory region and is a whole number of sectors (so no two
+/// The guest memory of `segs` lent to the engine, one piece per segment, when
+/// each lies in one memory region and is a whole number of sectors (so no two
 /// engine requests share a sector); None otherwise.
-fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Buf>> {
+fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Lent>> {
     let mut bufs = Vec::with_capacity(segs.len());
     for &(addr, n) in segs {
         if !u64::from(n).is_multiple_of(SECTOR) {
@@ -287,12 +273,11 @@ fn lend(mem: &Arc<Mem>, segs: &[Seg]) -> Option<Vec<Buf>> {
         let ptr = NonNull::new(slice.ptr_guard_mut().as_ptr())?;
         let owner: Arc<dyn std::any::Any + Send + Sync> = mem.clone();
         // SAFETY: `ptr` is the host mapping of `n` bytes of guest memory inside one
-        // region of `mem`; the mapping lives as long as `mem`, which the Buf holds.
+        // region of `mem`; the mapping lives as long as `mem`, which the Lent holds.
         // While the engine has the request, nothing in this process touches those
         // bytes (the parser is done with them and the status byte is elsewhere);
-        // the guest must not either until the request is completed (virtio's rule),
-        // and if it does, only the data is affected.
-        bufs.push(unsafe { Buf::borrowed(ptr, n as usize, owner) });
+        // the guest may, which `Lent` allows: it never makes a reference to them.
+        bufs.push(unsafe { Lent::new(ptr, n as usize, owner) });
     }
     Some(bufs)
 }

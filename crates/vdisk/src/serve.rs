@@ -260,16 +260,17 @@ impl Drop for DemoImage {
 }
 
 fn block_signals() -> libc::sigset_t {
-    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it, and
-    // pthread_sigmask only changes this thread's mask (inherited by threads it starts).
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
+    // SAFETY: sigset_t is plain data, for which all zeros is a valid value.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t we own (likewise below).
+    unsafe { libc::sigemptyset(&mut set) };
+    // SAFETY: as above.
+    unsafe { libc::sigaddset(&mut set, libc::SIGINT) };
+    // SAFETY: as above.
+    unsafe { libc::sigaddset(&mut set, libc::SIGTERM) };
+    // SAFETY: changes only this thread's mask (inherited by threads it starts).
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    set
 }
 
 /// An export beside NBD (FUSE, vhost-user-blk) over the same devices.

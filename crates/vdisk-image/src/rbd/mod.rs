@@ -56,13 +56,12 @@ unsafe impl Sync for Conn {}
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // SAFETY: both handles came from successful create calls and are released once, ioctx first.
-        unsafe {
-            if !self.ioctx.is_null() {
-                (self.lib.rados_ioctx_destroy)(self.ioctx);
-            }
-            (self.lib.rados_shutdown)(self.rados);
+        if !self.ioctx.is_null() {
+            // SAFETY: the pool handle came from a successful create and is released once, first.
+            unsafe { (self.lib.rados_ioctx_destroy)(self.ioctx) };
         }
+        // SAFETY: the cluster handle came from a successful create and is released once, last.
+        unsafe { (self.lib.rados_shutdown)(self.rados) };
     }
 }
 
@@ -450,14 +449,15 @@ impl RbdImage {
         let n = unsafe { (self.conn.lib.rbd_poll_io_events)(self.image, comps.as_mut_ptr(), comps.len() as c_int) };
         let n = n.max(0) as usize;
         for &c in &comps[..n] {
-            // SAFETY: each is a finished completion created by `completion`, handed to us once
-            // by rbd_poll_io_events; released after its fields are read.
-            unsafe {
-                let key = (self.conn.lib.rbd_aio_get_arg)(c) as usize as u64;
-                let r = (self.conn.lib.rbd_aio_get_return_value)(c) as i64;
-                (self.conn.lib.rbd_aio_release)(c);
-                out.push((key, r));
-            }
+            // Each is a finished completion created by `completion`, handed to us once by
+            // rbd_poll_io_events: read, then released, and never touched again.
+            // SAFETY: a live, finished completion (above).
+            let key = unsafe { (self.conn.lib.rbd_aio_get_arg)(c) } as usize as u64;
+            // SAFETY: as above.
+            let r = unsafe { (self.conn.lib.rbd_aio_get_return_value)(c) } as i64;
+            // SAFETY: as above; released exactly once, after its last use.
+            unsafe { (self.conn.lib.rbd_aio_release)(c) };
+            out.push((key, r));
         }
         n
     }
