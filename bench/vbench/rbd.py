@@ -43,6 +43,7 @@ class Cluster:
                            stderr=subprocess.STDOUT, text=True, timeout=300)
         if r.returncode != 0:
             raise StartError(f"the Ceph rig did not start: {r.stdout.strip().splitlines()[-1:]}")
+        os.environ["CEPH_CONF"] = self.conf  # fio's rbd engine (librados) finds the cluster through it
 
     def stop(self):
         subprocess.run(["bash", str(RIG), "stop", str(self.dir)], env=self.env, stdout=subprocess.DEVNULL,
@@ -65,7 +66,6 @@ def one(b, cl, target, jid):
     name = f"rbd-{jid}-{slug(target)}"
     args = fio_job_args(opts, b.runtime, b.ramp)
     timeout = b.runtime + b.ramp + 120
-    os.environ["CEPH_CONF"] = cl.conf  # fio's rbd engine reads it
     if target == "fio rbd":
         r = run_fio(name, args + rbd_engine_args(cl), timeout)
         r["rss_mib"] = None
@@ -100,11 +100,16 @@ def section_rbd(b, res):
     cl = Cluster()
     try:
         log(f"rbd: starting a micro cluster in {cl.dir}")
-        cl.start()
-        cl.rbd("create", "--size", str(IMAGE_BYTES // MiB), f"rbd/{IMAGE}")
-        log("rbd: filling the image with fio's rbd engine (1M writes)")
-        run_fio("rbd-fill", ["--rw=write", "--bs=1m", "--iodepth=8", f"--size={IMAGE_BYTES}"] + rbd_engine_args(cl),
-                600)
+        try:
+            cl.start()
+            cl.rbd("create", "--size", str(IMAGE_BYTES // MiB), f"rbd/{IMAGE}")
+            log("rbd: filling the image with fio's rbd engine (1M writes)")
+            run_fio("rbd-fill", ["--rw=write", "--bs=1m", "--iodepth=8", f"--size={IMAGE_BYTES}"]
+                    + rbd_engine_args(cl), 600)
+        except (StartError, FioError, subprocess.SubprocessError) as e:
+            res["error"] = f"the cluster or its image could not be set up: {e}"
+            log(f"rbd: {res['error']}")
+            return res
         with open("/proc/loadavg") as f:
             res["loadavg_start"] = f.read().split()[:3]
         failed = {}

@@ -303,7 +303,15 @@ impl Device {
     /// Submitting after this is a bug: those requests would never complete.
     pub fn shutdown(&self) -> Result<()> {
         self.stop_workers();
-        plan::Planner::new(self.image.clone(), false, false).flush()
+        let r = plan::Planner::new(self.image.clone(), false, false).flush();
+        // An RBD image is closed now, not whenever the last reference goes: closing
+        // releases its exclusive lock, which another client would otherwise wait for.
+        for file in 0..2 {
+            if let Some(rbd) = self.image.rbd(file) {
+                rbd.close();
+            }
+        }
+        r
     }
 
     fn stop_workers(&self) {

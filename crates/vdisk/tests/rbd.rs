@@ -225,6 +225,11 @@ fn what_vdisk_writes_is_what_rbd_export_returns() {
     run("nbdcopy", &[&uri, back.to_str().unwrap()]);
     assert_same("read back through vdisk", &read_file(&back), &want);
     server.stop();
+    // A clean stop closes the image: no watcher and no exclusive lock left for the next client to wait out.
+    let status = rbd(c, &["status", &format!("rbd/{img}")]);
+    assert!(status.contains("none"), "a watcher is left after vdisk stopped:\n{status}");
+    let locks = rbd(c, &["lock", "ls", &format!("rbd/{img}")]);
+    assert!(!locks.contains("exclusive lock"), "the exclusive lock is left after vdisk stopped:\n{locks}");
 }
 
 #[test]

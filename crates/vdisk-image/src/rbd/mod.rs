@@ -23,6 +23,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::fs::File;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
 pub use spec::{ConnectOptions, Spec};
@@ -207,7 +208,8 @@ pub struct RbdImage {
     /// `rbd:pool/image[@snap]`, for messages and [`Image::file_path`].
     path: PathBuf,
     conn: Conn,
-    image: ImageT,
+    /// The open image; null once [`RbdImage::close`]d.
+    image: AtomicPtr<c_void>,
     size: u64,
     read_only: bool,
     features: u64,
@@ -221,9 +223,7 @@ unsafe impl Sync for RbdImage {}
 
 impl Drop for RbdImage {
     fn drop(&mut self) {
-        // SAFETY: the handle came from a successful open and is closed once; no AIO is
-        // in flight (the engine drains its completions before it lets the image go).
-        unsafe { (self.conn.lib.rbd_close)(self.image) };
+        self.close();
     }
 }
 
@@ -264,15 +264,23 @@ impl RbdImage {
             let kind = if rc == -libc::ENOENT { ErrorKind::NotFound } else { ErrorKind::Io };
             return Err(Error::new(kind, msg));
         }
-        let mut img =
-            RbdImage { path: PathBuf::from(spec.to_string()), spec, conn, image, size: 0, read_only, features: 0 };
-        // SAFETY: an open image and valid out-pointers.
-        let rc = unsafe { (lib.rbd_get_size)(img.image, &mut img.size) };
+        // From here on a failure closes the image (drop).
+        let mut img = RbdImage {
+            path: PathBuf::from(spec.to_string()),
+            spec,
+            conn,
+            image: AtomicPtr::new(image),
+            size: 0,
+            read_only,
+            features: 0,
+        };
+        // SAFETY: an open image and a valid out-pointer.
+        let rc = unsafe { (lib.rbd_get_size)(image, &mut img.size) };
         if rc < 0 {
             return Err(Error::io(os_err(rc.into()), format!("cannot read the size of {}", img.spec)));
         }
         // SAFETY: as above.
-        unsafe { (lib.rbd_get_features)(img.image, &mut img.features) };
+        unsafe { (lib.rbd_get_features)(image, &mut img.features) };
         Ok(img)
     }
 
@@ -303,12 +311,34 @@ impl RbdImage {
         &self.spec
     }
 
+    /// The open handle, or an error once closed.
+    fn img(&self) -> std::io::Result<ImageT> {
+        let p = self.image.load(Ordering::Acquire);
+        if p.is_null() {
+            return Err(std::io::Error::from_raw_os_error(libc::ESHUTDOWN));
+        }
+        Ok(p)
+    }
+
+    /// Closes the image now (flushing it and releasing its exclusive lock, so
+    /// the next client need not wait for the lock to time out); later calls
+    /// fail with ESHUTDOWN. Call it only once nothing is in flight and nothing
+    /// more will be submitted (the engine's shutdown). Idempotent; `drop` does it too.
+    pub fn close(&self) {
+        let p = self.image.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if !p.is_null() {
+            // SAFETY: the handle came from a successful open and is closed once (the swap
+            // above hands it to one caller); nothing is in flight (the caller's promise).
+            unsafe { (self.conn.lib.rbd_close)(p) };
+        }
+    }
+
     /// Size, object layout, features and (with fast-diff) allocated bytes.
     pub fn info(&self) -> Result<RbdInfo> {
         let mut st = std::mem::MaybeUninit::<ffi::ImageInfo>::zeroed();
+        let img = self.img().map_err(|e| Error::io(e, format!("{} is closed", self.spec)))?;
         // SAFETY: an open image; `st` is a writable rbd_image_info_t of the size passed.
-        let rc =
-            unsafe { (self.conn.lib.rbd_stat)(self.image, st.as_mut_ptr(), std::mem::size_of::<ffi::ImageInfo>()) };
+        let rc = unsafe { (self.conn.lib.rbd_stat)(img, st.as_mut_ptr(), std::mem::size_of::<ffi::ImageInfo>()) };
         if rc < 0 {
             return Err(Error::io(os_err(rc.into()), format!("cannot stat {}", self.spec)));
         }
@@ -339,11 +369,12 @@ impl RbdImage {
             }
             0
         }
+        let img = self.img().map_err(|e| Error::io(e, format!("{} is closed", self.spec)))?;
         // SAFETY: an open image; the callback only touches `out`, which outlives this
         // synchronous call; null fromsnap means "since the image was created".
         let rc = unsafe {
             (self.conn.lib.rbd_diff_iterate2)(
-                self.image,
+                img,
                 std::ptr::null(),
                 offset,
                 len,
@@ -362,8 +393,9 @@ impl RbdImage {
     /// Makes completions of this image's AIO signal `fd` (an eventfd); they are
     /// then collected with [`RbdImage::poll_completions`].
     pub fn notify_completions(&self, fd: RawFd) -> Result<()> {
+        let img = self.img().map_err(|e| Error::io(e, format!("{} is closed", self.spec)))?;
         // SAFETY: an open image; the eventfd is the caller's and outlives the image's I/O.
-        let rc = unsafe { (self.conn.lib.rbd_set_image_notification)(self.image, fd, ffi::EVENT_TYPE_EVENTFD) };
+        let rc = unsafe { (self.conn.lib.rbd_set_image_notification)(img, fd, ffi::EVENT_TYPE_EVENTFD) };
         if rc < 0 {
             return Err(Error::io(os_err(rc.into()), format!("cannot watch completions of {}", self.spec)));
         }
@@ -399,10 +431,11 @@ impl RbdImage {
     /// The memory the iovecs point at must stay valid, and untouched by
     /// anyone else, until the completion carrying `key` has been collected.
     pub unsafe fn aio_readv(&self, iov: &[libc::iovec], offset: u64, key: u64) -> std::io::Result<()> {
+        let img = self.img()?;
         let c = self.completion(key)?;
         // SAFETY: an open image; the iovecs are read during the call (librbd copies them)
         // and the memory they name is the caller's promise above.
-        let rc = unsafe { (self.conn.lib.rbd_aio_readv)(self.image, iov.as_ptr(), iov.len() as c_int, offset, c) };
+        let rc = unsafe { (self.conn.lib.rbd_aio_readv)(img, iov.as_ptr(), iov.len() as c_int, offset, c) };
         self.submitted(c, rc)
     }
 
@@ -411,42 +444,47 @@ impl RbdImage {
     /// # Safety
     /// As for [`RbdImage::aio_readv`].
     pub unsafe fn aio_writev(&self, iov: &[libc::iovec], offset: u64, key: u64) -> std::io::Result<()> {
+        let img = self.img()?;
         let c = self.completion(key)?;
         // SAFETY: as in `aio_readv`; librbd only reads the memory.
-        let rc = unsafe { (self.conn.lib.rbd_aio_writev)(self.image, iov.as_ptr(), iov.len() as c_int, offset, c) };
+        let rc = unsafe { (self.conn.lib.rbd_aio_writev)(img, iov.as_ptr(), iov.len() as c_int, offset, c) };
         self.submitted(c, rc)
     }
 
     /// Starts a flush of every write completed before it; its completion carries `key`.
     pub fn aio_flush(&self, key: u64) -> std::io::Result<()> {
+        let img = self.img()?;
         let c = self.completion(key)?;
         // SAFETY: an open image and a fresh completion; a flush touches no caller memory.
-        let rc = unsafe { (self.conn.lib.rbd_aio_flush)(self.image, c) };
+        let rc = unsafe { (self.conn.lib.rbd_aio_flush)(img, c) };
         self.submitted(c, rc)
     }
 
     /// Starts a discard (TRIM) of a range.
     pub fn aio_discard(&self, offset: u64, len: u64, key: u64) -> std::io::Result<()> {
+        let img = self.img()?;
         let c = self.completion(key)?;
         // SAFETY: as for `aio_flush`.
-        let rc = unsafe { (self.conn.lib.rbd_aio_discard)(self.image, offset, len, c) };
+        let rc = unsafe { (self.conn.lib.rbd_aio_discard)(img, offset, len, c) };
         self.submitted(c, rc)
     }
 
     /// Starts making a range read as zeros.
     pub fn aio_write_zeroes(&self, offset: u64, len: u64, key: u64) -> std::io::Result<()> {
+        let img = self.img()?;
         let c = self.completion(key)?;
         // SAFETY: as for `aio_flush`; zero flags and op flags are 0 (defaults).
-        let rc = unsafe { (self.conn.lib.rbd_aio_write_zeroes)(self.image, offset, len as usize, c, 0, 0) };
+        let rc = unsafe { (self.conn.lib.rbd_aio_write_zeroes)(img, offset, len as usize, c, 0, 0) };
         self.submitted(c, rc)
     }
 
     /// Collects up to `max` finished operations as (key, result): the bytes
     /// moved or 0, or a negative errno. Releases their completions.
     pub fn poll_completions(&self, max: usize, out: &mut Vec<(u64, i64)>) -> usize {
+        let Ok(img) = self.img() else { return 0 };
         let mut comps: Vec<CompletionT> = vec![std::ptr::null_mut(); max.max(1)];
         // SAFETY: an open image and room for `comps.len()` completion pointers.
-        let n = unsafe { (self.conn.lib.rbd_poll_io_events)(self.image, comps.as_mut_ptr(), comps.len() as c_int) };
+        let n = unsafe { (self.conn.lib.rbd_poll_io_events)(img, comps.as_mut_ptr(), comps.len() as c_int) };
         let n = n.max(0) as usize;
         for &c in &comps[..n] {
             // Each is a finished completion created by `completion`, handed to us once by
@@ -465,14 +503,14 @@ impl RbdImage {
     /// A blocking read of `buf.len()` bytes at `offset` (a COW overlay's copy-up
     /// or merge). librbd's synchronous calls bypass the completion eventfd.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let img = self.img()?;
         let mut done = 0;
         while done < buf.len() {
             let rest = &mut buf[done..];
             // SAFETY: an open image; `rest` is writable memory of the length passed, borrowed
             // for this synchronous call only.
-            let n = unsafe {
-                (self.conn.lib.rbd_read)(self.image, offset + done as u64, rest.len(), rest.as_mut_ptr().cast())
-            };
+            let n =
+                unsafe { (self.conn.lib.rbd_read)(img, offset + done as u64, rest.len(), rest.as_mut_ptr().cast()) };
             if n < 0 {
                 return Err(os_err(n as i64));
             }
@@ -488,8 +526,9 @@ impl RbdImage {
 
     /// A blocking flush (shutdown).
     pub fn flush(&self) -> Result<()> {
+        let img = self.img().map_err(|e| Error::io(e, format!("{} is closed", self.spec)))?;
         // SAFETY: an open image.
-        let rc = unsafe { (self.conn.lib.rbd_flush)(self.image) };
+        let rc = unsafe { (self.conn.lib.rbd_flush)(img) };
         if rc < 0 {
             return Err(Error::io(os_err(rc.into()), format!("flush of {}", self.spec)));
         }
