@@ -74,6 +74,9 @@ def one(b, cl, target, jid):
     if target == "vdisk":
         argv = [str(b.vdisk), "serve", f"rbd:rbd/{IMAGE}", "--socket", sock, "--ceph-conf", cl.conf]
     else:
+        if not any(Path(d).glob("block-rbd.so") for d in ("/usr/lib/x86_64-linux-gnu/qemu", "/usr/lib/qemu")):
+            raise StartError("this qemu-nbd has no rbd block driver (block-rbd.so from qemu-block-extra of the "
+                             "same QEMU version); Debian 12's 7.2 would have to be unpacked beside it")
         argv = ["qemu-nbd", "-t", "-f", "raw", "--cache=writeback", "-k", sock, "-x", IMAGE, "--shared=8",
                 f"rbd:rbd/{IMAGE}:conf={cl.conf}"]
     srv = Server(f"{target}", PIN["server"] + argv, sock, env={"CEPH_CONF": cl.conf})
