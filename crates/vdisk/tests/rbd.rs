@@ -466,3 +466,58 @@ fn a_local_cow_overlay_over_an_rbd_snapshot_round_trips() {
     let out = vdisk(&["commit", vm1.to_str().unwrap(), conf[0], conf[1]]);
     assert_eq!(out.status.code(), Some(2), "a snapshot cannot take a commit: {}", text(&out));
 }
+
+#[test]
+fn opening_while_the_osd_is_down_fails_within_30_seconds() {
+    let c = cluster();
+    let img = name("down");
+    {
+        let _g = OSD.read().unwrap_or_else(|e| e.into_inner());
+        create(c, &img, "4M");
+    }
+    let _alone = OSD.write().unwrap_or_else(|e| e.into_inner());
+    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
+    // SAFETY: kill only reads its integer arguments.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let _stopped = Stopped(pid);
+    let t = Instant::now();
+    let mut child = Command::new(common::vdisk_bin())
+        .args(["serve", &format!("rbd:rbd/{img}"), "--ceph-conf", &c.conf, "--socket", "/nonexistent/x.sock"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("vdisk serve still opening an image after 30 s with the OSD down");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("no answer from the Ceph cluster"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn readonly_and_direct_on_rbd() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-ro");
+    let img = name("ro");
+    create(c, &img, "4M");
+    let spec = format!("rbd:rbd/{img}");
+    let out = vdisk_bounded(&["serve", &spec, "--direct", "--ceph-conf", &c.conf]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--direct"), "{}", text(&out));
+    let server = serve(c, &dir, &[&spec, "--readonly"]);
+    let out = output("qemu-io", &["-f", "raw", &server.uri(&img), "-c", "write -P 1 0 4k"]);
+    assert!(text(&out).to_lowercase().contains("failed") || !out.status.success(), "{}", text(&out));
+    let out = output("qemu-io", &["-r", "-f", "raw", &server.uri(&img), "-c", "read -P 0 0 4M"]);
+    assert!(out.status.success() && !text(&out).contains("failed"), "{}", text(&out));
+    server.stop();
+}
