@@ -1,4 +1,5 @@
-//! Fault injection, for reliability tests only: a device started while the
+//! Fault injection, for reliability tests only, compiled in only with the
+//! cargo feature `faults` (which the tests turn on): a device started while the
 //! environment variable `VDISK_FAULTS` is set fails the reads, writes and
 //! flushes its rules name, with the error a failing disk would give, before
 //! any I/O is done for them. Unset (always, outside tests), a device holds `None` and a

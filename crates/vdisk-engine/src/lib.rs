@@ -14,7 +14,34 @@
 //! durable when the FLUSH completes.
 
 mod buf;
+#[cfg(feature = "faults")]
 mod faults;
+/// Without the `faults` feature nothing is ever injected: a device holds `None`.
+#[cfg(not(feature = "faults"))]
+mod faults {
+    use std::sync::Arc;
+
+    use vdisk_image::Error;
+
+    pub enum Faults {}
+
+    impl Faults {
+        pub fn from_env(device: &str) -> Option<Arc<Faults>> {
+            if std::env::var_os("VDISK_FAULTS").is_some() {
+                log::warn!("{device}: VDISK_FAULTS is set but this build has no fault injection (feature `faults`)");
+            }
+            None
+        }
+
+        pub fn check(&self, _write: bool, _offset: u64, _len: u64) -> Option<Error> {
+            match *self {}
+        }
+
+        pub fn check_flush(&self, _what: &str) -> Option<Error> {
+            match *self {}
+        }
+    }
+}
 pub mod inflight;
 mod lent;
 mod plan;
@@ -74,10 +101,12 @@ pub struct EngineConfig {
     pub inline: bool,
 }
 
+/// The defaults of `vdisk serve`: the ring engine (falling back to threads
+/// where the kernel has no io_uring), 16 workers, 1 ring, batches of 64.
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            kind: EngineKind::Threads,
+            kind: EngineKind::Uring,
             workers: 16,
             rings: 1,
             ring_entries: 256,

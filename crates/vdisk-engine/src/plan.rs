@@ -311,7 +311,7 @@ impl Planner {
         let r = self.image.sync_metadata();
         if let Err(e) = r {
             for req in durable {
-                req.error = Some(Error::new(e.kind(), e.to_string()));
+                req.error = Some(e.clone());
             }
         }
     }

@@ -123,11 +123,14 @@ fn cases() -> Vec<(String, EngineConfig, Format)> {
 
 fn configs() -> Vec<(&'static str, EngineConfig)> {
     vec![
-        ("default", EngineConfig::default()),
-        ("one-worker", EngineConfig { workers: 1, ..Default::default() }),
-        ("no-coalesce", EngineConfig { coalesce: false, batch: 1, workers: 4, ..Default::default() }),
-        ("sync", EngineConfig { sync: true, workers: 4, ..Default::default() }),
-        ("uring", EngineConfig { kind: EngineKind::Uring, ..Default::default() }),
+        ("threads", EngineConfig { kind: EngineKind::Threads, ..Default::default() }),
+        ("one-worker", EngineConfig { kind: EngineKind::Threads, workers: 1, ..Default::default() }),
+        (
+            "no-coalesce",
+            EngineConfig { kind: EngineKind::Threads, coalesce: false, batch: 1, workers: 4, ..Default::default() },
+        ),
+        ("sync", EngineConfig { kind: EngineKind::Threads, sync: true, workers: 4, ..Default::default() }),
+        ("uring", EngineConfig::default()),
         ("uring-2rings", EngineConfig { kind: EngineKind::Uring, rings: 2, ring_entries: 8, ..Default::default() }),
         ("uring-sync", EngineConfig { kind: EngineKind::Uring, sync: true, coalesce: false, ..Default::default() }),
     ]

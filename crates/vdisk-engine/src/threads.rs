@@ -59,7 +59,7 @@ pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
         let r = planner.flush();
         for req in reqs.iter_mut().filter(|r| r.op == Op::Flush) {
             if let Err(e) = &r {
-                req.error = Some(vdisk_image::Error::new(e.kind(), e.to_string()));
+                req.error = Some(e.clone());
             }
         }
     }

@@ -11,6 +11,7 @@
 //! layout and SQEs), `mount` (the mount point).
 
 mod classic;
+mod error;
 mod mount;
 pub mod proto;
 mod ring;
@@ -22,10 +23,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use vdisk_engine::inflight::InFlight;
 use vdisk_engine::Device;
 
+pub use crate::error::{Error, ErrorKind};
 use crate::proto::Wire;
 use crate::session::Session;
 
@@ -51,6 +54,8 @@ pub struct FuseExport {
     created: bool,
     session: Arc<Session>,
     threads: Vec<JoinHandle<()>>,
+    /// The threads still running, so a stop waits for them without polling.
+    running: Arc<InFlight>,
     wakers: Vec<Arc<ring::RingSink>>,
     give_up: Arc<AtomicBool>,
     stopped: bool,
@@ -60,7 +65,7 @@ pub struct FuseExport {
 }
 
 /// Mounts `device` as the file `path` and starts serving it.
-pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExport, String> {
+pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExport, Error> {
     if opts.uring {
         ring::check_enabled()?;
     }
@@ -78,6 +83,7 @@ pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExp
         created: prepared.created,
         session: session.clone(),
         threads: Vec::new(),
+        running: Arc::new(InFlight::new()),
         wakers: Vec::new(),
         give_up: Arc::new(AtomicBool::new(false)),
         stopped: false,
@@ -96,8 +102,9 @@ pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExp
 }
 
 impl FuseExport {
-    fn handshake(&mut self, dev: &Arc<OwnedFd>, opts: &Options) -> Result<(), String> {
-        let what = |e: std::io::Error| format!("--fuse {}: FUSE_INIT failed: {e}", self.path.display());
+    fn handshake(&mut self, dev: &Arc<OwnedFd>, opts: &Options) -> Result<(), Error> {
+        let file = |m: String| Error::new(ErrorKind::File, m);
+        let what = |e: std::io::Error| file(format!("{}: FUSE_INIT failed: {e}", self.path.display()));
         let (h, init) = classic::read_init(dev).map_err(what)?;
         let reply = session::init_reply(&init, opts.uring);
         let sink = classic::FdSink { fd: dev.try_clone().map_err(what)?, session: self.session.clone() };
@@ -105,7 +112,7 @@ impl FuseExport {
             Ok(out) => sink.send(h.unique, 0, out.bytes()),
             Err(_) => sink.send(h.unique, libc::EPROTO, &[]),
         }
-        let reply = reply.map_err(|e| format!("--fuse {}: {e}", self.path.display()))?;
+        let reply = reply.map_err(|e| file(format!("{}: {e}", self.path.display())))?;
         log::info!(
             "fuse: kernel protocol 7.{}, max_write {} KiB, flags {:#x}",
             init.minor,
@@ -118,37 +125,45 @@ impl FuseExport {
         let readers = if opts.uring { 1 } else { opts.readers.max(1) };
         for i in 0..readers {
             let fd = if i == 0 { dev.try_clone() } else { mount::clone_dev(dev) }
-                .map_err(|e| format!("--fuse {}: cannot clone /dev/fuse: {e}", self.path.display()))?;
+                .map_err(|e| file(format!("{}: cannot clone /dev/fuse: {e}", self.path.display())))?;
             let reader = classic::Reader::new(fd, self.session.clone())
-                .map_err(|e| format!("--fuse {}: {e}", self.path.display()))?;
+                .map_err(|e| file(format!("{}: {e}", self.path.display())))?;
+            let running = Running::start(&self.running);
             let t = std::thread::Builder::new()
                 .name(format!("fuse-rd{i}"))
-                .spawn(move || reader.run())
-                .map_err(|e| format!("cannot start a FUSE thread: {e}"))?;
+                .spawn(move || {
+                    let _running = running;
+                    reader.run()
+                })
+                .map_err(|e| Error::other(format!("cannot start a FUSE thread: {e}")))?;
             self.threads.push(t);
         }
         Ok(())
     }
 
-    fn start_rings(&mut self, dev: &Arc<OwnedFd>) -> Result<(), String> {
+    fn start_rings(&mut self, dev: &Arc<OwnedFd>) -> Result<(), Error> {
         let queues = ring::queue_count();
         let depth = ring::depth(queues);
         log::info!("fuse: {queues} ring queue(s) of {depth} entries");
         for qid in 0..queues {
             let (tx, rx) = std::sync::mpsc::channel();
             let (dev, session, give_up) = (dev.clone(), self.session.clone(), self.give_up.clone());
+            let running = Running::start(&self.running);
             let t = std::thread::Builder::new()
                 .name(format!("fuse-q{qid}"))
-                .spawn(move || match ring::Queue::start(qid as u16, depth, dev, session, give_up) {
-                    Ok((q, sink)) => {
-                        let _ = tx.send(Ok(sink));
-                        q.run();
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(e));
+                .spawn(move || {
+                    let _running = running;
+                    match ring::Queue::start(qid as u16, depth, dev, session, give_up) {
+                        Ok((q, sink)) => {
+                            let _ = tx.send(Ok(sink));
+                            q.run();
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
                     }
                 })
-                .map_err(|e| format!("cannot start a FUSE ring thread: {e}"))?;
+                .map_err(|e| Error::other(format!("cannot start a FUSE ring thread: {e}")))?;
             self.threads.push(t);
             match rx.recv() {
                 Ok(Ok(sink)) => self.wakers.push(sink),
@@ -158,12 +173,15 @@ impl FuseExport {
                     } else {
                         ""
                     };
-                    return Err(format!(
-                        "--fuse-uring {}: registering ring queue {qid} with the kernel failed: {e}{hint}",
-                        self.path.display()
+                    return Err(Error::new(
+                        ErrorKind::Ring,
+                        format!(
+                            "{}: registering ring queue {qid} with the kernel failed: {e}{hint}",
+                            self.path.display()
+                        ),
                     ));
                 }
-                Err(_) => return Err("a FUSE ring thread died while starting".into()),
+                Err(_) => return Err(Error::other("a FUSE ring thread died while starting")),
             }
         }
         Ok(())
@@ -178,11 +196,11 @@ impl FuseExport {
     /// Unmounts (lazily), lets the threads answer what they took and end,
     /// and removes the file if vdisk created it. A loop device still using
     /// the file keeps the file system alive: then the connection is aborted.
-    pub fn stop(mut self) -> Result<(), String> {
+    pub fn stop(mut self) -> Result<(), Error> {
         self.shut()
     }
 
-    fn shut(&mut self) -> Result<(), String> {
+    fn shut(&mut self) -> Result<(), Error> {
         if self.stopped {
             return Ok(());
         }
@@ -196,12 +214,12 @@ impl FuseExport {
             ),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
             Err(e) => {
-                result =
-                    Err(format!("cannot unmount {}: {e} (try: umount -l {})", self.path.display(), self.path.display()))
+                let (p, q) = (self.path.display(), self.path.display());
+                result = Err(Error::other(format!("cannot unmount {p}: {e} (try: umount -l {q})")))
             }
         }
         let threads = std::mem::take(&mut self.threads);
-        if !wait_for(&threads, Duration::from_secs(10)) {
+        if !self.running.wait_idle_timeout(Duration::from_secs(10)) {
             log::warn!("FUSE threads of {} did not end; leaving them", self.path.display());
             self.give_up.store(true, Ordering::Release);
             self.wakers.iter().for_each(|w| w.wake());
@@ -218,15 +236,20 @@ impl FuseExport {
     }
 }
 
-fn wait_for(threads: &[JoinHandle<()>], timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while !threads.iter().all(|t| t.is_finished()) {
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(5));
+/// Counts a FUSE thread as running until it ends (returns or panics).
+struct Running(Arc<InFlight>);
+
+impl Running {
+    fn start(threads: &Arc<InFlight>) -> Running {
+        threads.begin(1, 0);
+        Running(threads.clone())
     }
-    true
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.end(1, 0);
+    }
 }
 
 impl Drop for FuseExport {

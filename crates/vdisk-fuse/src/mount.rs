@@ -9,6 +9,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
+use crate::error::{Error, ErrorKind};
 use crate::proto;
 
 fn cstr(path: &Path) -> io::Result<CString> {
@@ -33,16 +34,14 @@ pub struct Prepared {
 
 /// Makes PATH a regular file to mount on: clears a stale FUSE mount (its
 /// server gone: stat fails with ENOTCONN), creates the file if missing.
-pub fn prepare(path: &Path) -> Result<Prepared, String> {
+pub fn prepare(path: &Path) -> Result<Prepared, Error> {
+    let file = |m: String| Error::new(ErrorKind::File, m);
     let mut was_stale = false;
     match std::fs::metadata(path) {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             detach(path).map_err(|e| {
-                format!(
-                    "{} is a stale FUSE mount and cannot be unmounted: {e} (try: umount -l {})",
-                    path.display(),
-                    path.display()
-                )
+                let (p, q) = (path.display(), path.display());
+                Error::other(format!("{p} is a stale FUSE mount and cannot be unmounted: {e} (try: umount -l {q})"))
             })?;
             was_stale = true;
         }
@@ -50,25 +49,25 @@ pub fn prepare(path: &Path) -> Result<Prepared, String> {
     }
     match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => {
-            Err(format!("--fuse {}: is a directory; the disk is exported as a file, give a file path", path.display()))
+            Err(file(format!("{}: is a directory; the disk is exported as a file, give a file path", path.display())))
         }
         Ok(_) => Ok(Prepared { created: false, was_stale }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| {
-                format!("--fuse {}: cannot create the file: {e} (does its directory exist?)", path.display())
+                file(format!("{}: cannot create the file: {e} (does its directory exist?)", path.display()))
             })?;
             Ok(Prepared { created: true, was_stale })
         }
-        Err(e) => Err(format!("--fuse {}: {e}", path.display())),
+        Err(e) => Err(file(format!("{}: {e}", path.display()))),
     }
 }
 
 /// Opens /dev/fuse for a new session.
-pub fn open_dev() -> Result<OwnedFd, String> {
+pub fn open_dev() -> Result<OwnedFd, Error> {
     let dev = c"/dev/fuse";
     // SAFETY: a valid NUL-terminated path; the fd returned is ours.
     let fd = check(unsafe { libc::open(dev.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) }).map_err(|e| {
-        format!("cannot open /dev/fuse: {e} (load the module: modprobe fuse; vdisk needs root for --fuse)")
+        Error::other(format!("cannot open /dev/fuse: {e} (load the module: modprobe fuse; FUSE needs root)"))
     })?;
     // SAFETY: `fd` was just opened and is owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -85,8 +84,8 @@ pub fn clone_dev(session: &OwnedFd) -> io::Result<OwnedFd> {
 }
 
 /// Mounts the file system served on `fd` at the file `path`.
-pub fn mount(path: &Path, fd: &OwnedFd, read_only: bool) -> Result<(), String> {
-    let target = cstr(path).map_err(|e| format!("--fuse {}: {e}", path.display()))?;
+pub fn mount(path: &Path, fd: &OwnedFd, read_only: bool) -> Result<(), Error> {
+    let target = cstr(path).map_err(|e| Error::new(ErrorKind::File, format!("{}: {e}", path.display())))?;
     // SAFETY: getuid cannot fail and touches no memory.
     let uid = unsafe { libc::getuid() };
     // SAFETY: getgid cannot fail and touches no memory.
@@ -103,7 +102,7 @@ pub fn mount(path: &Path, fd: &OwnedFd, read_only: bool) -> Result<(), String> {
         unsafe { libc::mount(c"vdisk".as_ptr(), target.as_ptr(), c"fuse.vdisk".as_ptr(), flags, opts.as_ptr().cast()) };
     check(r).map(|_| ()).map_err(|e| {
         let hint = if e.raw_os_error() == Some(libc::EPERM) { " (mounting needs root: run vdisk as root)" } else { "" };
-        format!("cannot mount FUSE on {}: {e}{hint}", path.display())
+        Error::other(format!("cannot mount FUSE on {}: {e}{hint}", path.display()))
     })
 }
 

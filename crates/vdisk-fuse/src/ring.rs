@@ -22,6 +22,7 @@ use io_uring::{cqueue, opcode, squeue::Entry128, types, IoUring};
 use vdisk_engine::wake::EventFd;
 use vdisk_engine::{Buf, Op, Request, Sink};
 
+use crate::error::{Error, ErrorKind};
 use crate::proto::{self, Wire};
 use crate::ring_entry::{self, Header};
 use crate::session::{Action, ReplyBody, Session, MAX_IO};
@@ -343,17 +344,20 @@ pub fn queue_count() -> usize {
 }
 
 /// Why the ring transport cannot run here, if it cannot: one line with the fix.
-pub fn check_enabled() -> Result<(), String> {
+pub fn check_enabled() -> Result<(), Error> {
     const PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
     match std::fs::read_to_string(PARAM) {
         Ok(v) if v.trim() == "Y" || v.trim() == "1" => Ok(()),
-        Ok(_) => Err(format!(
-            "--fuse-uring: FUSE-over-io_uring is off ({PARAM} is N); turn it on with: \
-             echo Y > {PARAM} (as root)"
+        Ok(_) => Err(Error::new(
+            ErrorKind::RingOff,
+            format!("FUSE-over-io_uring is off ({PARAM} is N); turn it on with: echo Y > {PARAM} (as root)"),
         )),
-        Err(_) => Err(format!(
-            "--fuse-uring: this kernel has no FUSE-over-io_uring ({PARAM} is missing; needs Linux 6.14+ built \
-             with CONFIG_FUSE_IO_URING, then echo Y > {PARAM} (as root)); use --fuse without --fuse-uring"
+        Err(_) => Err(Error::new(
+            ErrorKind::RingMissing,
+            format!(
+                "this kernel has no FUSE-over-io_uring ({PARAM} is missing; needs Linux 6.14+ built \
+                 with CONFIG_FUSE_IO_URING, then echo Y > {PARAM} (as root))"
+            ),
         )),
     }
 }

@@ -1,10 +1,15 @@
 //! The one error type of vdisk. Every layer returns it; each export maps its
 //! [`ErrorKind`] to its own wire code (NBD errno, virtio status, FUSE errno).
-//! A message says what failed, where (path, offset) and, when the user can do
-//! something about it, what to do.
+//! A message says what failed and where (path, offset). What the user can do
+//! about it is an [`Advice`], which the binary words in its own terms (its
+//! command-line flags): a library never names a flag.
+//!
+//! An error can be cloned with its OS error kept (shared), so when one merged
+//! call fails, each request in it reports the real errno.
 
 use std::fmt;
 use std::io;
+use std::sync::Arc;
 
 /// What kind of failure this is; the edge maps it to the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,19 +30,41 @@ pub enum ErrorKind {
     Io,
 }
 
-/// An error with its kind, a message for people and, where there was one, the OS error.
-#[derive(Debug)]
+/// What the user can do about an error; the binary says how (which flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Advice {
+    /// The path is not an image: create one.
+    CreateImage,
+    /// The image cannot be opened for writing: serve it read-only.
+    ReadOnly,
+    /// The file system cannot do direct I/O: serve without it.
+    NoDirectIo,
+    /// The backing file of an overlay is not found or not certain: name it.
+    NameBacking,
+    /// The backing file's mtime differs from the overlay's header: if it holds
+    /// the same data, ignore the mtime; else name the right file.
+    IgnoreBackingMtime,
+    /// A Ceph cluster cannot be reached or configured: name its configuration
+    /// file and client id.
+    CephConfig,
+}
+
+/// An error with its kind, a message for people, what they can do about it
+/// and, where there was one, the OS error.
+#[derive(Debug, Clone)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
-    source: Option<io::Error>,
+    advice: Option<Advice>,
+    source: Option<Arc<io::Error>>,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into(), source: None }
+        Error { kind, message: message.into(), advice: None, source: None }
     }
 
     /// Wraps an OS error, classifying it by errno, with a message that says where it happened.
@@ -54,7 +81,22 @@ impl Error {
                 _ => ErrorKind::Io,
             },
         };
-        Error { kind, message: message.into(), source: Some(source) }
+        Error { kind, message: message.into(), advice: None, source: Some(Arc::new(source)) }
+    }
+
+    /// The same error, with what the user can do about it.
+    pub fn advise(mut self, advice: Advice) -> Self {
+        self.advice = Some(advice);
+        self
+    }
+
+    pub fn advice(&self) -> Option<Advice> {
+        self.advice
+    }
+
+    /// The OS error number, if an OS error caused this.
+    pub fn os_error(&self) -> Option<i32> {
+        self.source.as_ref().and_then(|s| s.raw_os_error())
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -94,7 +136,7 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_ref().map(|e| e as _)
+        self.source.as_ref().map(|e| &**e as _)
     }
 }
 
@@ -108,7 +150,9 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::NoSpace);
         assert_eq!(e.errno(), libc::ENOSPC);
         assert!(e.to_string().starts_with("write disk.img at 4096: "));
-        let e = Error::io(io::Error::from_raw_os_error(libc::EIO), "x");
+        let e = Error::io(io::Error::from_raw_os_error(libc::EIO), "x").advise(Advice::ReadOnly);
         assert_eq!(e.errno(), libc::EIO);
+        let c = e.clone();
+        assert_eq!((c.os_error(), c.advice(), c.to_string()), (Some(libc::EIO), Some(Advice::ReadOnly), e.to_string()));
     }
 }

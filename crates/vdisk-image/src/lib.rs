@@ -15,7 +15,7 @@ use std::fs::File;
 use std::path::Path;
 
 pub use cow::CowImage;
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Advice, Error, ErrorKind, Result};
 pub use raw::RawImage;
 pub use rbd::RbdImage;
 

@@ -7,7 +7,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::{io, io::Seek};
 
-use crate::{Allocation, Error, ErrorKind, Extent, Image, Result};
+use crate::{Advice, Allocation, Error, ErrorKind, Extent, Image, Result};
 
 pub struct RawImage {
     path: PathBuf,
@@ -25,18 +25,20 @@ impl RawImage {
         let meta =
             std::fs::metadata(path).map_err(|e| Error::io(e, format!("cannot open image {}", path.display())))?;
         if meta.is_dir() {
-            return Err(Error::invalid(format!(
-                "{} is a directory, not a disk image (create one with `vdisk create IMAGE --size 10G`)",
-                path.display()
-            )));
+            return Err(Error::invalid(format!("{} is a directory, not a disk image", path.display()))
+                .advise(Advice::CreateImage));
         }
         if !meta.is_file() && !meta.file_type().is_block_device() {
             return Err(Error::invalid(format!("{} is neither a regular file nor a block device", path.display())));
         }
         let mut file =
             OpenOptions::new().read(true).write(!read_only).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| {
-                let hint = if read_only { "" } else { " (try --readonly)" };
-                Error::io(e, format!("cannot open image {}{hint}", path.display()))
+                let e = Error::io(e, format!("cannot open image {}", path.display()));
+                if read_only {
+                    e
+                } else {
+                    e.advise(Advice::ReadOnly)
+                }
             })?;
         // A block device reports length 0 in its metadata; its end is its size.
         let size = file
@@ -81,14 +83,7 @@ impl RawImage {
             .write(!self.read_only)
             .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
             .open(&self.path)
-            .map_err(|e| {
-                let why = if e.raw_os_error() == Some(libc::EINVAL) {
-                    "its file system does not support O_DIRECT; serve it without --direct".to_owned()
-                } else {
-                    e.to_string()
-                };
-                Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", self.path.display()))
-            })?;
+            .map_err(|e| direct_io_error(&self.path, e))?;
         self.direct = vec![file];
         Ok(self)
     }
@@ -211,6 +206,17 @@ pub(crate) fn seek_allocation(
         pos = hole;
     }
     Ok(())
+}
+
+/// Why a file cannot be opened with O_DIRECT (EINVAL: its file system cannot).
+pub(crate) fn direct_io_error(path: &Path, e: io::Error) -> Error {
+    if e.raw_os_error() == Some(libc::EINVAL) {
+        let why = "its file system does not support O_DIRECT";
+        Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", path.display()))
+            .advise(Advice::NoDirectIo)
+    } else {
+        Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {e}", path.display()))
+    }
 }
 
 #[cfg(test)]

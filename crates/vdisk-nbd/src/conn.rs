@@ -156,71 +156,10 @@ impl Reader<'_> {
     }
 
     fn run(&mut self) -> io::Result<()> {
-        let (size, read_only) = (self.device.size(), self.device.read_only());
         let mut rbuf = vec![0u8; READ_BUFFER];
         let (mut start, mut end) = (0usize, 0usize);
         loop {
-            let mut stop = false;
-            while end - start >= REQUEST_HEADER {
-                let h = RequestHeader::parse(rbuf[start..start + REQUEST_HEADER].try_into().unwrap());
-                if h.magic != REQUEST_MAGIC {
-                    self.submit();
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("bad request magic {:#x}", h.magic),
-                    ));
-                }
-                if h.kind == CMD_DISC {
-                    stop = true;
-                    break;
-                }
-                let payload = h.payload_len();
-                let avail = end - start - REQUEST_HEADER;
-                if payload > avail && payload <= DIRECT_PAYLOAD {
-                    break; // the rest of this request is still on its way
-                }
-                start += REQUEST_HEADER;
-                let verdict = validate(&h, self.neg, size, read_only);
-                // The payload: from the buffer, or straight off the socket when large.
-                let mut data = Buf::new();
-                let from_buf = payload.min(avail);
-                if verdict.is_ok() && payload > 0 {
-                    // Every byte is about to be overwritten: a pooled buffer needs no zeroing.
-                    data = Buf::for_io(payload);
-                    data[..from_buf].copy_from_slice(&rbuf[start..start + from_buf]);
-                }
-                start += from_buf;
-                if payload > from_buf {
-                    let rest = payload - from_buf;
-                    let got = if verdict.is_ok() {
-                        read_full(&mut self.stream, &mut data[from_buf..])?
-                    } else {
-                        io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize
-                    };
-                    if got < rest {
-                        stop = true;
-                        break; // the client left mid-payload: nothing to answer
-                    }
-                }
-                let v = match verdict {
-                    Ok(v) => v,
-                    Err(errno) => {
-                        self.charge(REQUEST_OVERHEAD);
-                        self.outbox.deliver(vec![refusal(self.neg.structured, h.kind, h.cookie, errno)]);
-                        continue;
-                    }
-                };
-                let mut req = Request::new(v.op, h.offset, h.len as u64, h.cookie);
-                req.buf = data;
-                if v.dont_fragment {
-                    self.outbox.dont_fragment(h.cookie);
-                }
-                self.charge(cost(v.op, req.len));
-                self.batch.push(req);
-                if !self.batching {
-                    self.submit();
-                }
-            }
+            let stop = self.take_requests(&rbuf[..end], &mut start)?;
             self.submit();
             if stop {
                 return Ok(());
@@ -234,6 +173,84 @@ impl Reader<'_> {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Takes every complete request in `buf` from `*start` on (a large
+    /// payload is read straight off the socket), moving `*start` past them.
+    /// True when the connection ends: DISC, or the client left mid-payload.
+    fn take_requests(&mut self, buf: &[u8], start: &mut usize) -> io::Result<bool> {
+        let (size, read_only) = (self.device.size(), self.device.read_only());
+        while buf.len() - *start >= REQUEST_HEADER {
+            let h = RequestHeader::parse(buf[*start..*start + REQUEST_HEADER].try_into().unwrap());
+            if h.magic != REQUEST_MAGIC {
+                self.submit();
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {:#x}", h.magic)));
+            }
+            if h.kind == CMD_DISC {
+                return Ok(true);
+            }
+            let payload = h.payload_len();
+            let avail = buf.len() - *start - REQUEST_HEADER;
+            if payload > avail && payload <= DIRECT_PAYLOAD {
+                break; // the rest of this request is still on its way
+            }
+            *start += REQUEST_HEADER;
+            let verdict = validate(&h, self.neg, size, read_only);
+            let from_buf = payload.min(avail);
+            let data = self.payload(verdict.is_ok(), payload, &buf[*start..*start + from_buf])?;
+            *start += from_buf;
+            let Some(data) = data else {
+                return Ok(true); // the client left mid-payload: nothing to answer
+            };
+            self.accept(&h, verdict, data);
+        }
+        Ok(false)
+    }
+
+    /// A request's payload of `len` bytes: `have` (from the read buffer), the
+    /// rest straight off the socket; a refused request's is read and dropped
+    /// (empty). None when the client left before all of it came.
+    fn payload(&mut self, keep: bool, len: usize, have: &[u8]) -> io::Result<Option<Buf>> {
+        let mut data = Buf::new();
+        if keep && len > 0 {
+            // Every byte is about to be overwritten: a pooled buffer needs no zeroing.
+            data = Buf::for_io(len);
+            data[..have.len()].copy_from_slice(have);
+        }
+        if len > have.len() {
+            let rest = len - have.len();
+            let got = if keep {
+                read_full(&mut self.stream, &mut data[have.len()..])?
+            } else {
+                io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize
+            };
+            if got < rest {
+                return Ok(None);
+            }
+        }
+        Ok(Some(data))
+    }
+
+    /// Answers a request the edge refused, or adds it to the batch.
+    fn accept(&mut self, h: &RequestHeader, verdict: Result<Valid, u32>, data: Buf) {
+        let v = match verdict {
+            Ok(v) => v,
+            Err(errno) => {
+                self.charge(REQUEST_OVERHEAD);
+                self.outbox.deliver(vec![refusal(self.neg.structured, h.kind, h.cookie, errno)]);
+                return;
+            }
+        };
+        let mut req = Request::new(v.op, h.offset, h.len as u64, h.cookie);
+        req.buf = data;
+        if v.dont_fragment {
+            self.outbox.dont_fragment(h.cookie);
+        }
+        self.charge(cost(v.op, req.len));
+        self.batch.push(req);
+        if !self.batching {
+            self.submit();
         }
     }
 }

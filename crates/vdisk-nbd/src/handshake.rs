@@ -187,7 +187,7 @@ impl<S: Transport> Haggle<'_, S> {
             }
             OPT_LIST => {
                 if !self.policy.list {
-                    self.reply(opt, REP_ERR_POLICY, b"this server does not list its exports (--no-list)")?;
+                    self.reply(opt, REP_ERR_POLICY, b"this server does not list its exports")?;
                     return Ok(None);
                 }
                 if !data.is_empty() {
@@ -226,7 +226,7 @@ impl<S: Transport> Haggle<'_, S> {
 
     fn start_tls(&mut self, data: &[u8]) -> Result<(), HandshakeEnd> {
         let Some(tls) = self.policy.tls.clone() else {
-            self.reply(OPT_STARTTLS, REP_ERR_POLICY, b"TLS is not enabled on this server (vdisk serve --tls=on)")?;
+            self.reply(OPT_STARTTLS, REP_ERR_POLICY, b"TLS is not enabled on this server")?;
             return Ok(());
         };
         if self.tls_up {

@@ -200,7 +200,7 @@ impl Server {
     fn spawn_connection(self: &Arc<Self>, stream: Stream) {
         if let Some(max) = self.options.max_connections {
             if self.connections() >= max {
-                log::warn!("{}: refused: already {max} clients (--max-connections)", stream.peer());
+                log::warn!("{}: refused: already {max} clients, the most allowed", stream.peer());
                 return;
             }
         }

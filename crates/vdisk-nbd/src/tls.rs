@@ -197,7 +197,7 @@ impl Tls {
     pub fn psk(_mode: TlsMode, file: &Path) -> Result<Tls, String> {
         Err(format!(
             "{}: this vdisk was built without pre-shared keys; rebuild with `cargo build --release --features psk` \
-             (needs libssl-dev and pkg-config), or use X.509 certificates (--tls-certificates DIR)",
+             (needs libssl-dev and pkg-config), or use X.509 certificates",
             file.display()
         ))
     }

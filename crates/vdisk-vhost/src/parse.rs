@@ -59,121 +59,147 @@ pub struct Parsed {
     pub action: Action,
 }
 
-/// Judges one chain. Never fails: a malformed chain is an `Answer`.
+/// Judges one chain. Never fails: a malformed chain is an `Answer`. The walk
+/// over the descriptors ([`Streams::walk`]) is separate from the decoding of
+/// each request type, as virtio-queue's `Reader`/`Writer` separate them.
 pub fn parse<M>(chain: DescriptorChain<M>, limits: &Limits) -> Parsed
 where
     M: Deref + Clone,
     M::Target: GuestMemory,
 {
     let head = chain.head_index();
-    let mem = chain.memory();
-    let (mut readable, mut writable): (Vec<Seg>, Vec<Seg>) = (Vec::new(), Vec::new());
-    let (mut misordered, mut outside) = (false, false);
-    // Whether the chain's last non-empty descriptor is writable and in guest memory:
-    // only then does its last byte hold the status.
-    let mut status_ok = false;
-    for d in chain.clone() {
-        if d.len() == 0 {
-            continue;
+    let streams = Streams::walk(&chain);
+    let status = streams.status;
+    let action = decode(chain.memory(), streams, limits).unwrap_or_else(Action::Answer);
+    Parsed { head, status, action }
+}
+
+/// A chain's bytes as the device sees them: the device-readable descriptors
+/// in order, the device-writable ones in order (without the status byte), and
+/// where the status byte goes.
+struct Streams {
+    readable: Vec<Seg>,
+    writable: Vec<Seg>,
+    status: Option<GuestAddress>,
+    /// Readable after writable, or a descriptor outside guest memory.
+    malformed: bool,
+}
+
+impl Streams {
+    fn walk<M>(chain: &DescriptorChain<M>) -> Streams
+    where
+        M: Deref + Clone,
+        M::Target: GuestMemory,
+    {
+        let mem = chain.memory();
+        let mut s = Streams { readable: Vec::new(), writable: Vec::new(), status: None, malformed: false };
+        // Whether the chain's last non-empty descriptor is writable and in guest memory:
+        // only then does its last byte hold the status.
+        let mut status_ok = false;
+        for d in chain.clone() {
+            if d.len() == 0 {
+                continue;
+            }
+            let access = if d.is_write_only() { Permissions::Write } else { Permissions::Read };
+            status_ok = false;
+            if !mem.check_range(d.addr(), d.len() as usize, access) {
+                s.malformed = true;
+                continue;
+            }
+            if d.is_write_only() {
+                s.writable.push((d.addr(), d.len()));
+                status_ok = true;
+            } else {
+                s.malformed |= !s.writable.is_empty();
+                s.readable.push((d.addr(), d.len()));
+            }
         }
-        let access = if d.is_write_only() { Permissions::Write } else { Permissions::Read };
-        status_ok = false;
-        if !mem.check_range(d.addr(), d.len() as usize, access) {
-            outside = true;
-            continue;
-        }
-        if d.is_write_only() {
-            writable.push((d.addr(), d.len()));
-            status_ok = true;
-        } else {
-            misordered |= !writable.is_empty();
-            readable.push((d.addr(), d.len()));
-        }
-    }
-    // The status byte: the last byte of the last descriptor.
-    let status = match writable.last_mut() {
-        Some((addr, len)) if status_ok => {
-            let at = addr.unchecked_add(u64::from(*len) - 1);
+        // The status byte: the last byte of the last descriptor.
+        if let Some((addr, len)) = s.writable.last_mut().filter(|_| status_ok) {
+            s.status = Some(addr.unchecked_add(u64::from(*len) - 1));
             *len -= 1;
             if *len == 0 {
-                writable.pop();
+                s.writable.pop();
             }
-            Some(at)
         }
-        _ => None,
-    };
-    let answer = |s| Parsed { head, status, action: Action::Answer(s) };
-    if status.is_none() || misordered || outside {
-        return answer(S_IOERR);
+        s
+    }
+}
+
+/// The action of a walked chain, or the status to answer at once.
+fn decode<M: GuestMemory + ?Sized>(mem: &M, streams: Streams, limits: &Limits) -> Result<Action, u8> {
+    if streams.status.is_none() || streams.malformed {
+        return Err(S_IOERR);
     }
     let mut header = [0u8; HEADER];
-    let Some(data_out) = gather(mem, &readable, &mut header) else {
-        return answer(S_IOERR);
-    };
+    let data_out = gather(mem, &streams.readable, &mut header).ok_or(S_IOERR)?;
     let kind = u32::from_le_bytes(header[0..4].try_into().unwrap());
     let sector = u64::from_le_bytes(header[8..16].try_into().unwrap());
-    let fua = !limits.writeback;
-    let action = match kind {
+    match kind {
         VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
-            let write = kind == VIRTIO_BLK_T_OUT;
-            // Data the wrong way round (write data in writable buffers or the reverse).
-            let (segs, stray) = if write { (data_out, writable) } else { (writable, data_out) };
-            let stray = total(&stray);
-            let len = total(&segs);
-            if stray != 0 || !len.is_multiple_of(SECTOR) || (write && limits.read_only) {
-                return answer(S_IOERR);
-            }
-            let Some(offset) = in_range(sector, len, limits.size) else { return answer(S_IOERR) };
-            if len == 0 {
-                return answer(S_OK);
-            }
-            let op = if write { Op::Write { fua } } else { Op::Read };
-            Action::Io { op, offset, len, segs }
+            decode_rw(kind == VIRTIO_BLK_T_OUT, sector, data_out, streams.writable, limits)
         }
-        VIRTIO_BLK_T_FLUSH => Action::Io { op: Op::Flush, offset: 0, len: 0, segs: vec![] },
-        VIRTIO_BLK_T_GET_ID => {
-            if total(&writable) == 0 {
-                return answer(S_IOERR);
-            }
-            Action::GetId { segs: writable }
-        }
+        VIRTIO_BLK_T_FLUSH => Ok(Action::Io { op: Op::Flush, offset: 0, len: 0, segs: vec![] }),
+        VIRTIO_BLK_T_GET_ID if total(&streams.writable) == 0 => Err(S_IOERR),
+        VIRTIO_BLK_T_GET_ID => Ok(Action::GetId { segs: streams.writable }),
         VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
-            let discard = kind == VIRTIO_BLK_T_DISCARD;
-            let bytes = total(&data_out);
-            let ranges = bytes / RANGE as u64;
-            if bytes == 0 || !bytes.is_multiple_of(RANGE as u64) {
-                return answer(S_IOERR);
-            }
-            if ranges > u64::from(MAX_DISCARD_SEG) {
-                return answer(S_UNSUPP);
-            }
-            let mut range = [0u8; RANGE];
-            if gather(mem, &data_out, &mut range).is_none() {
-                return answer(S_IOERR);
-            }
-            let start = u64::from_le_bytes(range[0..8].try_into().unwrap());
-            let sectors = u32::from_le_bytes(range[8..12].try_into().unwrap());
-            let rflags = u32::from_le_bytes(range[12..16].try_into().unwrap());
-            let allowed = if discard { 0 } else { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP };
-            if rflags & !allowed != 0 {
-                return answer(S_UNSUPP);
-            }
-            if limits.read_only || sectors > MAX_DISCARD_SECTORS {
-                return answer(S_IOERR);
-            }
-            let len = u64::from(sectors) * SECTOR;
-            let Some(offset) = in_range(start, len, limits.size) else { return answer(S_IOERR) };
-            if len == 0 {
-                return answer(S_OK);
-            }
-            let unmap = rflags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
-            let op =
-                if discard { Op::Trim { fua } } else { Op::WriteZeroes { fua, no_hole: !unmap, fast_zero: false } };
-            Action::Io { op, offset, len, segs: vec![] }
+            decode_discard(mem, kind == VIRTIO_BLK_T_DISCARD, &data_out, limits)
         }
-        _ => return answer(S_UNSUPP),
-    };
-    Parsed { head, status, action }
+        _ => Err(S_UNSUPP),
+    }
+}
+
+/// IN / OUT: the data is the writable (read) or readable (write) stream after the header.
+fn decode_rw(write: bool, sector: u64, data_out: Vec<Seg>, writable: Vec<Seg>, limits: &Limits) -> Result<Action, u8> {
+    // Data the wrong way round (write data in writable buffers or the reverse).
+    let (segs, stray) = if write { (data_out, writable) } else { (writable, data_out) };
+    let len = total(&segs);
+    if total(&stray) != 0 || !len.is_multiple_of(SECTOR) || (write && limits.read_only) {
+        return Err(S_IOERR);
+    }
+    let offset = in_range(sector, len, limits.size).ok_or(S_IOERR)?;
+    if len == 0 {
+        return Err(S_OK);
+    }
+    let op = if write { Op::Write { fua: !limits.writeback } } else { Op::Read };
+    Ok(Action::Io { op, offset, len, segs })
+}
+
+/// DISCARD / WRITE_ZEROES: one range after the header.
+fn decode_discard<M: GuestMemory + ?Sized>(
+    mem: &M,
+    discard: bool,
+    data_out: &[Seg],
+    limits: &Limits,
+) -> Result<Action, u8> {
+    let bytes = total(data_out);
+    if bytes == 0 || !bytes.is_multiple_of(RANGE as u64) {
+        return Err(S_IOERR);
+    }
+    if bytes / RANGE as u64 > u64::from(MAX_DISCARD_SEG) {
+        return Err(S_UNSUPP);
+    }
+    let mut range = [0u8; RANGE];
+    gather(mem, data_out, &mut range).ok_or(S_IOERR)?;
+    let start = u64::from_le_bytes(range[0..8].try_into().unwrap());
+    let sectors = u32::from_le_bytes(range[8..12].try_into().unwrap());
+    let rflags = u32::from_le_bytes(range[12..16].try_into().unwrap());
+    let allowed = if discard { 0 } else { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP };
+    if rflags & !allowed != 0 {
+        return Err(S_UNSUPP);
+    }
+    if limits.read_only || sectors > MAX_DISCARD_SECTORS {
+        return Err(S_IOERR);
+    }
+    let len = u64::from(sectors) * SECTOR;
+    let offset = in_range(start, len, limits.size).ok_or(S_IOERR)?;
+    if len == 0 {
+        return Err(S_OK);
+    }
+    let fua = !limits.writeback;
+    let unmap = rflags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+    let op = if discard { Op::Trim { fua } } else { Op::WriteZeroes { fua, no_hole: !unmap, fast_zero: false } };
+    Ok(Action::Io { op, offset, len, segs: vec![] })
 }
 
 fn total(segs: &[Seg]) -> u64 {

@@ -345,7 +345,6 @@ fn random_chains_never_panic_and_always_come_back() {
         VIRTIO_BLK_T_WRITE_ZEROES,
         7,
     ];
-    let lens = [0u32, 1, 8, 16, 17, 512, 1000, 1024, 4096, 65536];
     let mut offered = 0u16;
     let mut answered = [0usize; 3];
     for _round in 0..300 {
@@ -360,41 +359,7 @@ fn random_chains_never_panic_and_always_come_back() {
         let mem = rig.mem();
         // Chains of four (header, two data, status) with each field sometimes garbled.
         for i in 0..QSIZE {
-            let pos = i % 4;
-            let write_data = rand(2) == 0;
-            let (mut addr, mut len, mut write, mut next) = match pos {
-                0 => (HDRS + 16 * rand(32), 16, false, true),
-                1 | 2 => (DATA + 512 * rand(1024), 512 * (1 + rand(8) as u32), write_data, true),
-                _ => (STATUS + u64::from(i), 1, true, false),
-            };
-            if rand(8) == 0 {
-                addr = match rand(3) {
-                    0 => HDRS + 0x1000 + rand(240),
-                    1 => MEM as u64 - rand(1024),
-                    _ => rand(MEM as u64 + 0x10000),
-                };
-            }
-            if rand(8) == 0 {
-                len = if rand(4) == 0 { rand(1 << 20) as u32 } else { lens[rand(lens.len() as u64) as usize] };
-            }
-            if rand(8) == 0 {
-                write = !write;
-            }
-            if rand(10) == 0 {
-                next = !next;
-            }
-            let mut flags = 0u16;
-            if next {
-                flags |= VRING_DESC_F_NEXT as u16;
-            }
-            if write {
-                flags |= VRING_DESC_F_WRITE as u16;
-            }
-            if rand(40) == 0 {
-                flags |= virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
-            }
-            let to = if rand(10) == 0 { rand(QSIZE as u64 + 4) as u16 } else { i + 1 };
-            let d = Descriptor::new(addr, len, flags, to);
+            let d = random_descriptor(i, &mut rand);
             mem.write_obj(RawDescriptor::from(d), GuestAddress(u64::from(i) * 16)).unwrap();
         }
         drop(mem);
@@ -423,4 +388,46 @@ fn random_chains_never_panic_and_always_come_back() {
     }
     eprintln!("random chains: {answered:?} (no status, status only, data + status)");
     assert!(answered.iter().all(|&n| n > 0), "each kind of outcome happened: {answered:?}");
+}
+
+/// Descriptor `i` of a table of four-descriptor chains (header, two data,
+/// status), each field sometimes garbled: addresses in and out of guest
+/// memory, odd lengths, flipped directions, NEXT, INDIRECT, loops.
+fn random_descriptor(i: u16, rand: &mut impl FnMut(u64) -> u64) -> Descriptor {
+    let lens = [0u32, 1, 8, 16, 17, 512, 1000, 1024, 4096, 65536];
+    let pos = i % 4;
+    let write_data = rand(2) == 0;
+    let (mut addr, mut len, mut write, mut next) = match pos {
+        0 => (HDRS + 16 * rand(32), 16, false, true),
+        1 | 2 => (DATA + 512 * rand(1024), 512 * (1 + rand(8) as u32), write_data, true),
+        _ => (STATUS + u64::from(i), 1, true, false),
+    };
+    if rand(8) == 0 {
+        addr = match rand(3) {
+            0 => HDRS + 0x1000 + rand(240),
+            1 => MEM as u64 - rand(1024),
+            _ => rand(MEM as u64 + 0x10000),
+        };
+    }
+    if rand(8) == 0 {
+        len = if rand(4) == 0 { rand(1 << 20) as u32 } else { lens[rand(lens.len() as u64) as usize] };
+    }
+    if rand(8) == 0 {
+        write = !write;
+    }
+    if rand(10) == 0 {
+        next = !next;
+    }
+    let mut flags = 0u16;
+    if next {
+        flags |= VRING_DESC_F_NEXT as u16;
+    }
+    if write {
+        flags |= VRING_DESC_F_WRITE as u16;
+    }
+    if rand(40) == 0 {
+        flags |= virtio_bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+    }
+    let to = if rand(10) == 0 { rand(QSIZE as u64 + 4) as u16 } else { i + 1 };
+    Descriptor::new(addr, len, flags, to)
 }

@@ -71,7 +71,7 @@ pub fn open(
         FormatArg::Raw => false,
         FormatArg::Cow => true,
     };
-    let direct_err = |e: vdisk_image::Error| Failure::usage(e.to_string());
+    let direct_err = |e: vdisk_image::Error| Failure::usage(crate::advised(&e));
     if !cow {
         if backing.backing.is_some() || backing.ignore_backing_mtime {
             return Err(Failure::usage(format!(

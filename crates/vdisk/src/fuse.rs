@@ -16,7 +16,7 @@ pub fn start(
     banner: &mut Vec<String>,
 ) -> Result<Box<dyn Frontend>, Failure> {
     let opts = Options { uring, ..Default::default() };
-    let mut export = vdisk_fuse::start(path, device.clone(), &opts).map_err(Failure::usage)?;
+    let mut export = vdisk_fuse::start(path, device.clone(), &opts).map_err(|e| Failure::usage(advised(&e)))?;
     banner.append(&mut export.notes);
     let mode = if device.read_only() { "read-only" } else { "read-write" };
     banner.push(format!(
@@ -34,6 +34,18 @@ struct Fuse(FuseExport);
 
 impl Frontend for Fuse {
     fn stop(self: Box<Self>) -> Result<(), String> {
-        self.0.stop()
+        self.0.stop().map_err(|e| advised(&e))
+    }
+}
+
+/// A FUSE error in the terms of this command line.
+fn advised(e: &vdisk_fuse::Error) -> String {
+    use vdisk_fuse::ErrorKind::*;
+    match e.kind() {
+        File => format!("--fuse {e}"),
+        Ring => format!("--fuse-uring {e}"),
+        RingOff => format!("--fuse-uring: {e}"),
+        RingMissing => format!("--fuse-uring: {e}; use --fuse without --fuse-uring"),
+        Other => e.to_string(),
     }
 }

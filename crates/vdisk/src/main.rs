@@ -88,8 +88,25 @@ impl From<vdisk_image::Error> for Failure {
     fn from(e: vdisk_image::Error) -> Self {
         use vdisk_image::ErrorKind::*;
         match e.kind() {
-            InvalidInput | NotFound | ReadOnly | Corrupt => Failure::usage(e.to_string()),
-            _ => Failure::runtime(e.to_string()),
+            InvalidInput | NotFound | ReadOnly | Corrupt => Failure::usage(advised(&e)),
+            _ => Failure::runtime(advised(&e)),
         }
     }
+}
+
+/// An image error's message with its advice in the terms of this command line.
+pub fn advised(e: &vdisk_image::Error) -> String {
+    use vdisk_image::Advice::*;
+    let advice = match e.advice() {
+        Some(CreateImage) => " (create one with `vdisk create IMAGE --size 10G`)",
+        Some(ReadOnly) => " (try --readonly)",
+        Some(NoDirectIo) => "; serve it without --direct",
+        Some(NameBacking) => "; name the backing file with --backing PATH",
+        Some(IgnoreBackingMtime) => {
+            "; if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH"
+        }
+        Some(CephConfig) => "; name the Ceph configuration with --ceph-conf PATH (or :conf=PATH) and the client with --ceph-id NAME (or :id=NAME)",
+        Some(_) | None => "",
+    };
+    format!("{e}{advice}")
 }

@@ -4,7 +4,8 @@
 mod common;
 
 use common::{
-    assert_same, create_image, json, nbdsh, output, qemu_io, read_file, run, text, Server, TempDir, ENGINES, KIB, MIB,
+    assert_same, create_image, free_port, json, nbdsh, output, qemu_io, read_file, run, text, xorshift, Server,
+    TempDir, ENGINES, KIB, MIB,
 };
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -25,10 +26,7 @@ fn test_data(len: usize, seed: u64) -> Vec<u8> {
             continue;
         }
         for b in chunk.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = (x >> 24) as u8;
+            *b = (xorshift(&mut x) >> 24) as u8;
         }
     }
     let tail = len.saturating_sub(MIB);
@@ -55,10 +53,6 @@ fn image(dir: &TempDir, name: &str, size: &str) -> String {
     let p = dir.path(name);
     create_image(&p, size);
     p.to_str().unwrap().to_owned()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[test]

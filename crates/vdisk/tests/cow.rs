@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    assert_same, nbdsh, qemu_io, read_file, run, text, vdisk, vdisk_bounded, Server, TempDir, ENGINES, KIB, MIB,
+    assert_same, nbdsh, qemu_io, read_file, run, text, vdisk, vdisk_bounded, xorshift, Server, TempDir, ENGINES, KIB,
+    MIB,
 };
 use std::io::Read;
 use std::path::Path;
@@ -27,10 +28,7 @@ fn base_data(len: usize, seed: u64) -> Vec<u8> {
             continue;
         }
         for b in chunk.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = (x >> 24) as u8;
+            *b = (xorshift(&mut x) >> 24) as u8;
         }
     }
     v

@@ -17,7 +17,8 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
 
 use common::{
-    assert_same, create_image, output, qemu_io, read_file, run, text, vdisk_bounded, Server, TempDir, KIB, MIB,
+    assert_same, create_image, output, qemu_io, read_file, run, text, vdisk_bounded, xorshift, Server, TempDir, KIB,
+    MIB,
 };
 
 const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
@@ -98,14 +99,7 @@ impl Drop for UringSwitch {
 /// Deterministic bytes.
 fn noise(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 32) as u8
-        })
-        .collect()
+    (0..len).map(|_| (xorshift(&mut x) >> 32) as u8).collect()
 }
 
 /// A tree of files of many sizes (empty to 6 MiB) in nested directories.

@@ -45,11 +45,12 @@ extern "C" fn stop_cluster() {
 fn cluster() -> &'static Cluster {
     CLUSTER.get_or_init(|| {
         let pid = std::process::id();
-        let dir = std::env::temp_dir().join(format!("vdisk-ceph-{pid}"));
-        // Now and then a daemon of a fresh cluster fails to start on a busy machine:
-        // try again (the rig wipes the directory), on another port.
+        // Now and then the OSD of a fresh cluster fails to register on a busy machine
+        // (its log: "wrong fsid"); a fresh directory and port a moment later works.
         let mut last = None;
-        for attempt in 0..3 {
+        let mut dir = PathBuf::new();
+        for attempt in 0..4u32 {
+            dir = std::env::temp_dir().join(format!("vdisk-ceph-{pid}-{attempt}"));
             let port = (20000 + (pid + attempt * 7919) % 20000).to_string();
             let out = Command::new("bash")
                 .arg("-x")
@@ -64,8 +65,13 @@ fn cluster() -> &'static Cluster {
                 last = None;
                 break;
             }
+            let osd_log = std::fs::read_to_string(dir.join("log/osd.0.log")).unwrap_or_default();
+            let why: Vec<&str> = osd_log.lines().filter(|l| l.contains(" -1 ")).take(3).collect();
+            eprintln!("ceph rig attempt {attempt} failed ({}): {}", out.status, why.join(" | "));
             let _ = Command::new("bash").arg(rig()).arg("stop").arg(&dir).status();
+            let _ = std::fs::remove_dir_all(&dir);
             last = Some(out);
+            std::thread::sleep(Duration::from_secs(3));
         }
         if let Some(out) = last {
             let err = String::from_utf8_lossy(&out.stderr);

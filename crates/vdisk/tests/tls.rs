@@ -118,11 +118,6 @@ fn nbdsh_tls(uri: &str, script: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A TCP port free right now on 127.0.0.1.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 fn nbdinfo(args: &[&str]) -> std::process::Output {
     output("nbdinfo", args)
 }
@@ -395,9 +390,7 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut data = vec![0u8; len];
     let mut x = seed;
     for (i, chunk) in data.chunks_mut(8).enumerate() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        xorshift(&mut x);
         if (i / 8192) % 3 != 0 {
             chunk.copy_from_slice(&x.to_le_bytes());
         }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use super::{parse_header, CowImage, CowMap, Header, OverlayOptions, MAX_HEADER_LEN};
 use crate::rbd::{is_rbd, RbdImage, Spec};
-use crate::{Error, ErrorKind, Image, Result};
+use crate::{Advice, Error, ErrorKind, Image, Result};
 
 pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
     Error::io(e, format!("{what} {}", path.display()))
@@ -83,7 +83,7 @@ pub fn ambiguous_backing(overlay: &Path, written: &Path) -> Option<String> {
     }
     Some(format!(
         "the header of {} names the relative path {}: from the overlay's directory that is {}, from the current \
-         directory another file; name the one you mean with --backing PATH",
+         directory another file",
         overlay.display(),
         written.display(),
         resolved.display()
@@ -114,20 +114,9 @@ impl CowImage {
     }
 
     pub fn open_with(path: &Path, o: &OverlayOptions) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| at(path, e, "cannot open overlay"))?;
-        if meta.is_dir() {
-            return Err(Error::invalid(format!("{} is a directory, not a COW overlay", path.display())));
-        }
         let read_only = o.read_only || o.backing_writable;
-        let overlay = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| at(path, e, "cannot open overlay"))?;
-        lock(&overlay, path, !read_only)?;
+        let (overlay, meta) = open_overlay(path, read_only)?;
         let (header, map) = read_metadata(&overlay, path)?;
-
         let written = header.backing_path();
         let rbd_name = match &o.backing {
             Some(b) => is_rbd(b).then(|| b.clone()),
@@ -136,86 +125,8 @@ impl CowImage {
         if let Some(name) = rbd_name {
             return Self::open_over_rbd(path, overlay, header, map, read_only, &name, o);
         }
-        let backing = match &o.backing {
-            Some(b) => b.clone(),
-            None => resolve_backing(path, written),
-        };
-        let named = if o.backing.is_some() {
-            format!(
-                "{} (given with --backing; the header of {} names {})",
-                backing.display(),
-                path.display(),
-                written.display()
-            )
-        } else if backing.as_path() != written {
-            format!(
-                "{} (the header of {} names {}, relative to the overlay)",
-                backing.display(),
-                path.display(),
-                written.display()
-            )
-        } else {
-            format!("{} (named in the header of {})", backing.display(), path.display())
-        };
-        if o.backing.is_none() {
-            if let Some(why) = ambiguous_backing(path, written) {
-                return Err(Error::invalid(why));
-            }
-        }
-        let bmeta = std::fs::metadata(&backing).map_err(|e| {
-            let hint = if o.backing.is_some() { "" } else { "; if it moved, name it with --backing PATH" };
-            Error::io(e, format!("backing file {named} cannot be opened{hint}"))
-        })?;
-        if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
-            return Err(Error::invalid(format!("backing file {named} is not a regular file or block device")));
-        }
-        if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
-            return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
-        }
-        let bfile = OpenOptions::new()
-            .read(true)
-            .write(o.backing_writable)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&backing)
-            .map_err(|e| Error::io(e, format!("cannot open backing file {named}")))?;
-        lock(&bfile, &backing, o.backing_writable)?;
-        // Checks from here on are on the file opened, not on whatever the path names now.
-        let bmeta = bfile.metadata().map_err(|e| at(&backing, e, "cannot stat backing file"))?;
-        if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
-            return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
-        }
-        let canonical = backing.canonicalize().unwrap_or_else(|_| backing.clone());
-        if canonical != backing {
-            log::info!("backing file {named} resolves to {}", canonical.display());
-        }
-        log::info!(
-            "overlay {}: backing file {} (device {:#x}, inode {}, mtime {})",
-            path.display(),
-            canonical.display(),
-            bmeta.dev(),
-            bmeta.ino(),
-            bmeta.mtime()
-        );
-        let bsize = file_size(&bfile, &backing)?;
-        if bsize != header.size {
-            return Err(Error::invalid(format!(
-                "backing file {} is {bsize} bytes but overlay {} was made over {} bytes: it is not the file \
-                 the overlay was made over (name the right one with --backing PATH)",
-                backing.display(),
-                path.display(),
-                header.size
-            )));
-        }
-        if mtime32(&bmeta) != header.mtime && !o.ignore_mtime {
-            return Err(Error::invalid(format!(
-                "backing file {} was modified after overlay {} was made (mtime {} vs {} in the header); \
-                 if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH",
-                backing.display(),
-                path.display(),
-                mtime32(&bmeta),
-                header.mtime
-            )));
-        }
+        let (bfile, bmeta, backing, canonical) = open_backing(path, &meta, header.backing_path(), o)?;
+        check_backing(path, &header, (&bfile, &bmeta), &backing, o.ignore_mtime)?;
         Ok(CowImage {
             overlay: path.to_owned(),
             // The file really opened, symlinks resolved: what `serve` prints and O_DIRECT reopens.
@@ -248,7 +159,7 @@ impl CowImage {
     ) -> Result<Self> {
         if o.backing_writable {
             return Err(Error::invalid(format!(
-                "the backing of {} is an RBD snapshot, which never changes: merge into a new image with --into NEW",
+                "the backing of {} is an RBD snapshot, which never changes: it cannot take a commit (merge into a new image instead)",
                 path.display()
             )));
         }
@@ -264,11 +175,12 @@ impl CowImage {
         if rbd.size() != header.size {
             return Err(Error::invalid(format!(
                 "backing snapshot {spec} is {} bytes but overlay {} was made over {} bytes: it is not the snapshot \
-                 the overlay was made over (name the right one with --backing rbd:POOL/IMAGE@SNAP)",
+                 the overlay was made over",
                 rbd.size(),
                 path.display(),
                 header.size
-            )));
+            ))
+            .advise(Advice::NameBacking));
         }
         log::info!("overlay {}: backing snapshot {spec}", path.display());
         Ok(CowImage {
@@ -339,20 +251,14 @@ impl CowImage {
                 .write(write)
                 .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
                 .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
-                .map_err(|e| {
-                    let why = if e.raw_os_error() == Some(libc::EINVAL) {
-                        "its file system does not support O_DIRECT; serve it without --direct".to_owned()
-                    } else {
-                        e.to_string()
-                    };
-                    Error::new(ErrorKind::Unsupported, format!("cannot open {} for direct I/O: {why}", path.display()))
-                })
+                .map_err(|e| crate::raw::direct_io_error(path, e))
         };
         if self.rbd_backing.is_some() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("{} is an overlay over an RBD snapshot: serve it without --direct", self.overlay.display()),
-            ));
+                format!("{} is an overlay over an RBD snapshot, which has no direct I/O", self.overlay.display()),
+            )
+            .advise(Advice::NoDirectIo));
         }
         self.direct =
             vec![open(&self.overlay, &self.files[0], !self.read_only)?, open(&self.backing, &self.files[1], false)?];
@@ -435,4 +341,127 @@ fn write_new(overlay: &Path, header: &Header, size: u64) -> Result<()> {
         let _ = std::fs::remove_file(overlay);
     }
     result
+}
+
+/// Opens and locks the overlay file (exclusively unless `read_only`).
+fn open_overlay(path: &Path, read_only: bool) -> Result<(File, std::fs::Metadata)> {
+    let meta = std::fs::metadata(path).map_err(|e| at(path, e, "cannot open overlay"))?;
+    if meta.is_dir() {
+        return Err(Error::invalid(format!("{} is a directory, not a COW overlay", path.display())));
+    }
+    let overlay = OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| at(path, e, "cannot open overlay"))?;
+    lock(&overlay, path, !read_only)?;
+    Ok((overlay, meta))
+}
+
+/// The backing file of the overlay at `path` (whose header names `written`),
+/// described for messages: which file, and who named it.
+fn name_backing(path: &Path, written: &Path, backing: &Path, given: bool) -> String {
+    let (b, p, w) = (backing.display(), path.display(), written.display());
+    if given {
+        format!("{b} (named by the caller; the header of {p} names {w})")
+    } else if backing != written {
+        format!("{b} (the header of {p} names {w}, relative to the overlay)")
+    } else {
+        format!("{b} (named in the header of {p})")
+    }
+}
+
+/// Opens and locks (shared, or exclusive when `o.backing_writable`) the
+/// backing file of the overlay at `path`: the one `o` names, else the one its
+/// header names. Returns it, its metadata, its path and its canonical path.
+fn open_backing(
+    path: &Path,
+    meta: &std::fs::Metadata,
+    written: &Path,
+    o: &OverlayOptions,
+) -> Result<(File, std::fs::Metadata, PathBuf, PathBuf)> {
+    let backing = match &o.backing {
+        Some(b) => b.clone(),
+        None => resolve_backing(path, written),
+    };
+    let named = name_backing(path, written, &backing, o.backing.is_some());
+    if o.backing.is_none() {
+        if let Some(why) = ambiguous_backing(path, written) {
+            return Err(Error::invalid(why).advise(Advice::NameBacking));
+        }
+    }
+    let bmeta = std::fs::metadata(&backing).map_err(|e| {
+        let e = Error::io(e, format!("backing file {named} cannot be opened"));
+        if o.backing.is_some() {
+            e
+        } else {
+            e.advise(Advice::NameBacking)
+        }
+    })?;
+    if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
+        return Err(Error::invalid(format!("backing file {named} is not a regular file or block device")));
+    }
+    let itself = |b: &std::fs::Metadata| b.dev() == meta.dev() && b.ino() == meta.ino();
+    if itself(&bmeta) {
+        return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
+    }
+    let bfile = OpenOptions::new()
+        .read(true)
+        .write(o.backing_writable)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&backing)
+        .map_err(|e| Error::io(e, format!("cannot open backing file {named}")))?;
+    lock(&bfile, &backing, o.backing_writable)?;
+    // Checks from here on are on the file opened, not on whatever the path names now.
+    let bmeta = bfile.metadata().map_err(|e| at(&backing, e, "cannot stat backing file"))?;
+    if itself(&bmeta) {
+        return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
+    }
+    let canonical = backing.canonicalize().unwrap_or_else(|_| backing.clone());
+    if canonical != backing {
+        log::info!("backing file {named} resolves to {}", canonical.display());
+    }
+    log::info!(
+        "overlay {}: backing file {} (device {:#x}, inode {}, mtime {})",
+        path.display(),
+        canonical.display(),
+        bmeta.dev(),
+        bmeta.ino(),
+        bmeta.mtime()
+    );
+    Ok((bfile, bmeta, backing, canonical))
+}
+
+/// Refuses a backing file that is not the one the overlay was made over: its
+/// size differs from the header's, or its mtime does (unless `ignore_mtime`).
+fn check_backing(
+    path: &Path,
+    header: &Header,
+    (bfile, bmeta): (&File, &std::fs::Metadata),
+    backing: &Path,
+    ignore_mtime: bool,
+) -> Result<()> {
+    let bsize = file_size(bfile, backing)?;
+    if bsize != header.size {
+        return Err(Error::invalid(format!(
+            "backing file {} is {bsize} bytes but overlay {} was made over {} bytes: it is not the file \
+             the overlay was made over",
+            backing.display(),
+            path.display(),
+            header.size
+        ))
+        .advise(Advice::NameBacking));
+    }
+    if mtime32(bmeta) != header.mtime && !ignore_mtime {
+        return Err(Error::invalid(format!(
+            "backing file {} was modified after overlay {} was made (mtime {} vs {} in the header)",
+            backing.display(),
+            path.display(),
+            mtime32(bmeta),
+            header.mtime
+        ))
+        .advise(Advice::IgnoreBackingMtime));
+    }
+    Ok(())
 }

@@ -268,10 +268,11 @@ fn allocation_shows_backing_holes() {
     assert!(type_at((3 << 20) + 8192).unwrap().hole, "{st:?}");
 }
 
+/// The error's text, and the advice the binary would word (a library names no flag).
 fn open_err(overlay: &Path) -> String {
     match CowImage::open(overlay, false, None, false) {
         Ok(_) => panic!("{} opened", overlay.display()),
-        Err(e) => e.to_string(),
+        Err(e) => format!("{e} [advice: {:?}]", e.advice()),
     }
 }
 
@@ -305,14 +306,14 @@ fn bad_overlays_are_refused_with_the_file_named() {
     };
     touch(&base, 1_000_000_000);
     let e = open_err(&overlay);
-    assert!(e.contains("modified after") && e.contains(&name) && e.contains("--ignore-backing-mtime"), "{e}");
+    assert!(e.contains("modified after") && e.contains(&name) && e.contains("IgnoreBackingMtime"), "{e}");
     assert!(CowImage::open(&overlay, false, None, true).is_ok());
     std::fs::OpenOptions::new().append(true).open(&base).unwrap().write_all_at(&[0], 1 << 20).unwrap();
     let e = open_err(&overlay);
-    assert!(e.contains("1048577 bytes") && e.contains("--backing"), "{e}");
+    assert!(e.contains("1048577 bytes") && e.contains("NameBacking"), "{e}");
     std::fs::rename(&base, dir.path("moved.img")).unwrap();
     let e = open_err(&overlay);
-    assert!(e.contains("base.img") && e.contains(&name) && e.contains("--backing"), "{e}");
+    assert!(e.contains("base.img") && e.contains(&name) && e.contains("NameBacking"), "{e}");
 
     // --backing names another file; its size still has to match.
     let other = dir.path("other.img");

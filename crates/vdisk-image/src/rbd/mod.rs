@@ -28,7 +28,7 @@ use std::time::Duration;
 
 pub use spec::{ConnectOptions, Spec};
 
-use crate::{Allocation, Error, ErrorKind, Extent, Image, Result};
+use crate::{Advice, Allocation, Error, ErrorKind, Extent, Image, Result};
 use ffi::{lib, CompletionT, ImageT, IoctxT, Lib, RadosT};
 
 /// How long opening an image (connect, pool, image) may take before it is
@@ -92,11 +92,9 @@ impl Conn {
             if !path.is_file() {
                 return Err(Error::new(
                     ErrorKind::NotFound,
-                    format!(
-                        "Ceph configuration {} does not exist (give the right one with --ceph-conf or :conf=)",
-                        path.display()
-                    ),
-                ));
+                    format!("Ceph configuration {} does not exist", path.display()),
+                )
+                .advise(Advice::CephConfig));
             }
         }
         // SAFETY: a live handle; the path is null (librados's own search: $CEPH_CONF,
@@ -111,11 +109,9 @@ impl Conn {
                 .map_or("found in $CEPH_CONF or /etc/ceph/ceph.conf".into(), |p| p.display().to_string());
             return Err(Error::new(
                 ErrorKind::InvalidInput,
-                format!(
-                    "cannot read the Ceph configuration {which}: {} (name one with --ceph-conf PATH or :conf=PATH)",
-                    os_err(rc.into())
-                ),
-            ));
+                format!("cannot read the Ceph configuration {which}: {}", os_err(rc.into())),
+            )
+            .advise(Advice::CephConfig));
         }
         // SAFETY: a live handle; null means CEPH_ARGS.
         unsafe { (lib.rados_conf_parse_env)(conn.rados, std::ptr::null()) };
@@ -142,12 +138,13 @@ impl Conn {
             let hint = if rc == -libc::ETIMEDOUT {
                 "no monitor answered; check `mon host` in the Ceph configuration and that the cluster is up".to_owned()
             } else {
-                "check the Ceph configuration, the client id (--ceph-id or :id=) and its keyring".to_owned()
+                "check the Ceph configuration, the client id and its keyring".to_owned()
             };
             return Err(Error::new(
                 ErrorKind::InvalidInput,
                 format!("cannot connect to the Ceph cluster for {spec}: {e} ({hint})"),
-            ));
+            )
+            .advise(Advice::CephConfig));
         }
         let pool = cstr(&spec.pool, "pool name")?;
         // SAFETY: a connected handle, a NUL-terminated name and a valid out-pointer.
@@ -252,8 +249,8 @@ impl RbdImage {
         if rc < 0 {
             let msg = match (rc, &spec.snap) {
                 (r, None) if r == -libc::ENOENT => format!(
-                    "RBD image {:?} does not exist in pool {:?} (see `rbd ls {}`; make one with `vdisk create {} --size 10G`)",
-                    spec.image, spec.pool, spec.pool, spec
+                    "RBD image {:?} does not exist in pool {:?} (see `rbd ls {}`)",
+                    spec.image, spec.pool, spec.pool
                 ),
                 (r, Some(s)) if r == -libc::ENOENT => format!(
                     "RBD image {}/{} or its snapshot {s:?} does not exist (see `rbd snap ls {}/{}`)",
@@ -262,7 +259,8 @@ impl RbdImage {
                 _ => format!("cannot open RBD image {spec}: {}", os_err(rc.into())),
             };
             let kind = if rc == -libc::ENOENT { ErrorKind::NotFound } else { ErrorKind::Io };
-            return Err(Error::new(kind, msg));
+            let e = Error::new(kind, msg);
+            return Err(if rc == -libc::ENOENT && spec.snap.is_none() { e.advise(Advice::CreateImage) } else { e });
         }
         // From here on a failure closes the image (drop).
         let mut img = RbdImage {

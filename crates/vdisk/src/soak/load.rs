@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use super::check;
-use super::client::{Cmd, Conn, FUA};
+use super::client::{Cmd, Conn, Reply, FUA};
 use super::server::Served;
 use super::Rng;
 
@@ -156,26 +156,9 @@ fn drive(socket: &Path, w: &mut Worker, seed: u64, stop: &AtomicBool, out: &mut 
         }
         while !stopping && conn.in_flight() < DEPTH {
             let Some((cmd, start, n)) = w.pick(&mut rng) else { break };
-            let offset = (w.first + start as u64) * BLOCK as u64;
-            let len = (n * BLOCK) as u32;
-            let mut gen = 0;
-            let r = match cmd {
-                Cmd::Flush => conn.send(cmd, 0, 0, 0, &[]),
-                Cmd::Write => {
-                    w.gen += 1;
-                    gen = w.gen;
-                    for (i, chunk) in payload[..n * BLOCK].chunks_mut(BLOCK).enumerate() {
-                        check::content(w.salt, w.first + (start + i) as u64, gen, chunk);
-                    }
-                    let fua = if rng.below(10) == 0 { FUA } else { 0 };
-                    conn.send(cmd, fua, offset, len, &payload[..n * BLOCK])
-                }
-                _ => conn.send(cmd, 0, offset, len, &[]),
-            };
-            match r {
-                Ok(cookie) => {
-                    w.busy[start..start + n].iter_mut().for_each(|b| *b = true);
-                    inflight.insert(cookie, Sent { cmd, at: Instant::now(), start, n, gen });
+            match send(&mut conn, w, &mut rng, &mut payload, (cmd, start, n)) {
+                Ok((cookie, sent)) => {
+                    inflight.insert(cookie, sent);
                 }
                 Err(e) => return fail(out, format!("{export}: sending {cmd:?}: {e}")),
             }
@@ -194,39 +177,73 @@ fn drive(socket: &Path, w: &mut Worker, seed: u64, stop: &AtomicBool, out: &mut 
             fail(out, format!("{export}: reply to a request never sent"));
             break;
         };
-        let micros = s.at.elapsed().as_micros().max(1) as u64;
-        let idx = COMMANDS.iter().position(|&c| c == s.cmd).unwrap();
-        let _ = out.latency[idx].record(micros);
-        w.busy[s.start..s.start + s.n].iter_mut().for_each(|b| *b = false);
-        if reply.error != 0 {
-            fail(out, format!("{export}: {:?} of {} blocks failed with NBD error {}", s.cmd, s.n, reply.error));
-            continue;
-        }
-        let blocks = s.start..s.start + s.n;
-        match s.cmd {
-            Cmd::Read => {
-                out.bytes += reply.data.len() as u64;
-                if let Err(e) = w.verify(s.start, &reply.data, "read during the load") {
-                    fail(out, e);
-                }
-            }
-            Cmd::Write => {
-                out.bytes += (s.n * BLOCK) as u64;
-                w.want[blocks].iter_mut().for_each(|b| *b = Want::Gen(s.gen));
-            }
-            Cmd::Zero => w.want[blocks].iter_mut().for_each(|b| *b = Want::Gen(0)),
-            Cmd::Trim => w.want[blocks].iter_mut().for_each(|b| {
-                *b = match *b {
-                    Want::Gen(g) | Want::ZeroOr(g) => Want::ZeroOr(g),
-                }
-            }),
-            Cmd::Flush => {}
-        }
+        settle(w, out, &export, s, &reply);
     }
     if let Err(e) = conn.call(Cmd::Flush, 0, 0, 0, &[]) {
         fail(out, format!("{export}: final FLUSH: {e}"));
     }
     conn.disconnect();
+}
+
+/// Sends one request the worker picked (`n` blocks at block `start` of its
+/// region); marks its blocks busy. Returns its cookie and what to check on reply.
+fn send(
+    conn: &mut Conn,
+    w: &mut Worker,
+    rng: &mut Rng,
+    payload: &mut [u8],
+    (cmd, start, n): (Cmd, usize, usize),
+) -> std::io::Result<(u64, Sent)> {
+    let offset = (w.first + start as u64) * BLOCK as u64;
+    let len = (n * BLOCK) as u32;
+    let mut gen = 0;
+    let cookie = match cmd {
+        Cmd::Flush => conn.send(cmd, 0, 0, 0, &[]),
+        Cmd::Write => {
+            w.gen += 1;
+            gen = w.gen;
+            for (i, chunk) in payload[..n * BLOCK].chunks_mut(BLOCK).enumerate() {
+                check::content(w.salt, w.first + (start + i) as u64, gen, chunk);
+            }
+            let fua = if rng.below(10) == 0 { FUA } else { 0 };
+            conn.send(cmd, fua, offset, len, &payload[..n * BLOCK])
+        }
+        _ => conn.send(cmd, 0, offset, len, &[]),
+    }?;
+    w.busy[start..start + n].iter_mut().for_each(|b| *b = true);
+    Ok((cookie, Sent { cmd, at: Instant::now(), start, n, gen }))
+}
+
+/// Accounts for the reply to `s`: its latency, its data checked (reads), and
+/// what its blocks must read as from now on (writes, zeroes, trims).
+fn settle(w: &mut Worker, out: &mut Outcome, export: &str, s: Sent, reply: &Reply) {
+    let micros = s.at.elapsed().as_micros().max(1) as u64;
+    let idx = COMMANDS.iter().position(|&c| c == s.cmd).unwrap();
+    let _ = out.latency[idx].record(micros);
+    w.busy[s.start..s.start + s.n].iter_mut().for_each(|b| *b = false);
+    if reply.error != 0 {
+        return fail(out, format!("{export}: {:?} of {} blocks failed with NBD error {}", s.cmd, s.n, reply.error));
+    }
+    let blocks = s.start..s.start + s.n;
+    match s.cmd {
+        Cmd::Read => {
+            out.bytes += reply.data.len() as u64;
+            if let Err(e) = w.verify(s.start, &reply.data, "read during the load") {
+                fail(out, e);
+            }
+        }
+        Cmd::Write => {
+            out.bytes += (s.n * BLOCK) as u64;
+            w.want[blocks].iter_mut().for_each(|b| *b = Want::Gen(s.gen));
+        }
+        Cmd::Zero => w.want[blocks].iter_mut().for_each(|b| *b = Want::Gen(0)),
+        Cmd::Trim => w.want[blocks].iter_mut().for_each(|b| {
+            *b = match *b {
+                Want::Gen(g) | Want::ZeroOr(g) => Want::ZeroOr(g),
+            }
+        }),
+        Cmd::Flush => {}
+    }
 }
 
 /// Runs the load against a fresh server over `exports` new sparse images.
@@ -247,41 +264,10 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
         ));
     }
     let server = Served::start(cfg.dir, &images, &["--engine", cfg.engine])?;
-    let mut rng = Rng::new(cfg.seed);
-    let salt = rng.next();
-    let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
-    let threads: Vec<_> = (0..cfg.connections)
-        .map(|i| {
-            let export = i % exports;
-            let first = (i / exports) as u64 * region;
-            let mut w = Worker {
-                export,
-                first,
-                want: vec![Want::Gen(0); region as usize],
-                busy: vec![false; region as usize],
-                gen: 0,
-                salt: salt ^ export as u64,
-            };
-            let (socket, stop, seed) = (server.socket.clone(), stop.clone(), rng.next());
-            std::thread::Builder::new()
-                .name(format!("load{i}"))
-                .spawn(move || {
-                    let mut out =
-                        Outcome { latency: COMMANDS.iter().map(|_| new_histogram()).collect(), ..Default::default() };
-                    drive(&socket, &mut w, seed, &stop, &mut out);
-                    (out, w)
-                })
-                .expect("spawn a load thread")
-        })
-        .collect();
-    std::thread::sleep(cfg.duration);
-    stop.store(true, Ordering::Relaxed);
-    let outcomes: Vec<(Outcome, Worker)> =
-        threads.into_iter().map(|t| t.join().expect("load thread panicked")).collect();
+    let outcomes = load(cfg, &server.socket, region);
     let seconds = started.elapsed().as_secs_f64();
     server.stop()?;
-
     let mut report = LoadReport {
         seconds,
         latency: COMMANDS.iter().map(|&c| (c, new_histogram())).collect(),
@@ -298,9 +284,58 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
         report.error_count += o.error_count;
         report.errors.extend(o.errors.iter().cloned());
     }
-    // No lost writes: a new server over the same images, every region read back.
-    let server = Served::start(cfg.dir, &images, &["--engine", cfg.engine])?;
-    for (_, w) in &outcomes {
+    verify_after_restart(cfg, &images, &outcomes, &mut report)?;
+    for p in &images {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(report)
+}
+
+/// `cfg.connections` connections, each over its own `region` of blocks of
+/// one export, for `cfg.duration`; what each saw and its worker's state.
+fn load(cfg: &LoadConfig, socket: &Path, region: u64) -> Vec<(Outcome, Worker)> {
+    let exports = cfg.exports.max(1);
+    let mut rng = Rng::new(cfg.seed);
+    let salt = rng.next();
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..cfg.connections)
+        .map(|i| {
+            let export = i % exports;
+            let first = (i / exports) as u64 * region;
+            let mut w = Worker {
+                export,
+                first,
+                want: vec![Want::Gen(0); region as usize],
+                busy: vec![false; region as usize],
+                gen: 0,
+                salt: salt ^ export as u64,
+            };
+            let (socket, stop, seed) = (socket.to_owned(), stop.clone(), rng.next());
+            std::thread::Builder::new()
+                .name(format!("load{i}"))
+                .spawn(move || {
+                    let mut out =
+                        Outcome { latency: COMMANDS.iter().map(|_| new_histogram()).collect(), ..Default::default() };
+                    drive(&socket, &mut w, seed, &stop, &mut out);
+                    (out, w)
+                })
+                .expect("spawn a load thread")
+        })
+        .collect();
+    std::thread::sleep(cfg.duration);
+    stop.store(true, Ordering::Relaxed);
+    threads.into_iter().map(|t| t.join().expect("load thread panicked")).collect()
+}
+
+/// No lost writes: a new server over the same images, every region read back.
+fn verify_after_restart(
+    cfg: &LoadConfig,
+    images: &[PathBuf],
+    outcomes: &[(Outcome, Worker)],
+    report: &mut LoadReport,
+) -> Result<(), String> {
+    let server = Served::start(cfg.dir, images, &["--engine", cfg.engine])?;
+    for (_, w) in outcomes {
         let read = Conn::connect(&server.socket, &format!("load{}", w.export), Duration::from_secs(60))
             .and_then(|mut c| c.read_all(w.first * BLOCK as u64, w.want.len() as u64 * BLOCK as u64));
         match read {
@@ -314,9 +349,5 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
             Err(e) => return Err(format!("reading export load{} back: {e}{}", w.export, server.log_tail())),
         }
     }
-    server.stop()?;
-    for p in &images {
-        let _ = std::fs::remove_file(p);
-    }
-    Ok(report)
+    server.stop()
 }

@@ -131,96 +131,16 @@ pub fn run(a: SoakArgs) -> Result<(), Failure> {
     let mut json = serde_json::json!({ "seed": seed });
     let keep =
         |msg: String| Failure::runtime(format!("{msg}\n(the images are kept in {} for inspection)", dir.display()));
-
     if a.rounds > 0 {
-        let formats: Vec<crash::Format> = a
-            .format
-            .iter()
-            .map(|f| match f {
-                SoakFormat::Raw => crash::Format::Raw,
-                SoakFormat::Cow => crash::Format::Cow,
-            })
-            .collect();
-        let r = crash::run(&dir, a.rounds, &formats, &engines, seed, !a.json).map_err(keep)?;
-        if !a.json {
-            println!(
-                "crash: {} rounds in {:.1} s: {} writes sent, {} acknowledged, {} flushes; every round verified \
-                 ({} blocks whose surviving generation was pinned)",
-                r.rounds,
-                r.elapsed.as_secs_f64(),
-                r.writes_sent,
-                r.writes_acked,
-                r.flushes,
-                r.checked_blocks
-            );
-        }
-        json["crash"] = serde_json::json!({
-            "rounds": r.rounds, "seconds": r.elapsed.as_secs_f64(), "writes_sent": r.writes_sent,
-            "writes_acked": r.writes_acked, "flushes": r.flushes, "pinned_blocks": r.checked_blocks,
-        });
+        json["crash"] = crash_phase(&a, &dir, &engines, seed).map_err(keep)?;
     }
-
     let mut failed = Vec::new();
     if a.seconds > 0 {
         let mut runs = Vec::new();
         for (i, engine) in engines.iter().enumerate() {
-            let cfg = load::LoadConfig {
-                dir: &dir,
-                engine,
-                connections: a.connections as usize,
-                exports: a.exports as usize,
-                export_size: a.export_size,
-                duration: Duration::from_secs(a.seconds),
-                seed: seed ^ (i as u64 + 1),
-            };
-            let r = load::run(&cfg).map_err(keep)?;
-            let requests: u64 = r.latency.iter().map(|(_, h)| h.len()).sum();
-            if !a.json {
-                println!(
-                    "load ({engine}): {} connections over {} exports for {:.1} s: {requests} requests ({:.0}/s), \
-                     {:.0} MiB/s of data, {} errors, {} blocks verified after a restart",
-                    a.connections,
-                    a.exports,
-                    r.seconds,
-                    requests as f64 / r.seconds,
-                    r.bytes as f64 / r.seconds / (1 << 20) as f64,
-                    r.error_count,
-                    r.verified_blocks
-                );
-                println!(
-                    "  {:<7} {:>9} {:>9} {:>9} {:>10} {:>9}",
-                    "command", "count", "p50 µs", "p99 µs", "p99.9 µs", "max µs"
-                );
-                for (cmd, h) in &r.latency {
-                    println!(
-                        "  {:<7} {:>9} {:>9} {:>9} {:>10} {:>9}",
-                        format!("{cmd:?}").to_lowercase(),
-                        h.len(),
-                        h.value_at_quantile(0.5),
-                        h.value_at_quantile(0.99),
-                        h.value_at_quantile(0.999),
-                        h.max()
-                    );
-                }
-            }
-            let mut latency = serde_json::Map::new();
-            for (cmd, h) in &r.latency {
-                latency.insert(
-                    format!("{cmd:?}").to_lowercase(),
-                    serde_json::json!({
-                        "count": h.len(), "p50": h.value_at_quantile(0.5), "p99": h.value_at_quantile(0.99),
-                        "p999": h.value_at_quantile(0.999), "max": h.max(),
-                    }),
-                );
-            }
-            runs.push(serde_json::json!({
-                "engine": engine, "seconds": r.seconds, "connections": a.connections, "exports": a.exports,
-                "requests": requests, "bytes": r.bytes, "errors": r.error_count, "error_messages": r.errors,
-                "verified_blocks": r.verified_blocks, "latency_us": latency,
-            }));
-            if r.error_count > 0 {
-                failed.push(format!("load ({engine}): {} errors, first: {}", r.error_count, r.errors.join("; ")));
-            }
+            let (run, error) = load_phase(&a, &dir, engine, seed ^ (i as u64 + 1)).map_err(keep)?;
+            runs.push(run);
+            failed.extend(error);
         }
         json["load"] = serde_json::Value::Array(runs);
     }
@@ -234,4 +154,106 @@ pub fn run(a: SoakArgs) -> Result<(), Failure> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
+}
+
+/// The crash rounds; their summary for the JSON report.
+fn crash_phase(
+    a: &SoakArgs,
+    dir: &std::path::Path,
+    engines: &[String],
+    seed: u64,
+) -> Result<serde_json::Value, String> {
+    let formats: Vec<crash::Format> = a
+        .format
+        .iter()
+        .map(|f| match f {
+            SoakFormat::Raw => crash::Format::Raw,
+            SoakFormat::Cow => crash::Format::Cow,
+        })
+        .collect();
+    let r = crash::run(dir, a.rounds, &formats, engines, seed, !a.json)?;
+    if !a.json {
+        println!(
+            "crash: {} rounds in {:.1} s: {} writes sent, {} acknowledged, {} flushes; every round verified \
+             ({} blocks whose surviving generation was pinned)",
+            r.rounds,
+            r.elapsed.as_secs_f64(),
+            r.writes_sent,
+            r.writes_acked,
+            r.flushes,
+            r.checked_blocks
+        );
+    }
+    Ok(serde_json::json!({
+        "rounds": r.rounds, "seconds": r.elapsed.as_secs_f64(), "writes_sent": r.writes_sent,
+        "writes_acked": r.writes_acked, "flushes": r.flushes, "pinned_blocks": r.checked_blocks,
+    }))
+}
+
+/// The load run on one engine: its JSON report, and the failure to report if it saw errors.
+fn load_phase(
+    a: &SoakArgs,
+    dir: &std::path::Path,
+    engine: &str,
+    seed: u64,
+) -> Result<(serde_json::Value, Option<String>), String> {
+    let cfg = load::LoadConfig {
+        dir,
+        engine,
+        connections: a.connections as usize,
+        exports: a.exports as usize,
+        export_size: a.export_size,
+        duration: Duration::from_secs(a.seconds),
+        seed,
+    };
+    let r = load::run(&cfg)?;
+    let requests: u64 = r.latency.iter().map(|(_, h)| h.len()).sum();
+    if !a.json {
+        print_load(a, engine, &r, requests);
+    }
+    let mut latency = serde_json::Map::new();
+    for (cmd, h) in &r.latency {
+        latency.insert(
+            format!("{cmd:?}").to_lowercase(),
+            serde_json::json!({
+                "count": h.len(), "p50": h.value_at_quantile(0.5), "p99": h.value_at_quantile(0.99),
+                "p999": h.value_at_quantile(0.999), "max": h.max(),
+            }),
+        );
+    }
+    let run = serde_json::json!({
+        "engine": engine, "seconds": r.seconds, "connections": a.connections, "exports": a.exports,
+        "requests": requests, "bytes": r.bytes, "errors": r.error_count, "error_messages": r.errors,
+        "verified_blocks": r.verified_blocks, "latency_us": latency,
+    });
+    let failed = (r.error_count > 0)
+        .then(|| format!("load ({engine}): {} errors, first: {}", r.error_count, r.errors.join("; ")));
+    Ok((run, failed))
+}
+
+/// The load run's summary and latency table, for people.
+fn print_load(a: &SoakArgs, engine: &str, r: &load::LoadReport, requests: u64) {
+    println!(
+        "load ({engine}): {} connections over {} exports for {:.1} s: {requests} requests ({:.0}/s), \
+         {:.0} MiB/s of data, {} errors, {} blocks verified after a restart",
+        a.connections,
+        a.exports,
+        r.seconds,
+        requests as f64 / r.seconds,
+        r.bytes as f64 / r.seconds / (1 << 20) as f64,
+        r.error_count,
+        r.verified_blocks
+    );
+    println!("  {:<7} {:>9} {:>9} {:>9} {:>10} {:>9}", "command", "count", "p50 µs", "p99 µs", "p99.9 µs", "max µs");
+    for (cmd, h) in &r.latency {
+        println!(
+            "  {:<7} {:>9} {:>9} {:>9} {:>10} {:>9}",
+            format!("{cmd:?}").to_lowercase(),
+            h.len(),
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max()
+        );
+    }
 }

@@ -15,6 +15,19 @@ pub fn vdisk_bin() -> &'static str {
     env!("CARGO_BIN_EXE_vdisk")
 }
 
+/// A TCP port free right now on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// One step of the xorshift64 generator every test's pseudo-random data comes from.
+pub fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
 /// A fresh directory for one test, removed when dropped.
 pub struct TempDir(pub PathBuf);
 

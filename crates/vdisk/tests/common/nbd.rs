@@ -11,97 +11,15 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 // ---------------------------------------------------------------------------
-// Wire constants (doc/proto.md, "Values")
+// Wire constants: the server's own table (vdisk_nbd::proto, doc/proto.md
+// "Values"), shared with the soak client, plus the few the server never sends.
 // ---------------------------------------------------------------------------
 
-pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
-pub const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-pub const REQUEST_MAGIC: u32 = 0x2560_9513;
-pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
-
-// Handshake and client flags.
-pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
-pub const FLAG_NO_ZEROES: u16 = 1 << 1;
-pub const FLAG_C_FIXED_NEWSTYLE: u32 = 1 << 0;
-pub const FLAG_C_NO_ZEROES: u32 = 1 << 1;
-
-// Options.
-pub const OPT_EXPORT_NAME: u32 = 1;
-pub const OPT_ABORT: u32 = 2;
-pub const OPT_LIST: u32 = 3;
-pub const OPT_INFO: u32 = 6;
-pub const OPT_GO: u32 = 7;
-pub const OPT_STRUCTURED_REPLY: u32 = 8;
-pub const OPT_LIST_META_CONTEXT: u32 = 9;
-pub const OPT_SET_META_CONTEXT: u32 = 10;
-
-// Option replies.
-pub const REP_ACK: u32 = 1;
-pub const REP_SERVER: u32 = 2;
-pub const REP_INFO: u32 = 3;
-pub const REP_META_CONTEXT: u32 = 4;
+pub use vdisk_nbd::proto::*;
 pub const REP_FLAG_ERROR: u32 = 1 << 31;
-pub const REP_ERR_UNSUP: u32 = REP_FLAG_ERROR | 1;
-pub const REP_ERR_INVALID: u32 = REP_FLAG_ERROR | 3;
-pub const REP_ERR_UNKNOWN: u32 = REP_FLAG_ERROR | 6;
-
-// NBD_INFO types.
-pub const INFO_EXPORT: u16 = 0;
-pub const INFO_NAME: u16 = 1;
-pub const INFO_DESCRIPTION: u16 = 2;
-pub const INFO_BLOCK_SIZE: u16 = 3;
-
-// Transmission flags.
-pub const TF_HAS_FLAGS: u16 = 1 << 0;
-pub const TF_READ_ONLY: u16 = 1 << 1;
-pub const TF_SEND_FLUSH: u16 = 1 << 2;
-pub const TF_SEND_FUA: u16 = 1 << 3;
-pub const TF_SEND_TRIM: u16 = 1 << 5;
-pub const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
-pub const TF_SEND_DF: u16 = 1 << 7;
-pub const TF_CAN_MULTI_CONN: u16 = 1 << 8;
-pub const TF_SEND_CACHE: u16 = 1 << 10;
-pub const TF_SEND_FAST_ZERO: u16 = 1 << 11;
-
-// Commands.
-pub const CMD_READ: u16 = 0;
-pub const CMD_WRITE: u16 = 1;
-pub const CMD_DISC: u16 = 2;
-pub const CMD_FLUSH: u16 = 3;
-pub const CMD_TRIM: u16 = 4;
-pub const CMD_CACHE: u16 = 5;
-pub const CMD_WRITE_ZEROES: u16 = 6;
-pub const CMD_BLOCK_STATUS: u16 = 7;
-
-// Command flags.
-pub const CMD_FLAG_FUA: u16 = 1 << 0;
-pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
-pub const CMD_FLAG_DF: u16 = 1 << 2;
-pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
-pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
-
-// Structured reply chunks.
-pub const REPLY_FLAG_DONE: u16 = 1 << 0;
-pub const REPLY_TYPE_NONE: u16 = 0;
-pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
-pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
-pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
-pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) + 2;
 
-// base:allocation status flags.
-pub const STATE_HOLE: u32 = 1 << 0;
-pub const STATE_ZERO: u32 = 1 << 1;
-
-// Transmission errors.
-pub const EPERM: u32 = 1;
-pub const EINVAL: u32 = 22;
-pub const ENOSPC: u32 = 28;
-pub const EOVERFLOW: u32 = 75;
-
-pub const BASE_ALLOCATION: &str = "base:allocation";
+pub const BASE_ALLOCATION: &str = META_BASE_ALLOCATION;
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 /// Every test disk is this big unless it says otherwise.
