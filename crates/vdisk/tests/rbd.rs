@@ -527,3 +527,31 @@ fn readonly_and_direct_on_rbd() {
     assert!(out.status.success() && !text(&out).contains("failed"), "{}", text(&out));
     server.stop();
 }
+
+#[test]
+fn a_vm_guest_on_an_rbd_image_over_vhost_user_blk() {
+    let vmrig = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vmrig");
+    let out = Command::new("bash").arg(vmrig.join("vm-setup.sh")).output().expect("run scripts/vmrig/vm-setup.sh");
+    assert!(out.status.success(), "the VM rig could not be set up (scripts/vmrig/vm-setup.sh):\n{}", text(&out));
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-vm");
+    let img = name("vm");
+    create(c, &img, "128M");
+    let socket = dir.path("vub.sock");
+    let spec = format!("rbd:rbd/{img}");
+    let args = ["serve", &spec, "--ceph-conf", &c.conf, "--vhost-user-blk", socket.to_str().unwrap()];
+    let server = Server::spawn(&args, socket.clone());
+    // The rig's guest workload: O_DIRECT patterns, odd-offset sectors, discard, mkfs.ext4, files, verify.
+    let out = Command::new("bash")
+        .arg(vmrig.join("vm-vhost-user-blk.sh"))
+        .args(["--timeout", "300", "--mb", "16", "--files", "20"])
+        .arg(&socket)
+        .output()
+        .expect("run vm-vhost-user-blk.sh");
+    let all = text(&out);
+    assert!(out.status.success(), "guest workload failed:\n{all}");
+    for step in ["raw_md5 ok", "small_io ok", "discard ok", "mkfs type=ext4", "fs_verify ok", "VMRIG-RESULT: rc=0"] {
+        assert!(all.contains(step), "guest output lacks {step:?}:\n{all}");
+    }
+    server.stop();
+}
