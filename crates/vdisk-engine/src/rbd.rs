@@ -166,8 +166,11 @@ impl RbdWorker {
     /// Submits a batch of new requests (or completes here what needs no I/O or failed to map).
     fn start(&mut self, new: &mut Vec<Job>) {
         let runs = self.planner.plan(new.iter_mut().map(|(r, _)| r).enumerate());
+        // Each job starts with one pending count of its own, dropped once everything it
+        // needs is submitted: an operation that fails (or finishes) at once can then not
+        // finish the job while more of it is still to be submitted.
         let keys: Vec<usize> =
-            new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 0, flush_after: false })).collect();
+            new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 1, flush_after: false })).collect();
         for mut run in runs {
             for j in run.jobs.iter_mut() {
                 *j = keys[*j];
@@ -210,11 +213,7 @@ impl RbdWorker {
         }
         for &k in &keys {
             self.start_other(k);
-            if let Some(slot) = self.jobs.get_mut(k) {
-                if slot.pending == 0 {
-                    self.settle(k);
-                }
-            }
+            self.release(k);
         }
     }
 
@@ -242,12 +241,12 @@ impl RbdWorker {
                     self.jobs[k].job.0.error = Some(e);
                     return;
                 }
+                self.jobs[k].flush_after = self.planner.sync || op.fua();
                 for ext in extents {
                     if let Extent::Data { offset, len, .. } = ext {
                         self.submit(k, OpKind::Other { job: k, offset, len });
                     }
                 }
-                self.jobs[k].flush_after = self.planner.sync || op.fua();
             }
             // A hint; librbd has no prefetch call.
             Op::Cache if on_rbd => {}
