@@ -555,3 +555,40 @@ fn a_vm_guest_on_an_rbd_image_over_vhost_user_blk() {
     }
     server.stop();
 }
+
+#[test]
+fn fua_and_sync_writes_survive_sigkill_without_a_flush() {
+    let (c, _g) = shared();
+    for (tag, extra, flags) in [("fua", None, "nbd.CMD_FLAG_FUA"), ("sync", Some("--sync"), "0")] {
+        let dir = TempDir::new(&format!("rbd-{tag}"));
+        let img = name(tag);
+        create(c, &img, "16M");
+        // librbd's cache in writeback mode, keeping dirty data for a minute (Ceph options in
+        // the name, as qemu passes them): nothing but a flush makes a write durable, so
+        // without the engine's flush after FUA and --sync writes this test fails.
+        let spec = format!("rbd:rbd/{img}:rbd_cache_policy=writeback:rbd_cache_max_dirty_age=60");
+        let mut args = vec![spec.as_str()];
+        args.extend(extra);
+        let server = serve(c, &dir, &args);
+        // The first FLUSH turns librbd's cache from writethrough to writeback; after it, only
+        // FUA (or --sync) makes a write durable before its reply, and no FLUSH follows here.
+        let script = format!(
+            "
+h.pwrite(b'\\x01' * 4096, 0)
+h.flush()
+for i in range(16):
+    h.pwrite(bytes([0x40 + i]) * 65536, 1048576 + i * 65536, {flags})
+print('written')
+"
+        );
+        let out = common::nbdsh(&server.uri(&img), &script);
+        assert!(out.contains("written"));
+        let st = server.stop_with(libc::SIGKILL);
+        assert!(!st.success());
+        let got = export(c, &dir, &format!("rbd/{img}"));
+        for i in 0..16usize {
+            let at = MIB + i * 65536;
+            assert!(got[at..at + 65536].iter().all(|&b| b == 0x40 + i as u8), "{tag}: write {i} lost after SIGKILL");
+        }
+    }
+}
