@@ -299,7 +299,10 @@ fn sigkill_loses_nothing_acknowledged_before_a_flush() {
     let dir = TempDir::new("rbd-kill");
     let img = name("kill");
     create(c, &img, "16M");
-    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}")]);
+    // librbd's cache in writeback mode holding dirty data for a minute: only the FLUSH
+    // makes these writes durable before the SIGKILL.
+    let spec = format!("rbd:rbd/{img}:rbd_cache_policy=writeback:rbd_cache_max_dirty_age=60");
+    let server = serve(c, &dir, &[&spec]);
     // Many writes in flight at once, then one FLUSH; SIGKILL right after its reply.
     let script = "
 import os
