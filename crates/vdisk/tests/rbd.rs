@@ -304,8 +304,10 @@ fn sigkill_loses_nothing_acknowledged_before_a_flush() {
     let spec = format!("rbd:rbd/{img}:rbd_cache_policy=writeback:rbd_cache_max_dirty_age=60");
     let server = serve(c, &dir, &[&spec]);
     // Many writes in flight at once, then one FLUSH; SIGKILL right after its reply.
+    // The first FLUSH turns librbd's cache from writethrough to writeback.
     let script = "
 import os
+h.flush()
 bufs = []
 for i in range(64):
     buf = bytes([i + 1]) * 65536
