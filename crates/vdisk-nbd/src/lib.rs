@@ -34,7 +34,7 @@ use vdisk_engine::Device;
 pub use conn::MAX_INFLIGHT_BYTES;
 pub use handshake::Policy;
 pub use stream::Stream;
-pub use tls::{Tls, TlsFiles, TlsMode};
+pub use tls::{CredentialError, CredentialErrorKind, Tls, TlsFiles, TlsMode};
 
 /// A device as NBD clients see it.
 pub struct Export {

@@ -32,7 +32,7 @@ use openssl::ssl::{
     ErrorCode, Ssl, SslContext, SslContextBuilder, SslMethod, SslOptions, SslSessionCacheMode, SslStream, SslVersion,
 };
 
-use crate::tls::Engine;
+use crate::tls::{CredentialError, CredentialErrorKind, Engine};
 
 /// TLS 1.3 suites with SHA-256: the hash OpenSSL's PSK callback gives TLS 1.3
 /// external keys, and GnuTLS's default for them.
@@ -61,22 +61,26 @@ pub struct PskKeys(HashMap<Vec<u8>, Vec<u8>>);
 
 impl PskKeys {
     /// Reads `path`; errors name the file (and line) and the fix.
-    pub fn load(path: &Path) -> Result<PskKeys, String> {
+    pub fn load(path: &Path) -> Result<PskKeys, CredentialError> {
         let p = path.display();
-        let meta = std::fs::metadata(path).map_err(|e| format!("cannot use PSK file {p}: {e}"))?;
+        let unreadable = |m: String| CredentialError::new(CredentialErrorKind::Unreadable, m);
+        let meta = std::fs::metadata(path).map_err(|e| unreadable(format!("cannot use PSK file {p}: {e}")))?;
         if meta.permissions().mode() & 0o004 != 0 {
-            return Err(format!(
-                "PSK file {p} is readable by every user, and its keys are secrets: chmod o-r {p} (or 600)"
+            return Err(CredentialError::new(
+                CredentialErrorKind::Exposed,
+                format!("PSK file {p} is readable by every user, and its keys are secrets: chmod o-r {p} (or 600)"),
             ));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read PSK file {p}: {e}"))?;
+        let text = std::fs::read_to_string(path).map_err(|e| unreadable(format!("cannot read PSK file {p}: {e}")))?;
         let mut keys = HashMap::new();
         for (i, line) in text.lines().enumerate() {
             let line = line.trim_end_matches('\r');
             if line.trim().is_empty() {
                 continue;
             }
-            let bad = |why: &str| format!("PSK file {p} line {}: {why} (lines are username:hexkey)", i + 1);
+            let bad = |why: &str| {
+                CredentialError::invalid(format!("PSK file {p} line {}: {why} (lines are username:hexkey)", i + 1))
+            };
             let (user, hex) = line.rsplit_once(':').ok_or_else(|| bad("no ':'"))?;
             if user.is_empty() {
                 return Err(bad("empty username"));
@@ -90,7 +94,9 @@ impl PskKeys {
             }
         }
         if keys.is_empty() {
-            return Err(format!("PSK file {p} holds no key (lines are username:hexkey, as psktool writes)"));
+            return Err(CredentialError::invalid(format!(
+                "PSK file {p} holds no key (lines are username:hexkey, as psktool writes)"
+            )));
         }
         Ok(PskKeys(keys))
     }
@@ -124,9 +130,11 @@ pub struct PskServer {
 }
 
 impl PskServer {
-    pub fn new(keys: PskKeys) -> Result<PskServer, String> {
+    pub fn new(keys: PskKeys) -> Result<PskServer, CredentialError> {
         let keys = Arc::new(keys);
-        let setup = |e: openssl::error::ErrorStack| format!("OpenSSL PSK setup: {e}");
+        let setup = |e: openssl::error::ErrorStack| {
+            CredentialError::new(CredentialErrorKind::Setup, format!("OpenSSL PSK setup: {e}"))
+        };
         let unknown = unknown_user_slot().map_err(setup)?;
         let mut b = SslContextBuilder::new(SslMethod::tls_server()).map_err(setup)?;
         b.set_min_proto_version(Some(SslVersion::TLS1_2)).map_err(setup)?;
@@ -320,7 +328,7 @@ mod tests {
         let path = std::env::temp_dir().join(format!("vdisk-psk-test-{}-{mode:o}-{}", std::process::id(), text.len()));
         std::fs::write(&path, text).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
-        let r = PskKeys::load(&path);
+        let r = PskKeys::load(&path).map_err(|e| e.to_string());
         std::fs::remove_file(&path).unwrap();
         r
     }

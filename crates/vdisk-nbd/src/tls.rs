@@ -124,47 +124,101 @@ const TLS_BUFFER: usize = 4 << 20;
 /// Ciphertext read from the socket at once.
 const RX_BUFFER: usize = 256 << 10;
 
-fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, String> {
-    let iter =
-        CertificateDer::pem_file_iter(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
-    let certs: Vec<_> =
-        iter.collect::<Result<_, _>>().map_err(|e| format!("{what} {} is not valid PEM: {e}", path.display()))?;
+/// Why TLS credentials cannot be used: a kind, and a message that names the
+/// file and what is wrong with it (never a command-line flag).
+#[derive(Debug, Clone)]
+pub struct CredentialError {
+    kind: CredentialErrorKind,
+    message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CredentialErrorKind {
+    /// A file cannot be read.
+    Unreadable,
+    /// A file's contents are not usable credentials.
+    Invalid,
+    /// A secret is readable by every user.
+    Exposed,
+    /// This build cannot use this kind of credentials (PSK without OpenSSL).
+    NotBuilt,
+    /// The TLS library refused its own setup.
+    Setup,
+}
+
+impl CredentialError {
+    pub(crate) fn new(kind: CredentialErrorKind, message: impl Into<String>) -> Self {
+        CredentialError { kind, message: message.into() }
+    }
+
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        Self::new(CredentialErrorKind::Invalid, message)
+    }
+
+    pub fn kind(&self) -> CredentialErrorKind {
+        self.kind
+    }
+}
+
+impl std::fmt::Display for CredentialError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for CredentialError {}
+
+fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, CredentialError> {
+    let iter = CertificateDer::pem_file_iter(path).map_err(|e| {
+        CredentialError::new(CredentialErrorKind::Unreadable, format!("cannot read {what} {}: {e}", path.display()))
+    })?;
+    let certs: Vec<_> = iter
+        .collect::<Result<_, _>>()
+        .map_err(|e| CredentialError::invalid(format!("{what} {} is not valid PEM: {e}", path.display())))?;
     if certs.is_empty() {
-        return Err(format!("{what} {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)", path.display()));
+        return Err(CredentialError::invalid(format!(
+            "{what} {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+            path.display()
+        )));
     }
     Ok(certs)
 }
 
 impl Tls {
     /// Loads the PEM files; errors name the file and what is wrong with it.
-    pub fn new(mode: TlsMode, files: &TlsFiles) -> Result<Tls, String> {
+    pub fn new(mode: TlsMode, files: &TlsFiles) -> Result<Tls, CredentialError> {
         let chain = certs(&files.cert, "certificate")?;
         let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| {
-            format!("cannot read a PEM private key from {}: {e} (PKCS#8, PKCS#1 or SEC1)", files.key.display())
+            CredentialError::invalid(format!(
+                "cannot read a PEM private key from {}: {e} (PKCS#8, PKCS#1 or SEC1)",
+                files.key.display()
+            ))
         })?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS setup: {e}"))?;
+            .map_err(|e| CredentialError::new(CredentialErrorKind::Setup, format!("TLS setup: {e}")))?;
         let builder = match &files.client_ca {
             None => builder.with_no_client_auth(),
             Some(ca) => {
                 let mut roots = RootCertStore::empty();
                 for c in certs(ca, "CA certificate")? {
-                    roots.add(c).map_err(|e| format!("CA certificate {}: {e}", ca.display()))?;
+                    roots
+                        .add(c)
+                        .map_err(|e| CredentialError::invalid(format!("CA certificate {}: {e}", ca.display())))?;
                 }
                 let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                     .build()
-                    .map_err(|e| format!("CA certificate {}: {e}", ca.display()))?;
+                    .map_err(|e| CredentialError::invalid(format!("CA certificate {}: {e}", ca.display())))?;
                 builder.with_client_cert_verifier(verifier)
             }
         };
         let config = builder.with_single_cert(chain, key).map_err(|e| {
-            format!(
+            CredentialError::invalid(format!(
                 "{} and {} do not make a usable certificate and key: {e}",
                 files.cert.display(),
                 files.key.display()
-            )
+            ))
         })?;
         let summary = format!(
             "TLS {} (X.509: {}{})",
@@ -180,7 +234,7 @@ impl Tls {
 
     /// Pre-shared keys from a psktool-style file (`username:hexkey` lines), served with OpenSSL.
     #[cfg(feature = "psk")]
-    pub fn psk(mode: TlsMode, file: &Path) -> Result<Tls, String> {
+    pub fn psk(mode: TlsMode, file: &Path) -> Result<Tls, CredentialError> {
         let keys = PskKeys::load(file)?;
         let summary = format!(
             "TLS {} (PSK: {} user{} in {})",
@@ -194,11 +248,14 @@ impl Tls {
 
     /// This build has no OpenSSL: say how to get one that has.
     #[cfg(not(feature = "psk"))]
-    pub fn psk(_mode: TlsMode, file: &Path) -> Result<Tls, String> {
-        Err(format!(
+    pub fn psk(_mode: TlsMode, file: &Path) -> Result<Tls, CredentialError> {
+        Err(CredentialError::new(
+            CredentialErrorKind::NotBuilt,
+            format!(
             "{}: this vdisk was built without pre-shared keys; rebuild with `cargo build --release --features psk` \
              (needs libssl-dev and pkg-config), or use X.509 certificates",
             file.display()
+        ),
         ))
     }
 

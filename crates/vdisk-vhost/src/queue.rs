@@ -9,10 +9,11 @@
 //!
 //! Zero copy: when every data descriptor of a read or write lies within one
 //! guest memory region and is a whole number of sectors, each becomes an
-//! engine request whose buffer borrows the guest's memory (consecutive
-//! offsets; the engine merges them into one vectored call), and the virtio
-//! request completes when all of them have. The memory stays mapped while a
-//! request holds its `Arc` of the guest memory. Otherwise the data is copied.
+//! engine request whose data is the guest's memory, lent as a `Lent`
+//! (consecutive offsets; the engine merges them into one vectored call), and
+//! the virtio request completes when all of them have. The memory stays mapped
+//! while a request holds its `Arc` of the guest memory, and is never a Rust
+//! reference while the engine has it. Otherwise the data is copied.
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};

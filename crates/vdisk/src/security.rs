@@ -34,7 +34,7 @@ pub fn policy(a: &SecurityArgs) -> Result<Policy, Failure> {
 
 fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {
     if let Some(file) = &a.tls_psk {
-        return Tls::psk(mode, file).map_err(Failure::usage);
+        return Tls::psk(mode, file).map_err(|e| Failure::usage(e.to_string()));
     }
     if let Some(dir) = &a.tls_certificates {
         let psk = dir.join("keys.psk");
@@ -54,7 +54,7 @@ fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {
                     dir.display()
                 )));
             }
-            return Tls::psk(mode, &psk).map_err(Failure::usage);
+            return Tls::psk(mode, &psk).map_err(|e| Failure::usage(e.to_string()));
         }
     }
     let files = match (&a.tls_certificates, &a.tls_cert, &a.tls_key) {
@@ -101,7 +101,7 @@ fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {
     for p in [Some(&files.cert), Some(&files.key), files.client_ca.as_ref()].into_iter().flatten() {
         exists(p)?;
     }
-    Tls::new(mode, &files).map_err(Failure::usage)
+    Tls::new(mode, &files).map_err(|e| Failure::usage(e.to_string()))
 }
 
 fn exists(p: &Path) -> Result<(), Failure> {

@@ -8,16 +8,12 @@
 mod common;
 
 use common::{
-    assert_same, nbdsh, qemu_io, read_file, run, text, vdisk, vdisk_bounded, xorshift, Server, TempDir, ENGINES, KIB,
-    MIB,
+    assert_same, nbdsh, qemu_io, read_file, run, s, text, vdisk, vdisk_bounded, xorshift, Server, TempDir, ENGINES,
+    KIB, MIB,
 };
 use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// Backing data: pseudo-random, with zero stretches (every fifth 64 KiB chunk).
 fn base_data(len: usize, seed: u64) -> Vec<u8> {

@@ -11,7 +11,7 @@
 mod common;
 
 use common::nbd::*;
-use common::{create_image, output, text, vdisk, Server, TempDir, ENGINES};
+use common::{create_image, output, s, text, vdisk, Server, TempDir, ENGINES};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -126,10 +126,6 @@ fn injected_disk_errors_reach_the_client_as_eio() {
         assert!(all.contains("read 4096/4096 bytes at offset 0"), "{engine}: and read the rest:\n{all}");
         server.stop();
     }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 #[test]

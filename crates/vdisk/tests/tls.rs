@@ -6,11 +6,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
+use common::nbd::{
+    Client, OPT_EXPORT_NAME, OPT_GO, OPT_INFO, OPT_LIST, OPT_STRUCTURED_REPLY, REP_ERR_POLICY, REP_ERR_TLS_REQD,
+};
 use common::*;
 use rcgen::{
     date_time_ymd, BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -68,10 +69,6 @@ impl Pki {
     }
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 /// qemu's --image-opts for an NBD export over the unix socket, with TLS object `tls0` when `tls`.
 fn qemu_opts(server: &Server, export: &str, tls: bool) -> String {
     let mut o = format!("driver=nbd,server.type=unix,server.path={},export={export}", server.socket.display());
@@ -122,55 +119,20 @@ fn nbdinfo(args: &[&str]) -> std::process::Output {
     output("nbdinfo", args)
 }
 
-/// A hand-written client for what real clients never send: options a plain
-/// client tries against `--tls=require`.
-struct Raw(UnixStream);
+/// What real clients never send, through the tests' raw NBD client: options a
+/// plain client tries against `--tls=require`. Sends an option and returns the
+/// kind of its (single) reply and the reply's data.
+fn option(c: &mut Client, opt: u32, data: &[u8]) -> (u32, Vec<u8>) {
+    c.send_option(opt, data);
+    let reply = c.recv_option_reply(opt);
+    (reply.typ, reply.data)
+}
 
-const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
-const OPT_EXPORT_NAME: u32 = 1;
-const OPT_LIST: u32 = 3;
-const OPT_INFO: u32 = 6;
-const OPT_GO: u32 = 7;
-const OPT_STRUCTURED_REPLY: u32 = 8;
-const REP_ERR_TLS_REQD: u32 = 0x8000_0005;
-const REP_ERR_POLICY: u32 = 0x8000_0002;
-
-impl Raw {
-    fn connect(server: &Server) -> Raw {
-        let mut c = UnixStream::connect(&server.socket).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut hello = [0u8; 18];
-        c.read_exact(&mut hello).unwrap();
-        c.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
-        Raw(c)
-    }
-
-    fn send_option(&mut self, opt: u32, data: &[u8]) {
-        let mut m = IHAVEOPT.to_be_bytes().to_vec();
-        m.extend_from_slice(&opt.to_be_bytes());
-        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        m.extend_from_slice(data);
-        self.0.write_all(&m).unwrap();
-    }
-
-    /// Sends an option and returns the kind of its (single) reply and the reply's data.
-    fn option(&mut self, opt: u32, data: &[u8]) -> (u32, Vec<u8>) {
-        self.send_option(opt, data);
-        let mut head = [0u8; 20];
-        self.0.read_exact(&mut head).unwrap();
-        assert_eq!(u32::from_be_bytes(head[8..12].try_into().unwrap()), opt, "reply to another option");
-        let kind = u32::from_be_bytes(head[12..16].try_into().unwrap());
-        let mut data = vec![0u8; u32::from_be_bytes(head[16..20].try_into().unwrap()) as usize];
-        self.0.read_exact(&mut data).unwrap();
-        (kind, data)
-    }
-
-    /// Everything the server still sends until it closes the connection.
-    fn rest(&mut self) -> Vec<u8> {
-        let mut all = Vec::new();
-        let _ = self.0.read_to_end(&mut all);
-        all
-    }
+/// Everything the server still sends until it closes the connection.
+fn rest(c: &mut Client) -> Vec<u8> {
+    let mut all = Vec::new();
+    let _ = c.sock.read_to_end(&mut all);
+    all
 }
 
 fn go_data(export: &str) -> Vec<u8> {
@@ -231,14 +193,14 @@ fn require_serves_tls_clients_and_gives_plain_ones_nothing() {
     }
 
     // On the wire: every option but STARTTLS/ABORT gets ERR_TLS_REQD; EXPORT_NAME hangs up.
-    let mut raw = Raw::connect(&server);
+    let mut raw = Client::handshake(&server.socket);
     for opt in [OPT_LIST, OPT_STRUCTURED_REPLY, OPT_INFO, OPT_GO, 99] {
         let data = if opt == OPT_INFO || opt == OPT_GO { go_data("disk") } else { Vec::new() };
-        let (kind, text) = raw.option(opt, &data);
+        let (kind, text) = option(&mut raw, opt, &data);
         assert_eq!(kind, REP_ERR_TLS_REQD, "option {opt}: {}", String::from_utf8_lossy(&text));
     }
     raw.send_option(OPT_EXPORT_NAME, b"disk");
-    let rest = raw.rest();
+    let rest = rest(&mut raw);
     assert!(rest.is_empty(), "NBD_OPT_EXPORT_NAME without TLS got {} bytes back", rest.len());
     // Nothing a plain client did reached the disk: the data is what TLS clients wrote.
     let out = qemu_io_tls(&server, "disk", &pki.client, &["read -P 0x77 4M 4k", "read -P 0x5a 0 1M"]);
@@ -375,8 +337,8 @@ fn exports_can_be_hidden_renamed_and_must_be_named() {
     let out = nbdinfo(&["--list", &server.uri("")]);
     let listed = String::from_utf8_lossy(&out.stdout);
     assert!(!listed.contains("x7Kq2"), "--no-list still listed:\n{}", text(&out));
-    let mut raw = Raw::connect(&server);
-    assert_eq!(raw.option(OPT_LIST, &[]).0, REP_ERR_POLICY);
+    let mut raw = Client::handshake(&server.socket);
+    assert_eq!(option(&mut raw, OPT_LIST, &[]).0, REP_ERR_POLICY);
     server.stop();
 
     // More names than images is a usage error.

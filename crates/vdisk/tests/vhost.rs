@@ -23,10 +23,6 @@ fn rig_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vmrig")
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 /// Sets up the rig once; panics with its output if that fails.
 fn setup(ready: &mut bool) {
     if *ready {

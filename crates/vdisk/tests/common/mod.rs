@@ -20,6 +20,11 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A path as the `&str` a command line takes (test paths are UTF-8).
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
 /// One step of the xorshift64 generator every test's pseudo-random data comes from.
 pub fn xorshift(x: &mut u64) -> u64 {
     *x ^= *x << 13;
