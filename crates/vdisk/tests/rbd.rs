@@ -286,6 +286,8 @@ fn fio_verify_over_nbd() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            // No verify state file left in the working directory.
+            "--verify_state_save=0",
         ],
     );
     assert!(out.status.success(), "fio verify: {}", text(&out));
