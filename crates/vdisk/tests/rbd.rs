@@ -230,6 +230,23 @@ fn what_vdisk_writes_is_what_rbd_export_returns() {
     let back = dir.path("back");
     run("nbdcopy", &[&uri, back.to_str().unwrap()]);
     assert_same("read back through vdisk", &read_file(&back), &want);
+    // Block status from the object map (whole 4 MiB objects): written objects are data,
+    // the never-written last two are a hole.
+    let map = run("nbdinfo", &["--map", &uri]);
+    let covering = |at: u64| {
+        map.lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| {
+                f.len() >= 4 && {
+                    let (o, n): (u64, u64) = (f[0].parse().unwrap(), f[1].parse().unwrap());
+                    o <= at && at < o + n
+                }
+            })
+            .map(|f| f[3..].join(" "))
+            .unwrap_or_default()
+    };
+    assert!(covering(0).contains("data"), "offset 0 is data:\n{map}");
+    assert!(covering(26 * MIB as u64).contains("hole"), "offset 26M is a hole:\n{map}");
     server.stop();
     // A clean stop closes the image: no watcher and no exclusive lock left for the next client to wait out.
     let status = rbd(c, &["status", &format!("rbd/{img}")]);
