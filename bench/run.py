@@ -23,6 +23,9 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
              nbdkit's cow filter; 4K randread/randwrite QD32, 1M seq read/write QD8.
   vm         a QEMU guest (TCG, scripts/vmrig) on vdisk's vhost-user-blk socket and on
              qemu-storage-daemon's, 1 and 2 queues: the guest's own timings side by side.
+  rbd        a 1 GiB image on a throwaway single-node Ceph cluster (scripts/cephrig):
+             vdisk over NBD, qemu-nbd with qemu's rbd driver (where it loads) and fio's own
+             rbd engine (no server), side by side: 4K randread/randwrite QD32, 1M read/write QD8.
 
 Every server's peak RSS (VmHWM, read just before it is stopped) sits beside its rows.
 Writes docs/benchmarks.md and docs/benchmarks.png, raw fio JSON and server logs under
@@ -65,6 +68,7 @@ from vbench.fio import section_fio
 from vbench.loopdev import section_loop
 from vbench.overlay import section_overlay
 from vbench.vm import section_vm
+from vbench.rbd import section_rbd
 from vbench.report import machine_info, plot, render
 from vbench.servers import Bench, build_vdisk
 
@@ -158,7 +162,7 @@ def main():
             r = results[sec] = {"_meta": {"date": started, "command": command, "mode": meta["mode"],
                                           "syscall_seconds": args.syscall_seconds}}
             {"fio": section_fio, "ablations": section_ablations, "loop": section_loop,
-             "overlay": section_overlay, "vm": section_vm}[sec](b, r)
+             "overlay": section_overlay, "vm": section_vm, "rbd": section_rbd}[sec](b, r)
             r["_meta"]["minutes"] = (time.monotonic() - ts) / 60
             log(f"== section {sec} took {(time.monotonic() - ts) / 60:.1f} min")
     except (KeyboardInterrupt, Interrupted) as e:

@@ -44,6 +44,13 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing: cargo-fuzz"
     cargo install cargo-fuzz --locked --quiet
 fi
+# The Ceph rig for the RBD tests (crates/vdisk/tests/rbd.rs): ceph-mon, ceph-osd,
+# the rbd tool and librbd, which vdisk loads at run time (each test run starts
+# its own throwaway cluster with scripts/cephrig/ceph-micro.sh).
+bash "$(dirname "$0")/cephrig/ceph-micro.sh" install
+for tool in ceph-mon ceph-osd rbd; do
+    command -v "$tool" >/dev/null || { echo "missing $tool after the Ceph install" >&2; exit 1; }
+done
 # The VM rig for the vhost-user-blk tests: QEMU, a kernel and an initramfs
 # unpacked from downloaded .debs into /tmp/vmrig (not installed; idempotent).
 bash "$(dirname "$0")/vmrig/vm-setup.sh"

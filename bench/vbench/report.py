@@ -15,6 +15,7 @@ from .common import IMAGE_SIZE, MiB, last_line, log, sh
 from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS
 from .loopdev import LOOP_PEERS, LOOP_TARGETS, RAW_FILE
 from .overlay import OVERLAY_JOBS, OVERLAY_TARGETS
+from .rbd import RBD_JOBS, RBD_TARGETS
 from .vm import md_vm
 
 
@@ -330,6 +331,38 @@ OVERLAY_KIND = {"vdisk uring": "UML COW v3", "vdisk threads": "UML COW v3", "vdi
                 "vdisk qcow2 threads": "qcow2", "qemu-nbd": "qcow2", "nbdkit": "cow filter"}
 
 
+def md_rbd(res, meta):
+    out = ["### 6. Ceph RBD: one image on a single-node memstore cluster\n"]
+    if "error" in res:
+        return out + [f"Not run: {res['error']}.", ""]
+    cells = res["cells"]
+    out.append("| job | path | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | peak RSS MiB | vs fio rbd |")
+    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for jid in res.get("jobs", RBD_JOBS):
+        _, title_j, _opts, metric = JOB[jid]
+        base = val(cells.get(f"{jid}|fio rbd"), metric)
+        for target in res.get("targets", RBD_TARGETS):
+            c = cells.get(f"{jid}|{target}", {"error": "not run"})
+            if "error" in c:
+                out.append(f"| {title_j} | {target} | {cell_err(c)} | | | | | |")
+                continue
+            out.append(f"| {title_j} | {target} | {measured(c, metric)} | {fmt_ratio(ratio(c[metric], base))} |")
+    out.append("")
+    load = f"load average {' '.join(res.get('loadavg_start', ['?']))} at the start of the section, " \
+           f"{' '.join(res.get('loadavg_end', ['?']))} at its end"
+    out.append(
+        "A 1 GiB image on `scripts/cephrig/ceph-micro.sh` (one monitor, one OSD on memstore, 2 GiB of RAM; "
+        "the OSD, librbd, the server and fio share the machine's CPUs), filled with 1M writes first. "
+        "**vdisk**: `vdisk serve rbd:rbd/bench` (the RBD engine: librbd AIO, completions on an eventfd), fio's "
+        "nbd engine on its unix socket. **fio rbd**: `fio --ioengine=rbd` on the same image, librbd inside fio "
+        "(no server, no NBD hop: the limit a server approaches). **qemu-nbd rbd**: `qemu-nbd -f raw "
+        "rbd:rbd/bench:conf=...`, when this QEMU has its rbd block driver. librbd's cache as the cluster sets it "
+        f"(Pacific: on, writethrough until the first flush). {load}: other work on the machine moves these "
+        "figures; compare rows of one run.")
+    out.append("")
+    return out
+
+
 def md_overlay(res, meta):
     out = ["### 4. Copy-on-write overlays over a 2 GiB base, tmpfs (/dev/shm)\n"]
     cells = res["cells"]
@@ -449,7 +482,7 @@ def render(results, meta, md_path, png_path):
     if png_path and png_path.exists() and "fio" in results:
         lines += [f"![fio matrix on tmpfs, normalised to the best peer]({png_path.name})", ""]
     for sec, fn in (("fio", md_fio), ("loop", md_loop), ("ablations", md_ablations), ("overlay", md_overlay),
-                    ("vm", md_vm)):
+                    ("vm", md_vm), ("rbd", md_rbd)):
         if sec in results:
             r = results[sec]
             sm = r.get("_meta", {})

@@ -48,6 +48,7 @@ mod lent;
 mod plan;
 pub mod qos;
 mod queue;
+mod rbd;
 mod request;
 pub mod slab;
 pub mod stats;
@@ -78,6 +79,8 @@ pub enum EngineKind {
     Threads,
     /// io_uring: whole batches per `io_uring_enter`, one ring per queue thread.
     Uring,
+    /// librbd's AIO, for images on Ceph RBD (chosen for them whatever was asked).
+    Rbd,
 }
 
 /// How a device's engine runs.
@@ -159,6 +162,9 @@ impl Device {
     /// Starts the engine of a device over `image`. A uring engine the kernel
     /// cannot run falls back to threads, with a log line that says why.
     pub fn start(name: &str, image: Arc<dyn Image>, config: &EngineConfig) -> std::io::Result<Device> {
+        if rbd::uses_rbd(&*image) {
+            return Self::spawn(name, &image, config, EngineKind::Rbd);
+        }
         if config.kind == EngineKind::Uring {
             match uring::probe()
                 .map_err(std::io::Error::other)
@@ -172,10 +178,16 @@ impl Device {
     }
 
     fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
-        let consumers = if kind == EngineKind::Uring { config.rings } else { config.workers }.max(1);
+        let consumers = match kind {
+            EngineKind::Uring => config.rings,
+            EngineKind::Threads => config.workers,
+            // One loop per image: librbd signals all of an image's completions on one eventfd.
+            EngineKind::Rbd => 1,
+        }
+        .max(1);
         let stats = Arc::new(Stats::default());
         let queue = Arc::new(Queue::new(consumers, stats.clone()));
-        let inline = if !config.inline || !image.direct_files().is_empty() {
+        let inline = if !config.inline || !image.direct_files().is_empty() || kind == EngineKind::Rbd {
             Inline::Never
         } else if image.files().iter().all(sys::in_memory) {
             Inline::All
@@ -206,6 +218,25 @@ impl Device {
                 EngineKind::Threads => {
                     let w = threads::Worker::new(planner, queue, config.batch);
                     std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?
+                }
+                EngineKind::Rbd => {
+                    let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
+                    // Its in-flight table holds raw pointers, so it is built on its own thread.
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    let h =
+                        std::thread::Builder::new().name(format!("{name}-rbd")).spawn(
+                            move || match rbd::RbdWorker::new(planner, queue, batch) {
+                                Ok(w) => {
+                                    let _ = tx.send(Ok(()));
+                                    w.run()
+                                }
+                                Err(e) => {
+                                    let _ = tx.send(Err(e));
+                                }
+                            },
+                        )?;
+                    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("RBD loop thread died")))?;
+                    h
                 }
                 EngineKind::Uring => {
                     // A ring holds raw pointers while it runs, so it is built on its own thread.
@@ -349,7 +380,15 @@ impl Device {
     /// Submitting after this is a bug: those requests would never complete.
     pub fn shutdown(&self) -> Result<()> {
         self.stop_workers();
-        plan::Planner::new(self.image.clone(), false, false).flush()
+        let r = plan::Planner::new(self.image.clone(), false, false).flush();
+        // An RBD image is closed now, not whenever the last reference goes: closing
+        // releases its exclusive lock, which another client would otherwise wait for.
+        for file in 0..2 {
+            if let Some(rbd) = self.image.rbd(file) {
+                rbd.close();
+            }
+        }
+        r
     }
 
     fn stop_workers(&self) {

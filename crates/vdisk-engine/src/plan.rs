@@ -356,6 +356,9 @@ impl Planner {
     /// Syncs file 0, the only one writes reach (the others, such as a COW
     /// overlay's backing file, are read-only).
     fn sync_files(&self) -> Result<()> {
+        if let Some(rbd) = self.image.rbd(0) {
+            return rbd.flush();
+        }
         self.sync_data().map_err(|e| self.flush_error(e))
     }
 
@@ -374,6 +377,11 @@ impl Planner {
     /// `IORING_OP_FSYNC` of file 0, then [`Planner::flush_end`].
     pub fn flush(&self) -> Result<()> {
         self.flush_begin()?;
+        if let Some(rbd) = self.image.rbd(0) {
+            // An RBD image (shutdown; the RBD engine flushes with AIO): librbd's own flush.
+            rbd.flush()?;
+            return self.image.sync_metadata();
+        }
         self.flush_end(self.sync_data())
     }
 

@@ -45,6 +45,9 @@ pub enum Advice {
     /// The backing file's mtime differs from the overlay's header: if it holds
     /// the same data, ignore the mtime; else name the right file.
     IgnoreBackingMtime,
+    /// A Ceph cluster cannot be reached or configured: name its configuration
+    /// file and client id.
+    CephConfig,
 }
 
 /// An error with its kind, a message for people, what they can do about it

@@ -11,6 +11,7 @@ pub mod cow;
 mod error;
 pub mod qcow2;
 pub mod raw;
+pub mod rbd;
 
 use std::fs::File;
 use std::path::Path;
@@ -19,6 +20,7 @@ pub use cow::CowImage;
 pub use error::{Advice, Error, ErrorKind, Result};
 pub use qcow2::Qcow2Image;
 pub use raw::RawImage;
+pub use rbd::RbdImage;
 
 /// Where one piece of a request lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +73,12 @@ pub trait Image: Send + Sync {
     /// whose offset, length and memory are aligned, and `files()` for the rest.
     fn direct_files(&self) -> &[File] {
         &[]
+    }
+
+    /// The RBD image that file number `file` is, when it is one rather than a
+    /// file of [`Image::files`]: the engine then moves its bytes with librbd's AIO.
+    fn rbd(&self, _file: usize) -> Option<&RbdImage> {
+        None
     }
 
     /// The path of file number `file`, for messages.

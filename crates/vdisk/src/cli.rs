@@ -99,6 +99,7 @@ Examples:
   vdisk serve --control /run/vdisk.ctl --metrics :9187    a daemon: exports come with `vdisk ctl add`
   vdisk serve --config /etc/vdisk/vdisk.toml --check       validate the file (exit 0 or 2)
   vdisk serve --config /etc/vdisk/vdisk.toml --pid-file /run/vdisk.pid --log-format json
+  vdisk serve rbd:rbd/disk --ceph-conf /etc/ceph/ceph.conf   an image on Ceph RBD
   nbdcopy --connections=4 'nbd+unix:///disk?socket=/tmp/nbd.sock' copy.img")]
     Serve(Box<ServeArgs>),
     /// Talk to a running `vdisk serve --control PATH`: add, remove, list exports,
@@ -121,7 +122,8 @@ Examples:
 
 #[derive(Args)]
 pub struct CreateArgs {
-    /// Path of the new image; an existing file is never overwritten.
+    /// Path of the new image (or rbd:POOL/IMAGE for an image on Ceph RBD); an
+    /// existing file or image is never overwritten.
     pub image: PathBuf,
     /// Virtual size: bytes, or with a K, M, G or T suffix (binary units), e.g. 10G.
     /// Required unless --backing is given (an overlay takes its size from BASE;
@@ -139,10 +141,13 @@ pub struct CreateArgs {
     #[arg(long, conflicts_with = "backing")]
     pub preallocate: bool,
     /// Make IMAGE a copy-on-write overlay over BASE: a UML COW v3 overlay (as
-    /// uml_mkcow makes: BASE's absolute path, size and mtime recorded), or with
-    /// --format qcow2 a qcow2 overlay (BASE's absolute path and format). BASE is never written.
+    /// uml_mkcow makes: BASE's absolute path, size and mtime recorded; BASE may
+    /// be an RBD snapshot, rbd:POOL/IMAGE@SNAP), or with --format qcow2 a qcow2
+    /// overlay (BASE's absolute path and format). BASE is never written.
     #[arg(long, value_name = "BASE")]
     pub backing: Option<PathBuf>,
+    #[command(flatten)]
+    pub ceph: CephArgs,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
@@ -225,6 +230,28 @@ pub struct BackingArgs {
     /// overlay recorded (only if you know its data did not change).
     #[arg(long)]
     pub ignore_backing_mtime: bool,
+    #[command(flatten)]
+    pub ceph: CephArgs,
+}
+
+/// How to reach a Ceph cluster for `rbd:` images (defaults: librados's own
+/// lookup, $CEPH_CONF then /etc/ceph/ceph.conf, and client id "admin").
+/// `:conf=PATH` and `:id=NAME` in an image name win over these.
+#[derive(Args, Clone, Default, PartialEq, Eq, Debug)]
+#[command(next_help_heading = "Ceph RBD")]
+pub struct CephArgs {
+    /// The Ceph configuration file for rbd:POOL/IMAGE names.
+    #[arg(long, value_name = "PATH")]
+    pub ceph_conf: Option<PathBuf>,
+    /// The Ceph client id (as in client.ID) for rbd:POOL/IMAGE names.
+    #[arg(long, value_name = "NAME")]
+    pub ceph_id: Option<String>,
+}
+
+impl CephArgs {
+    pub fn options(&self) -> vdisk_image::rbd::ConnectOptions {
+        vdisk_image::rbd::ConnectOptions { conf: self.ceph_conf.clone(), id: self.ceph_id.clone(), extra: Vec::new() }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
@@ -242,10 +269,13 @@ pub enum FormatArg {
 
 #[derive(Args)]
 pub struct InfoArgs {
+    /// An image file, or rbd:POOL/IMAGE[@SNAP].
     pub image: PathBuf,
     /// Print JSON (keys: path, format, virtual-size, allocated).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub ceph: CephArgs,
 }
 
 /// An octal permission mode such as 0600 or 660.
@@ -265,7 +295,8 @@ pub enum EngineArg {
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Images to serve, one export each.
+    /// Images to serve, one export each: files, or rbd:POOL/IMAGE[@SNAP] on Ceph
+    /// (qemu's spelling, with :conf=PATH:id=NAME; a snapshot is served read-only).
     pub images: Vec<PathBuf>,
     /// Read server settings and exports from a TOML file (README: Running under
     /// systemd). A flag on the command line wins over the same [server] key;

@@ -28,6 +28,7 @@ pub fn run(a: CommitArgs) -> Result<(), Failure> {
         backing: a.backing.backing.clone(),
         ignore_mtime: a.backing.ignore_backing_mtime,
         backing_writable: a.into.is_none(),
+        ceph: a.backing.ceph.options(),
     };
     let image = CowImage::open_with(&a.overlay, &options)?;
     let bar = ProgressBar::new(0).with_style(

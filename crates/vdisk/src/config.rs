@@ -181,7 +181,8 @@ fn mode_of(m: &Mode) -> Result<u32, String> {
 
 /// One `[[export]]` as the daemon takes it; paths made relative to `dir`.
 fn export_spec(t: ExportTable, dir: &Path) -> Result<ExportSpec, String> {
-    let rel = |p: PathBuf| if p.is_relative() { dir.join(p) } else { p };
+    // Relative to the file; an rbd:POOL/IMAGE name is no path.
+    let rel = |p: PathBuf| if p.is_relative() && !vdisk_image::rbd::is_rbd(&p) { dir.join(p) } else { p };
     let image = rel(t.image);
     let name = t.name.unwrap_or_else(|| export_name(&image));
     if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
@@ -214,7 +215,11 @@ fn export_spec(t: ExportTable, dir: &Path) -> Result<ExportSpec, String> {
         name: Some(name),
         readonly: t.readonly,
         format: t.format.unwrap_or(FormatArg::Auto),
-        backing: BackingArgs { backing: t.backing.map(rel), ignore_backing_mtime: t.ignore_backing_mtime },
+        backing: BackingArgs {
+            backing: t.backing.map(rel),
+            ignore_backing_mtime: t.ignore_backing_mtime,
+            ceph: Default::default(),
+        },
         fuse: t.fuse.map(rel),
         vhost_user_blk: t.vhost_user_blk.map(rel),
         num_queues: t.num_queues,

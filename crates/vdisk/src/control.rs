@@ -22,7 +22,7 @@ use clap::ValueEnum;
 use serde_json::{json, Map, Value};
 use vdisk_engine::Limits;
 
-use crate::cli::{BackingArgs, FormatArg};
+use crate::cli::{BackingArgs, CephArgs, FormatArg};
 use crate::daemon::{limits_json, Daemon, ExportSpec, Refusal};
 use crate::Failure;
 
@@ -240,6 +240,7 @@ fn export_spec(p: &mut Params) -> Result<ExportSpec, Refusal> {
         backing: BackingArgs {
             backing: p.str("backing")?.map(PathBuf::from),
             ignore_backing_mtime: p.bool("ignore_backing_mtime")?.unwrap_or(false),
+            ceph: CephArgs { ceph_conf: p.str("ceph_conf")?.map(PathBuf::from), ceph_id: p.str("ceph_id")? },
         },
         fuse: p.str("fuse")?.map(PathBuf::from),
         vhost_user_blk: p.str("vhost_user_blk")?.map(PathBuf::from),

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
-use vdisk_image::{CowImage, Image, Qcow2Image, RawImage};
+use vdisk_image::{CowImage, Image, Qcow2Image, RawImage, RbdImage};
 
 use crate::cli::{CreateArgs, CreateFormat};
 use crate::formats::{is_cow, is_qcow2};
@@ -12,6 +12,9 @@ use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: CreateArgs) -> Result<(), Failure> {
+    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+        return rbd(&a, &spec);
+    }
     let format = a.format.unwrap_or(if a.backing.is_some() { CreateFormat::Cow } else { CreateFormat::Raw });
     if a.cluster_size.is_some() && format != CreateFormat::Qcow2 {
         return Err(Failure::usage("--cluster-size applies to --format qcow2 only"));
@@ -51,6 +54,11 @@ fn cow(a: &CreateArgs) -> Result<(), Failure> {
     if a.size.is_some() || a.preallocate {
         return Err(Failure::usage("a COW overlay takes its size from BASE: drop --size and --preallocate"));
     }
+    if let Some(spec) = crate::formats::rbd_spec(base, &a.ceph.options())? {
+        CowImage::create_over_rbd(&a.image, &spec)?;
+        println!("created {} (cow overlay over RBD snapshot {spec}, {})", a.image.display(), human(spec_size(a)?));
+        return Ok(());
+    }
     CowImage::create(&a.image, base)?;
     let image = CowImage::open(&a.image, true, None, false)?;
     println!(
@@ -84,6 +92,12 @@ fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
     };
     let base = match &a.backing {
         None => None,
+        Some(b) if crate::formats::rbd_spec(b, &a.ceph.options())?.is_some() => {
+            return Err(Failure::usage(format!(
+                "{}: a qcow2 overlay over an RBD snapshot is not supported; make a COW overlay (drop --format qcow2)",
+                b.display()
+            )))
+        }
         Some(b) => {
             let (fmt, size) = probe_base(b)?;
             let abs = std::path::absolute(b).map_err(|e| Failure::usage(format!("{}: {e}", b.display())))?;
@@ -108,4 +122,25 @@ fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
     let over = base.as_ref().map(|(p, f, _)| format!(" over {} ({f})", p.display())).unwrap_or_default();
     println!("created {} (qcow2{over}, {}, {} clusters)", a.image.display(), human(size), human(1 << cluster_bits));
     Ok(())
+}
+
+/// A new image on Ceph RBD.
+fn rbd(a: &CreateArgs, spec: &vdisk_image::rbd::Spec) -> Result<(), Failure> {
+    if a.backing.is_some() || a.preallocate || a.format.is_some_and(|f| f != CreateFormat::Raw) {
+        return Err(Failure::usage(format!(
+            "{spec} is an RBD image: --backing, --preallocate and --format apply to image files \
+             (for an overlay over an RBD snapshot: vdisk create --backing rbd:POOL/IMAGE@SNAP overlay.cow)"
+        )));
+    }
+    let Some(size) = a.size else {
+        return Err(Failure::usage("vdisk create needs --size for an RBD image (e.g. --size 10G)"));
+    };
+    RbdImage::create(spec, size)?;
+    println!("created {spec} ({}, rbd)", human(size));
+    Ok(())
+}
+
+/// The size a new overlay recorded (from its header).
+fn spec_size(a: &CreateArgs) -> Result<u64, Failure> {
+    Ok(vdisk_image::cow::inspect(&a.image)?.header.size)
 }

@@ -128,16 +128,25 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure>
     let mut p = Map::new();
     let method = match c {
         CtlCommand::Add { image, name, readonly, format, backing, fuse, vhost_user_blk, num_queues, qos } => {
-            let image = std::path::absolute(&image).map_err(|e| Failure::usage(format!("{}: {e}", image.display())))?;
+            let image = if vdisk_image::rbd::is_rbd(&image) {
+                image // rbd:POOL/IMAGE is no path
+            } else {
+                std::path::absolute(&image).map_err(|e| Failure::usage(format!("{}: {e}", image.display())))?
+            };
             p.insert("image".into(), json!(image));
             // The wire spells a format as the command line does.
             let format = format.to_possible_value().expect("every format has a name");
             p.insert("format".into(), format.get_name().into());
-            let abs = |o: Option<PathBuf>| o.map(|p| std::path::absolute(&p).unwrap_or(p));
+            // Paths made absolute for the server; an rbd:POOL/IMAGE name is no path.
+            let abs = |o: Option<PathBuf>| {
+                o.map(|p| if vdisk_image::rbd::is_rbd(&p) { p } else { std::path::absolute(&p).unwrap_or(p) })
+            };
             let opts = [("name", name.map(Value::from)), ("fuse", abs(fuse).map(|p| json!(p)))];
             let more = [
                 ("vhost_user_blk", abs(vhost_user_blk).map(|p| json!(p))),
                 ("backing", abs(backing.backing).map(|p| json!(p))),
+                ("ceph_conf", abs(backing.ceph.ceph_conf).map(|p| json!(p))),
+                ("ceph_id", backing.ceph.ceph_id.map(Value::from)),
                 ("num_queues", num_queues.map(Value::from)),
             ];
             p.extend(opts.into_iter().chain(more).filter_map(|(k, v)| Some((k.to_owned(), v?))));

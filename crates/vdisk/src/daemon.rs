@@ -201,6 +201,7 @@ impl Daemon {
         let engine = match device.kind() {
             EngineKind::Uring => format!("io_uring engine, {} ring(s)", e.rings),
             EngineKind::Threads => format!("thread engine, {} workers", e.workers),
+            EngineKind::Rbd => "librbd AIO engine".to_owned(),
         };
         format!("vdisk: export {name:?}: {description}, {mode}, {engine}{sync}")
     }
@@ -332,7 +333,7 @@ impl Daemon {
             "uptime_seconds": self.started.elapsed().as_secs(),
             "exports": self.exports.lock().unwrap().len(),
             "connections": self.nbd.connections(),
-            "engine": match e.kind { EngineKind::Uring => "uring", EngineKind::Threads => "threads" },
+            "engine": match e.kind { EngineKind::Uring => "uring", EngineKind::Threads => "threads", EngineKind::Rbd => "rbd" },
         })
     }
 
@@ -396,7 +397,8 @@ pub fn limits_json(l: Limits) -> Value {
     json!({"iops": l.iops, "bps": l.bps, "read_bps": l.read_bps, "write_bps": l.write_bps})
 }
 
-/// The export name of an image: its file stem.
+/// The export name of an image: an RBD image's name (and snapshot), a file's stem.
 pub fn export_name(path: &Path) -> String {
-    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into())
+    crate::formats::export_name(path)
+        .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into()))
 }

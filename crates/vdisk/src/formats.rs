@@ -1,13 +1,14 @@
-//! Opening an image in whichever format it is: qcow2 or a UML COW overlay when
-//! the file starts with their magic (or `--format qcow2` / `--format cow`),
-//! raw otherwise.
+//! Opening an image in whichever format it is: an RBD image on Ceph for an
+//! `rbd:POOL/IMAGE[@SNAP]` name; qcow2 or a UML COW overlay when the file
+//! starts with their magic (or `--format qcow2` / `--format cow`); raw otherwise.
 
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
 use vdisk_image::qcow2::{self, Qcow2Options};
-use vdisk_image::{cow, CowImage, Image, Qcow2Image, RawImage};
+use vdisk_image::rbd::{self, ConnectOptions, Spec};
+use vdisk_image::{cow, CowImage, Image, Qcow2Image, RawImage, RbdImage};
 
 use crate::cli::{BackingArgs, FormatArg};
 use crate::size::human;
@@ -32,6 +33,23 @@ pub struct Opened {
     pub description: String,
 }
 
+/// The RBD image an `rbd:` name means, or None for a path.
+pub fn rbd_spec(name: &Path, defaults: &ConnectOptions) -> Result<Option<Spec>, Failure> {
+    if !rbd::is_rbd(name) {
+        return Ok(None);
+    }
+    let Some(text) = name.to_str() else {
+        return Err(Failure::usage(format!("{} is not valid UTF-8", name.display())));
+    };
+    Ok(Some(Spec::parse(text, defaults)?))
+}
+
+/// The export name an image gets by default: an RBD image's name (and
+/// snapshot), a file's stem. None: the caller's own rule.
+pub fn export_name(name: &Path) -> Option<String> {
+    rbd_spec(name, &ConnectOptions::default()).ok().flatten().map(|s| s.export_name())
+}
+
 pub fn open(
     path: &Path,
     format: FormatArg,
@@ -39,6 +57,25 @@ pub fn open(
     direct: bool,
     backing: &BackingArgs,
 ) -> Result<Opened, Failure> {
+    if let Some(spec) = rbd_spec(path, &backing.ceph.options())? {
+        if matches!(format, FormatArg::Cow | FormatArg::Qcow2)
+            || backing.backing.is_some()
+            || backing.ignore_backing_mtime
+        {
+            return Err(Failure::usage(format!(
+                "{spec} is an RBD image: --format cow or qcow2, --backing and --ignore-backing-mtime apply to COW overlay files"
+            )));
+        }
+        if direct {
+            return Err(Failure::usage(format!(
+                "{spec} is an RBD image: --direct applies to files (librbd's cache is off already)"
+            )));
+        }
+        let image = RbdImage::open(&spec, read_only)?;
+        let ro = if spec.snap.is_some() { ", snapshot" } else { "" };
+        let description = format!("{spec} (rbd{ro}, {})", human(image.size()));
+        return Ok(Opened { image: Arc::new(image), description });
+    }
     let direct_err = |e: vdisk_image::Error| Failure::usage(crate::advised(&e));
     if format == FormatArg::Qcow2 || (format == FormatArg::Auto && is_qcow2(path)) {
         return open_qcow2(path, read_only, direct, backing);
@@ -63,7 +100,14 @@ pub fn open(
         let description = format!("{} ({}, {})", path.display(), image.format(), human(image.size()));
         return Ok(Opened { image: Arc::new(image), description });
     }
-    let mut image = CowImage::open(path, read_only, backing.backing.as_deref(), backing.ignore_backing_mtime)?;
+    let options = cow::OverlayOptions {
+        read_only,
+        backing: backing.backing.clone(),
+        ignore_mtime: backing.ignore_backing_mtime,
+        backing_writable: false,
+        ceph: backing.ceph.options(),
+    };
+    let mut image = CowImage::open_with(path, &options)?;
     if direct {
         image = image.with_direct_io().map_err(direct_err)?;
     }

@@ -2,7 +2,8 @@
 
 use std::os::unix::fs::MetadataExt;
 
-use vdisk_image::{cow, Image, RawImage};
+use vdisk_image::rbd::Spec;
+use vdisk_image::{cow, Image, RawImage, RbdImage};
 
 use crate::cli::InfoArgs;
 use crate::formats::{is_cow, is_qcow2};
@@ -10,6 +11,9 @@ use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: InfoArgs) -> Result<(), Failure> {
+    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+        return rbd_info(&spec, a.json);
+    }
     if is_cow(&a.image) {
         return cow_info(&a);
     }
@@ -88,6 +92,9 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
         println!("  relative to the overlay: {resolved}");
     }
     match (&canonical, i.backing_stat) {
+        _ if vdisk_image::rbd::is_rbd(h.backing_path()) => {
+            println!("  an RBD snapshot (never changes): its size is checked when the overlay is opened")
+        }
         (Some(c), Some((dev, ino, size, mtime))) => {
             if *c != resolved {
                 println!("  through symlinks or ..: {c}");
@@ -97,6 +104,7 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
         _ => println!("  `vdisk serve` would find no file there"),
     }
     match &i.backing_problem {
+        None if vdisk_image::rbd::is_rbd(h.backing_path()) => {}
         None => println!("  ok: size and mtime match the header"),
         Some(p) => println!("  problem: {p}"),
     }
@@ -191,5 +199,36 @@ fn qcow2_info(a: &InfoArgs) -> Result<(), Failure> {
         i.zero_clusters
     );
     println!("allocated:    {} ({} bytes)", human(allocated), allocated);
+    Ok(())
+}
+
+/// An RBD image or snapshot, opened read-only.
+fn rbd_info(spec: &Spec, json: bool) -> Result<(), Failure> {
+    let image = RbdImage::open(spec, true)?;
+    let i = image.info()?;
+    if json {
+        let v = serde_json::json!({
+            "path": spec.to_string(),
+            "format": "rbd",
+            "virtual-size": i.size,
+            "allocated": i.allocated,
+            "pool": spec.pool,
+            "image": spec.image,
+            "snapshot": spec.snap,
+            "object-size": i.object_size,
+            "objects": i.objects,
+            "features": i.features,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        return Ok(());
+    }
+    println!("image:        {spec}");
+    println!("format:       rbd (Ceph RBD{})", if spec.snap.is_some() { " snapshot, read-only" } else { "" });
+    println!("virtual size: {} ({} bytes)", human(i.size), i.size);
+    println!("objects:      {} of {}", i.objects, human(i.object_size));
+    match i.allocated {
+        Some(a) => println!("allocated:    {} ({a} bytes, whole objects)", human(a)),
+        None => println!("allocated:    unknown (the image has no fast-diff)"),
+    }
     Ok(())
 }

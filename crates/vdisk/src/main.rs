@@ -124,6 +124,7 @@ pub fn advised(e: &vdisk_image::Error) -> String {
         Some(IgnoreBackingMtime) => {
             "; if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH"
         }
+        Some(CephConfig) => "; name the Ceph configuration with --ceph-conf PATH (or :conf=PATH) and the client with --ceph-id NAME (or :id=NAME)",
         Some(_) | None => "",
     };
     format!("{e}{advice}")

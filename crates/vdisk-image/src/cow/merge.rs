@@ -35,6 +35,19 @@ pub struct Inspection {
 pub fn inspect(path: &Path) -> Result<Inspection> {
     let file = File::open(path).map_err(|e| at(path, e, "cannot open overlay"))?;
     let (header, map) = read_metadata(&file, path)?;
+    if crate::rbd::is_rbd(header.backing_path()) {
+        // An RBD snapshot: checked (size) when the overlay is opened, which needs the cluster.
+        let sectors_allocated = map.count(0, map.sectors());
+        let backing_resolved = header.backing_path().to_owned();
+        return Ok(Inspection {
+            backing_canonical: Some(backing_resolved.clone()),
+            backing_resolved,
+            backing_problem: None,
+            backing_stat: None,
+            header,
+            sectors_allocated,
+        });
+    }
     let backing_resolved = resolve_backing(path, header.backing_path());
     let stat = std::fs::metadata(&backing_resolved);
     let backing_stat = stat.as_ref().ok().map(|m| (m.dev(), m.ino(), m.len(), m.mtime()));
@@ -139,7 +152,7 @@ impl CowImage {
             for ext in &extents {
                 let len = ext.len() as usize;
                 if let Extent::Data { file, offset, .. } = *ext {
-                    read_full(&self.files[file], &mut buf[at_buf..at_buf + len], offset)
+                    self.read_file(file, &mut buf[at_buf..at_buf + len], offset)
                         .map_err(|e| at(self.file_path(file), e, &format!("cannot read offset {offset} of")))?;
                 } else {
                     buf[at_buf..at_buf + len].fill(0);

@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::raw::seek_allocation;
+use crate::rbd::{ConnectOptions, RbdImage};
 use crate::{Allocation, Error, Extent, Image, Result};
 
 pub use bitmap::CowMap;
@@ -51,14 +52,18 @@ pub struct OverlayOptions {
     pub ignore_mtime: bool,
     /// Open the backing file for writing, locked exclusively (for a commit).
     pub backing_writable: bool,
+    /// How to reach the cluster when the backing is an RBD snapshot.
+    pub ceph: ConnectOptions,
 }
 
 pub struct CowImage {
     overlay: PathBuf,
     backing: PathBuf,
     header: Header,
-    /// [overlay, backing]
-    files: [File; 2],
+    /// [overlay, backing], or [overlay] when the backing is an RBD snapshot.
+    files: Vec<File>,
+    /// The backing when it is an RBD snapshot (file number 1 to the engine).
+    rbd_backing: Option<RbdImage>,
     direct: Vec<File>,
     read_only: bool,
     /// The backing file is open for writing (a commit in place).
@@ -106,7 +111,7 @@ impl CowImage {
         }
         let start = s * self.sector;
         let mut buf = vec![0u8; (self.sector_end(s) - start) as usize];
-        read_full(&self.files[1], &mut buf, start).map_err(|e| {
+        self.read_backing(&mut buf, start).map_err(|e| {
             Error::io(e, format!("copy-up read of sector {s} from backing file {}", self.backing.display()))
         })?;
         self.files[0]
@@ -114,6 +119,23 @@ impl CowImage {
             .map_err(|e| Error::io(e, format!("copy-up write of sector {s} to overlay {}", self.overlay.display())))?;
         self.map.set(s, s + 1);
         Ok(())
+    }
+
+    /// Reads from the backing file or snapshot.
+    fn read_backing(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        match &self.rbd_backing {
+            Some(rbd) => rbd.read_at(buf, offset).map(|()| buf.len()),
+            None => read_full(&self.files[1], buf, offset),
+        }
+    }
+
+    /// Reads from file number `file` (0: overlay, 1: backing).
+    pub(crate) fn read_file(&self, file: usize, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        if file == 0 {
+            read_full(&self.files[0], buf, offset)
+        } else {
+            self.read_backing(buf, offset)
+        }
     }
 
     /// The sectors [first, end) that a byte range touches.
@@ -218,6 +240,14 @@ impl Image for CowImage {
         &self.direct
     }
 
+    fn rbd(&self, file: usize) -> Option<&RbdImage> {
+        if file == 1 {
+            self.rbd_backing.as_ref()
+        } else {
+            None
+        }
+    }
+
     fn file_path(&self, file: usize) -> &Path {
         if file == 0 {
             &self.overlay
@@ -290,6 +320,9 @@ impl Image for CowImage {
             let left = max - (out.len() - start_len);
             let r = if set {
                 seek_allocation(&self.files[0], self.data_offset + pos, stop - pos, left, &mut found)
+            } else if let Some(rbd) = &self.rbd_backing {
+                rbd.allocation(pos, stop - pos, left, &mut found)?;
+                Ok(())
             } else {
                 seek_allocation(&self.files[1], pos, stop - pos, left, &mut found)
             };

@@ -11,7 +11,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use super::{parse_header, CowImage, CowMap, Header, OverlayOptions, MAX_HEADER_LEN};
-use crate::{Advice, Error, ErrorKind, Result};
+use crate::rbd::{is_rbd, RbdImage, Spec};
+use crate::{Advice, Error, ErrorKind, Image, Result};
 
 pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
     Error::io(e, format!("{what} {}", path.display()))
@@ -102,7 +103,13 @@ impl CowImage {
     pub fn open(path: &Path, read_only: bool, backing: Option<&Path>, ignore_mtime: bool) -> Result<Self> {
         Self::open_with(
             path,
-            &OverlayOptions { read_only, backing: backing.map(Path::to_owned), ignore_mtime, backing_writable: false },
+            &OverlayOptions {
+                read_only,
+                backing: backing.map(Path::to_owned),
+                ignore_mtime,
+                backing_writable: false,
+                ceph: Default::default(),
+            },
         )
     }
 
@@ -110,6 +117,14 @@ impl CowImage {
         let read_only = o.read_only || o.backing_writable;
         let (overlay, meta) = open_overlay(path, read_only)?;
         let (header, map) = read_metadata(&overlay, path)?;
+        let written = header.backing_path();
+        let rbd_name = match &o.backing {
+            Some(b) => is_rbd(b).then(|| b.clone()),
+            None => is_rbd(written).then(|| written.to_owned()),
+        };
+        if let Some(name) = rbd_name {
+            return Self::open_over_rbd(path, overlay, header, map, read_only, &name, o);
+        }
         let (bfile, bmeta, backing, canonical) = open_backing(path, &meta, header.backing_path(), o)?;
         check_backing(path, &header, (&bfile, &bmeta), &backing, o.ignore_mtime)?;
         Ok(CowImage {
@@ -119,7 +134,8 @@ impl CowImage {
             data_offset: header.data_offset(),
             sector: header.sector_size as u64,
             header,
-            files: [overlay, bfile],
+            files: vec![overlay, bfile],
+            rbd_backing: None,
             direct: Vec::new(),
             read_only,
             backing_writable: o.backing_writable,
@@ -128,6 +144,80 @@ impl CowImage {
             rounds_done: Mutex::new(0),
             rounds_started: AtomicU64::new(0),
         })
+    }
+
+    /// The overlay over an RBD snapshot: a snapshot never changes, so it stands
+    /// in for the mtime check; the size check stays.
+    fn open_over_rbd(
+        path: &Path,
+        overlay: File,
+        header: Header,
+        map: CowMap,
+        read_only: bool,
+        name: &Path,
+        o: &OverlayOptions,
+    ) -> Result<Self> {
+        if o.backing_writable {
+            return Err(Error::invalid(format!(
+                "the backing of {} is an RBD snapshot, which never changes: it cannot take a commit (merge into a new image instead)",
+                path.display()
+            )));
+        }
+        let spec = Spec::parse(&name.to_string_lossy(), &o.ceph)?;
+        if spec.snap.is_none() {
+            return Err(Error::invalid(format!(
+                "the backing of {} is {spec}, an RBD image that can change under the overlay; an overlay needs a \
+                 snapshot (rbd:POOL/IMAGE@SNAP)",
+                path.display()
+            )));
+        }
+        let rbd = RbdImage::open(&spec, true)?;
+        if rbd.size() != header.size {
+            return Err(Error::invalid(format!(
+                "backing snapshot {spec} is {} bytes but overlay {} was made over {} bytes: it is not the snapshot \
+                 the overlay was made over",
+                rbd.size(),
+                path.display(),
+                header.size
+            ))
+            .advise(Advice::NameBacking));
+        }
+        log::info!("overlay {}: backing snapshot {spec}", path.display());
+        Ok(CowImage {
+            overlay: path.to_owned(),
+            backing: PathBuf::from(spec.to_string()),
+            data_offset: header.data_offset(),
+            sector: header.sector_size as u64,
+            header,
+            files: vec![overlay],
+            rbd_backing: Some(rbd),
+            direct: Vec::new(),
+            read_only,
+            backing_writable: false,
+            map,
+            copy_locks: std::array::from_fn(|_| Mutex::new(())),
+            rounds_done: Mutex::new(0),
+            rounds_started: AtomicU64::new(0),
+        })
+    }
+
+    /// Creates a new, empty overlay over the RBD snapshot `spec`: the header
+    /// records its name (`rbd:POOL/IMAGE@SNAP`, without connection options)
+    /// and size; its mtime field is 0 (a snapshot never changes).
+    pub fn create_over_rbd(overlay: &Path, spec: &Spec) -> Result<()> {
+        if spec.snap.is_none() {
+            return Err(Error::invalid(format!(
+                "{spec} is an RBD image, which can change under an overlay: make a snapshot \
+                 (rbd snap create {}/{}@NAME) and use rbd:{}/{}@NAME",
+                spec.pool, spec.image, spec.pool, spec.image
+            )));
+        }
+        let size = RbdImage::open(spec, true)?.size();
+        if size == 0 {
+            return Err(Error::invalid(format!("backing snapshot {spec} is empty: a disk needs a size")));
+        }
+        let header = Header::new(Path::new(&spec.to_string()), size, 0)?;
+        write_new(overlay, &header, size)
     }
 
     /// Creates a new, empty overlay over `backing`: the header records the
@@ -148,22 +238,7 @@ impl CowImage {
         }
         let absolute = absolutize(backing)?;
         let header = Header::new(&absolute, size, mtime32(&bmeta))?;
-        let file = OpenOptions::new().write(true).create_new(true).open(overlay).map_err(|e| {
-            if e.kind() == io::ErrorKind::AlreadyExists {
-                Error::invalid(format!("{} already exists; remove it first or pick another name", overlay.display()))
-            } else {
-                at(overlay, e, "cannot create")
-            }
-        })?;
-        let result = (|| {
-            file.write_all_at(&header.to_bytes(), 0).map_err(|e| at(overlay, e, "cannot write the header of"))?;
-            file.set_len(header.data_offset() + size).map_err(|e| at(overlay, e, "cannot size"))?;
-            file.sync_all().map_err(|e| at(overlay, e, "cannot sync"))
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(overlay);
-        }
-        result
+        write_new(overlay, &header, size)
     }
 
     /// Also opens both files with O_DIRECT, for aligned requests. They are
@@ -178,6 +253,13 @@ impl CowImage {
                 .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
                 .map_err(|e| crate::raw::direct_io_error(path, e))
         };
+        if self.rbd_backing.is_some() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("{} is an overlay over an RBD snapshot, which has no direct I/O", self.overlay.display()),
+            )
+            .advise(Advice::NoDirectIo));
+        }
         self.direct =
             vec![open(&self.overlay, &self.files[0], !self.read_only)?, open(&self.backing, &self.files[1], false)?];
         Ok(self)
@@ -238,6 +320,27 @@ pub(super) fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<
     }
     buf[n..].fill(0);
     Ok(n)
+}
+
+/// Writes a new overlay file: the header, a sparse bitmap and data area. Refuses
+/// to replace an existing file.
+fn write_new(overlay: &Path, header: &Header, size: u64) -> Result<()> {
+    let file = OpenOptions::new().write(true).create_new(true).open(overlay).map_err(|e| {
+        if e.kind() == io::ErrorKind::AlreadyExists {
+            Error::invalid(format!("{} already exists; remove it first or pick another name", overlay.display()))
+        } else {
+            at(overlay, e, "cannot create")
+        }
+    })?;
+    let result = (|| {
+        file.write_all_at(&header.to_bytes(), 0).map_err(|e| at(overlay, e, "cannot write the header of"))?;
+        file.set_len(header.data_offset() + size).map_err(|e| at(overlay, e, "cannot size"))?;
+        file.sync_all().map_err(|e| at(overlay, e, "cannot sync"))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(overlay);
+    }
+    result
 }
 
 /// Opens and locks the overlay file (exclusively unless `read_only`).

@@ -1,0 +1,618 @@
+//! Images on Ceph RBD, against a real single-node cluster (scripts/cephrig:
+//! one monitor, one memstore OSD, pool "rbd"), started once for this test
+//! binary in a temporary directory on its own monitor port and stopped when
+//! the binary exits. The real binary is driven with real clients (qemu-io,
+//! nbdcopy, nbdsh, fio, the kernel through FUSE) and checked against the
+//! cluster's own tool (`rbd export`, `rbd import`).
+//!
+//! Needs the Ceph daemons and librbd (scripts/install-test-deps.sh installs
+//! them); the FUSE test needs root, as CI has.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{OnceLock, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant};
+
+use common::{assert_same, output, qemu_io, read_file, run, text, vdisk, vdisk_bounded, Server, TempDir, MIB};
+
+/// The running cluster: its directory and configuration file.
+struct Cluster {
+    dir: PathBuf,
+    conf: String,
+}
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+/// Tests take it shared; the one that stops the OSD takes it alone.
+static OSD: RwLock<()> = RwLock::new(());
+
+fn rig() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cephrig/ceph-micro.sh")
+}
+
+extern "C" fn stop_cluster() {
+    if let Some(c) = CLUSTER.get() {
+        let _ = Command::new("bash").arg(rig()).arg("stop").arg(&c.dir).status();
+        // A daemon that was still exiting may have left a pid file behind the script's rm.
+        let _ = std::fs::remove_dir_all(&c.dir);
+    }
+}
+
+/// Starts the cluster the first time (about 10 s), then hands it out.
+fn cluster() -> &'static Cluster {
+    CLUSTER.get_or_init(|| {
+        let pid = std::process::id();
+        // Now and then the OSD of a fresh cluster fails to register on a busy machine
+        // (its log: "wrong fsid"); a fresh directory and port a moment later works.
+        let mut last = None;
+        let mut dir = PathBuf::new();
+        for attempt in 0..4u32 {
+            dir = std::env::temp_dir().join(format!("vdisk-ceph-{pid}-{attempt}"));
+            let port = (20000 + (pid + attempt * 7919) % 20000).to_string();
+            let out = Command::new("bash")
+                .arg("-x")
+                .arg(rig())
+                .arg("start")
+                .arg(&dir)
+                .env("CEPH_PORT", &port)
+                .env("CEPH_MEM_BYTES", (1u64 << 30).to_string())
+                .output()
+                .expect("run scripts/cephrig/ceph-micro.sh");
+            if out.status.success() {
+                last = None;
+                break;
+            }
+            let osd_log = std::fs::read_to_string(dir.join("log/osd.0.log")).unwrap_or_default();
+            let why: Vec<&str> = osd_log.lines().filter(|l| l.contains(" -1 ")).take(3).collect();
+            eprintln!("ceph rig attempt {attempt} failed ({}): {}", out.status, why.join(" | "));
+            let _ = Command::new("bash").arg(rig()).arg("stop").arg(&dir).status();
+            let _ = std::fs::remove_dir_all(&dir);
+            last = Some(out);
+            std::thread::sleep(Duration::from_secs(3));
+        }
+        if let Some(out) = last {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let tail: Vec<&str> = err.lines().rev().take(15).collect();
+            panic!(
+                "the Ceph test cluster did not start (scripts/install-test-deps.sh installs it): {}\n{}",
+                out.status,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        // SAFETY: registers a plain function that takes no arguments; it runs at exit.
+        unsafe { libc::atexit(stop_cluster) };
+        Cluster { conf: dir.join("ceph.conf").display().to_string(), dir }
+    })
+}
+
+/// The cluster, held shared against the OSD stall test.
+fn shared() -> (&'static Cluster, RwLockReadGuard<'static, ()>) {
+    let c = cluster();
+    (c, OSD.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// A fresh image name.
+fn name(tag: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("{tag}{}", N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// `rbd ARGS` against the test cluster, asserting success.
+fn rbd(c: &Cluster, args: &[&str]) -> String {
+    let out = Command::new("rbd").args(args).env("CEPH_CONF", &c.conf).output().expect("run rbd");
+    assert!(out.status.success(), "rbd {args:?}: {}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The image's bytes as `rbd export` gives them.
+fn export(c: &Cluster, dir: &TempDir, image: &str) -> Vec<u8> {
+    let to = dir.path(&format!("{}.export", image.replace(['/', '@'], "_")));
+    let _ = std::fs::remove_file(&to);
+    rbd(c, &["export", image, to.to_str().unwrap()]);
+    read_file(&to)
+}
+
+fn create(c: &Cluster, image: &str, size: &str) {
+    let spec = format!("rbd:rbd/{image}");
+    let out = vdisk(&["create", &spec, "--size", size, "--ceph-conf", &c.conf]);
+    assert!(out.status.success(), "vdisk create {spec}: {}", text(&out));
+}
+
+fn serve(c: &Cluster, dir: &TempDir, args: &[&str]) -> Server {
+    Server::start_env(dir, args, &[("CEPH_CONF", &c.conf)])
+}
+
+/// Deterministic bytes that differ at every offset and between seeds.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn create_and_info_and_mistakes() {
+    let (c, _g) = shared();
+    let img = name("info");
+    create(c, &img, "64M");
+    let spec = format!("rbd:rbd/{img}");
+    let out = vdisk(&["info", &spec, "--ceph-conf", &c.conf, "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let v = common::json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(v["format"], "rbd");
+    assert_eq!(v["virtual-size"], 64 * MIB as u64);
+    // :conf= in the name instead of the flag.
+    let out = vdisk(&["info", &format!("{spec}:conf={}", c.conf)]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("64 MiB"), "{}", text(&out));
+
+    let again = vdisk(&["create", &spec, "--size", "1M", "--ceph-conf", &c.conf]);
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again));
+    assert!(text(&again).contains("already exists"), "{}", text(&again));
+
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec![format!("rbd:rbd/{img}-missing")], "does not exist in pool"),
+        (vec!["rbd:nosuchpool/x".into()], "pool \"nosuchpool\" does not exist"),
+        (vec![spec.clone(), "--ceph-conf".into(), "/nonexistent/ceph.conf".into()], "/nonexistent/ceph.conf"),
+        (vec![format!("{spec}@nosnap")], "snapshot"),
+        (vec!["rbd:justapool".into()], "rbd:POOL/IMAGE"),
+    ];
+    for (args, want) in cases {
+        let mut all = vec!["serve".to_owned()];
+        all.extend(args.iter().cloned());
+        if !args.iter().any(|a| a == "--ceph-conf") {
+            all.extend(["--ceph-conf".to_owned(), c.conf.clone()]);
+        }
+        let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+        let out = vdisk_bounded(&refs);
+        assert_eq!(out.status.code(), Some(2), "{refs:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{refs:?}: wanted {want:?} in {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{refs:?}: one line, got {err}");
+    }
+}
+
+#[test]
+fn an_unreachable_cluster_fails_within_30_seconds() {
+    let dir = TempDir::new("rbd-unreachable");
+    // A monitor address nobody listens on.
+    let conf = dir.path("ceph.conf");
+    std::fs::write(&conf, "[global]\nmon host = v1:127.0.0.1:9\nauth client required = none\n").unwrap();
+    let t = Instant::now();
+    let out = vdisk_bounded(&["serve", "rbd:rbd/disk", "--ceph-conf", conf.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot connect to the Ceph cluster") && err.contains("mon host"), "{err}");
+}
+
+#[test]
+fn what_vdisk_writes_is_what_rbd_export_returns() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-export");
+    let img = name("exp");
+    create(c, &img, "32M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}")]);
+    let uri = server.uri(&img);
+    let mut want = vec![0u8; 32 * MIB];
+    // 8 MiB of distinct data over 4 connections, in 256 KiB requests.
+    let data = pattern(8 * MIB, 1);
+    let src = dir.path("src");
+    std::fs::write(&src, &data).unwrap();
+    run("nbdcopy", &["--connections=4", "--flush", src.to_str().unwrap(), &uri]);
+    want[..8 * MIB].copy_from_slice(&data);
+    // Small unaligned writes, a FUA write, zeroes (with and without holes), a trim of written data.
+    qemu_io(
+        &uri,
+        &[
+            "write -P 0x5a 12345 3000",
+            "write -f -P 0x77 10M 64k",
+            "write -z 1M 128k",
+            "write -P 0x11 20M 1M",
+            "write -z -u 20M 512k",
+            "flush",
+        ],
+    );
+    want[12345..12345 + 3000].fill(0x5a);
+    want[10 * MIB..10 * MIB + 64 * 1024].fill(0x77);
+    want[MIB..MIB + 128 * 1024].fill(0);
+    want[20 * MIB..21 * MIB].fill(0x11);
+    want[20 * MIB..20 * MIB + 512 * 1024].fill(0);
+    assert_same("rbd export after writes through vdisk", &export(c, &dir, &format!("rbd/{img}")), &want);
+    // And read back through vdisk the same.
+    let back = dir.path("back");
+    run("nbdcopy", &[&uri, back.to_str().unwrap()]);
+    assert_same("read back through vdisk", &read_file(&back), &want);
+    // Block status from the object map (whole 4 MiB objects): written objects are data,
+    // the never-written last two are a hole.
+    let map = run("nbdinfo", &["--map", &uri]);
+    let covering = |at: u64| {
+        map.lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| {
+                f.len() >= 4 && {
+                    let (o, n): (u64, u64) = (f[0].parse().unwrap(), f[1].parse().unwrap());
+                    o <= at && at < o + n
+                }
+            })
+            .map(|f| f[3..].join(" "))
+            .unwrap_or_default()
+    };
+    assert!(covering(0).contains("data"), "offset 0 is data:\n{map}");
+    assert!(covering(26 * MIB as u64).contains("hole"), "offset 26M is a hole:\n{map}");
+    server.stop();
+    // A clean stop closes the image: no watcher and no exclusive lock left for the next client to wait out.
+    let status = rbd(c, &["status", &format!("rbd/{img}")]);
+    assert!(status.contains("none"), "a watcher is left after vdisk stopped:\n{status}");
+    let locks = rbd(c, &["lock", "ls", &format!("rbd/{img}")]);
+    assert!(!locks.contains("exclusive lock"), "the exclusive lock is left after vdisk stopped:\n{locks}");
+}
+
+#[test]
+fn what_rbd_import_put_in_reads_the_same_and_snapshots_are_read_only() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-import");
+    let img = name("imp");
+    let data = pattern(16 * MIB + 4096, 2);
+    let src = dir.path("src.img");
+    std::fs::write(&src, &data).unwrap();
+    rbd(c, &["import", src.to_str().unwrap(), &format!("rbd/{img}")]);
+    rbd(c, &["snap", "create", &format!("rbd/{img}@s1")]);
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}"), &format!("rbd:rbd/{img}@s1")]);
+    let back = dir.path("back");
+    run("nbdcopy", &[&server.uri(&img), back.to_str().unwrap()]);
+    assert_same("rbd import read through vdisk", &read_file(&back), &data);
+    // The image changes; the snapshot keeps the imported data and refuses writes.
+    qemu_io(&server.uri(&img), &["write -P 0x33 0 1M", "flush"]);
+    let snap = format!("{img}@s1");
+    let out = output("qemu-io", &["-f", "raw", &server.uri(&snap), "-c", "write -P 1 0 4k"]);
+    assert!(text(&out).to_lowercase().contains("failed") || !out.status.success(), "{}", text(&out));
+    let snap_back = dir.path("snap");
+    run("nbdcopy", &[&server.uri(&snap), snap_back.to_str().unwrap()]);
+    assert_same("snapshot through vdisk", &read_file(&snap_back), &data);
+    assert!(server.stdout.iter().any(|l| l.contains("@s1") && l.contains("read-only")), "{:?}", server.stdout);
+    server.stop();
+}
+
+#[test]
+fn fio_verify_over_nbd() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-fio");
+    let img = name("fio");
+    create(c, &img, "64M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}")]);
+    let uri = server.uri(&img);
+    let out = output(
+        "fio",
+        &[
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--bsrange=4k-64k",
+            "--iodepth=16",
+            "--size=32M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            // No verify state file left in the working directory.
+            "--verify_state_save=0",
+        ],
+    );
+    assert!(out.status.success(), "fio verify: {}", text(&out));
+    assert!(!text(&out).contains("verify: bad"), "{}", text(&out));
+    server.stop();
+}
+
+#[test]
+fn sigkill_loses_nothing_acknowledged_before_a_flush() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-kill");
+    let img = name("kill");
+    create(c, &img, "16M");
+    // librbd's cache in writeback mode holding dirty data for a minute: only the FLUSH
+    // makes these writes durable before the SIGKILL.
+    let spec = format!("rbd:rbd/{img}:rbd_cache_policy=writeback:rbd_cache_max_dirty_age=60");
+    let server = serve(c, &dir, &[&spec]);
+    // Many writes in flight at once, then one FLUSH; SIGKILL right after its reply.
+    // The first FLUSH turns librbd's cache from writethrough to writeback.
+    let script = "
+import os
+h.flush()
+bufs = []
+for i in range(64):
+    buf = bytes([i + 1]) * 65536
+    h.aio_pwrite(buf, i * 131072)
+    bufs.append(buf)
+while h.aio_in_flight() > 0:
+    h.poll(-1)
+h.flush()
+print('flushed')
+";
+    let out = common::nbdsh(&server.uri(&img), script);
+    assert!(out.contains("flushed"));
+    let st = server.stop_with(libc::SIGKILL);
+    assert!(!st.success());
+    let got = export(c, &dir, &format!("rbd/{img}"));
+    for i in 0..64usize {
+        let at = i * 131072;
+        assert!(got[at..at + 65536].iter().all(|&b| b == i as u8 + 1), "write {i} at {at} lost after SIGKILL");
+    }
+}
+
+#[test]
+fn the_fuse_export_of_an_rbd_image() {
+    // SAFETY: geteuid only returns a number.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the FUSE test mounts a file system and needs root");
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-fuse");
+    let img = name("fuse");
+    create(c, &img, "16M");
+    let file = dir.path("disk.raw");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}"), "--fuse", file.to_str().unwrap()]);
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&file).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), 16 * MIB as u64);
+    let data = pattern(MIB + 777, 3);
+    f.write_all_at(&data, 3 * MIB as u64 + 5).unwrap();
+    f.sync_all().unwrap();
+    let mut back = vec![0u8; data.len()];
+    f.read_exact_at(&mut back, 3 * MIB as u64 + 5).unwrap();
+    assert_same("read back through FUSE", &back, &data);
+    drop(f);
+    let got = export(c, &dir, &format!("rbd/{img}"));
+    assert_same("rbd export after FUSE writes", &got[3 * MIB + 5..3 * MIB + 5 + data.len()], &data);
+    server.stop();
+}
+
+/// Sends SIGCONT to a stopped process when dropped, also when a test fails.
+struct Stopped(i32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: kill only reads its integer arguments.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+#[test]
+fn an_osd_stopped_for_10_seconds_delays_rbd_requests_and_nothing_else() {
+    let c = cluster();
+    let _alone = OSD.write().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("rbd-stall");
+    let img = name("stall");
+    create(c, &img, "16M");
+    let local = dir.path("local.img");
+    common::create_image(&local, "16M");
+    let server = serve(c, &dir, &[&format!("rbd:rbd/{img}"), local.to_str().unwrap()]);
+    let (rbd_uri, local_uri) = (server.uri(&img), server.uri("local"));
+    qemu_io(&rbd_uri, &["write -P 0x21 0 1M", "flush"]);
+
+    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
+    // SAFETY: kill only reads its integer arguments.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Stopped(pid);
+    let t0 = Instant::now();
+    let writer = {
+        let uri = rbd_uri.clone();
+        std::thread::spawn(move || {
+            qemu_io(&uri, &["write -P 0x42 1M 4M", "read -P 0x21 0 1M", "flush"]);
+            Instant::now()
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    // The other export goes on as if nothing happened.
+    for round in 0..3 {
+        let t = Instant::now();
+        qemu_io(&local_uri, &[format!("write -P {} 0 1M", round + 1), format!("read -P {} 0 1M", round + 1)]);
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "the file export took {:?} while the OSD was stopped",
+            t.elapsed()
+        );
+    }
+    assert!(!writer.is_finished(), "RBD requests completed while the OSD was stopped");
+    std::thread::sleep(Duration::from_secs(10).saturating_sub(t0.elapsed()));
+    drop(stopped);
+    let resumed = Instant::now();
+    // The waiting requests finish once the OSD is back.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !writer.is_finished() {
+        assert!(Instant::now() < deadline, "RBD requests did not resume within 60 s of the OSD's return");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let done = writer.join().expect("the writer's qemu-io succeeded");
+    assert!(done >= resumed - Duration::from_millis(100), "finished before the OSD came back");
+    let mut want = vec![0u8; 16 * MIB];
+    want[..MIB].fill(0x21);
+    want[MIB..5 * MIB].fill(0x42);
+    assert_same("rbd export after the stall", &export(c, &dir, &format!("rbd/{img}")), &want);
+    server.stop();
+}
+
+#[test]
+fn a_local_cow_overlay_over_an_rbd_snapshot_round_trips() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-cow");
+    let img = name("golden");
+    let base = pattern(8 * MIB, 4);
+    let src = dir.path("golden.img");
+    std::fs::write(&src, &base).unwrap();
+    rbd(c, &["import", src.to_str().unwrap(), &format!("rbd/{img}")]);
+    rbd(c, &["snap", "create", &format!("rbd/{img}@base")]);
+    let snap = format!("rbd:rbd/{img}@base");
+    let conf = ["--ceph-conf", c.conf.as_str()];
+
+    // Not a snapshot: refused, the image could change under the overlay.
+    let out = vdisk(&[
+        "create",
+        "--backing",
+        &format!("rbd:rbd/{img}"),
+        dir.path("bad.cow").to_str().unwrap(),
+        conf[0],
+        conf[1],
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("snapshot"), "{}", text(&out));
+
+    let (vm1, vm2) = (dir.path("vm1.cow"), dir.path("vm2.cow"));
+    for vm in [&vm1, &vm2] {
+        let out = vdisk(&["create", "--backing", &snap, vm.to_str().unwrap(), conf[0], conf[1]]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let server = serve(c, &dir, &[vm1.to_str().unwrap(), vm2.to_str().unwrap()]);
+    let back = dir.path("vm1.read");
+    run("nbdcopy", &[&server.uri("vm1"), back.to_str().unwrap()]);
+    assert_same("a new overlay reads as its snapshot", &read_file(&back), &base);
+    // Unaligned writes (copy-up of partial sectors from the snapshot), a zeroed range.
+    qemu_io(&server.uri("vm1"), &["write -P 0x66 1000 5000", "write -z 4M 64k", "flush"]);
+    let mut want = base.clone();
+    want[1000..6000].fill(0x66);
+    want[4 * MIB..4 * MIB + 65536].fill(0);
+    run("nbdcopy", &[&server.uri("vm1"), back.to_str().unwrap()]);
+    assert_same("overlay after writes", &read_file(&back), &want);
+    // The other overlay and the snapshot itself are untouched.
+    run("nbdcopy", &[&server.uri("vm2"), back.to_str().unwrap()]);
+    assert_same("the other overlay", &read_file(&back), &base);
+    server.stop();
+    assert_same("the snapshot", &export(c, &dir, &format!("rbd/{img}@base")), &base);
+
+    // Served again (size checked against the snapshot), and merged into a new raw image.
+    let server = serve(c, &dir, &[vm1.to_str().unwrap()]);
+    run("nbdcopy", &[&server.uri("vm1"), back.to_str().unwrap()]);
+    assert_same("overlay served again", &read_file(&back), &want);
+    server.stop();
+    let merged = dir.path("merged.img");
+    let out = vdisk(&["commit", vm1.to_str().unwrap(), "--into", merged.to_str().unwrap(), conf[0], conf[1]]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same("merged image", &read_file(&merged), &want);
+    let out = vdisk(&["commit", vm1.to_str().unwrap(), conf[0], conf[1]]);
+    assert_eq!(out.status.code(), Some(2), "a snapshot cannot take a commit: {}", text(&out));
+}
+
+#[test]
+fn opening_while_the_osd_is_down_fails_within_30_seconds() {
+    let c = cluster();
+    let img = name("down");
+    {
+        let _g = OSD.read().unwrap_or_else(|e| e.into_inner());
+        create(c, &img, "4M");
+    }
+    let _alone = OSD.write().unwrap_or_else(|e| e.into_inner());
+    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
+    // SAFETY: kill only reads its integer arguments.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let _stopped = Stopped(pid);
+    let t = Instant::now();
+    let mut child = Command::new(common::vdisk_bin())
+        .args(["serve", &format!("rbd:rbd/{img}"), "--ceph-conf", &c.conf, "--socket", "/nonexistent/x.sock"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("vdisk serve still opening an image after 30 s with the OSD down");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("no answer from the Ceph cluster"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn readonly_and_direct_on_rbd() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-ro");
+    let img = name("ro");
+    create(c, &img, "4M");
+    let spec = format!("rbd:rbd/{img}");
+    let out = vdisk_bounded(&["serve", &spec, "--direct", "--ceph-conf", &c.conf]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--direct"), "{}", text(&out));
+    let server = serve(c, &dir, &[&spec, "--readonly"]);
+    let out = output("qemu-io", &["-f", "raw", &server.uri(&img), "-c", "write -P 1 0 4k"]);
+    assert!(text(&out).to_lowercase().contains("failed") || !out.status.success(), "{}", text(&out));
+    let out = output("qemu-io", &["-r", "-f", "raw", &server.uri(&img), "-c", "read -P 0 0 4M"]);
+    assert!(out.status.success() && !text(&out).contains("failed"), "{}", text(&out));
+    server.stop();
+}
+
+#[test]
+fn a_vm_guest_on_an_rbd_image_over_vhost_user_blk() {
+    let vmrig = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vmrig");
+    let out = Command::new("bash").arg(vmrig.join("vm-setup.sh")).output().expect("run scripts/vmrig/vm-setup.sh");
+    assert!(out.status.success(), "the VM rig could not be set up (scripts/vmrig/vm-setup.sh):\n{}", text(&out));
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-vm");
+    let img = name("vm");
+    create(c, &img, "128M");
+    let socket = dir.path("vub.sock");
+    let spec = format!("rbd:rbd/{img}");
+    let args = ["serve", &spec, "--ceph-conf", &c.conf, "--vhost-user-blk", socket.to_str().unwrap()];
+    let server = Server::spawn(&args, socket.clone());
+    // The rig's guest workload: O_DIRECT patterns, odd-offset sectors, discard, mkfs.ext4, files, verify.
+    let out = Command::new("bash")
+        .arg(vmrig.join("vm-vhost-user-blk.sh"))
+        .args(["--timeout", "300", "--mb", "16", "--files", "20"])
+        .arg(&socket)
+        .output()
+        .expect("run vm-vhost-user-blk.sh");
+    let all = text(&out);
+    assert!(out.status.success(), "guest workload failed:\n{all}");
+    for step in ["raw_md5 ok", "small_io ok", "discard ok", "mkfs type=ext4", "fs_verify ok", "VMRIG-RESULT: rc=0"] {
+        assert!(all.contains(step), "guest output lacks {step:?}:\n{all}");
+    }
+    server.stop();
+}
+
+#[test]
+fn fua_and_sync_writes_survive_sigkill_without_a_flush() {
+    let (c, _g) = shared();
+    for (tag, extra, flags) in [("fua", None, "nbd.CMD_FLAG_FUA"), ("sync", Some("--sync"), "0")] {
+        let dir = TempDir::new(&format!("rbd-{tag}"));
+        let img = name(tag);
+        create(c, &img, "16M");
+        // librbd's cache in writeback mode, keeping dirty data for a minute (Ceph options in
+        // the name, as qemu passes them): nothing but a flush makes a write durable, so
+        // without the engine's flush after FUA and --sync writes this test fails.
+        let spec = format!("rbd:rbd/{img}:rbd_cache_policy=writeback:rbd_cache_max_dirty_age=60");
+        let mut args = vec![spec.as_str()];
+        args.extend(extra);
+        let server = serve(c, &dir, &args);
+        // The first FLUSH turns librbd's cache from writethrough to writeback; after it, only
+        // FUA (or --sync) makes a write durable before its reply, and no FLUSH follows here.
+        let script = format!(
+            "
+h.pwrite(b'\\x01' * 4096, 0)
+h.flush()
+for i in range(16):
+    h.pwrite(bytes([0x40 + i]) * 65536, 1048576 + i * 65536, {flags})
+print('written')
+"
+        );
+        let out = common::nbdsh(&server.uri(&img), &script);
+        assert!(out.contains("written"));
+        let st = server.stop_with(libc::SIGKILL);
+        assert!(!st.success());
+        let got = export(c, &dir, &format!("rbd/{img}"));
+        for i in 0..16usize {
+            let at = MIB + i * 65536;
+            assert!(got[at..at + 65536].iter().all(|&b| b == 0x40 + i as u8), "{tag}: write {i} lost after SIGKILL");
+        }
+    }
+}
