@@ -138,3 +138,20 @@ pub trait Image: Send + Sync {
         Ok(())
     }
 }
+
+/// Creates the new file `path` (which must not exist), lets `fill` write it,
+/// and removes it again if `fill` fails: a new image is whole or not there.
+pub(crate) fn create_whole(path: &Path, fill: impl FnOnce(&File) -> Result<()>) -> Result<()> {
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AlreadyExists {
+            Error::invalid(format!("{} already exists; remove it first or pick another name", path.display()))
+        } else {
+            Error::io(e, format!("cannot create {}", path.display()))
+        }
+    })?;
+    let result = fill(&file);
+    if result.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}

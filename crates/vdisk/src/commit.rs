@@ -1,5 +1,7 @@
 //! `vdisk commit`: merge an overlay into its backing file or into a new image.
 
+use std::path::Path;
+
 use indicatif::{ProgressBar, ProgressStyle};
 use vdisk_image::cow::OverlayOptions;
 use vdisk_image::{CowImage, Image};
@@ -31,36 +33,14 @@ pub fn run(a: CommitArgs) -> Result<(), Failure> {
         ceph: a.backing.ceph.options(),
     };
     let image = CowImage::open_with(&a.overlay, &options)?;
-    let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("merging {bar:40} {bytes}/{total_bytes} ({eta})").expect("a valid template"),
-    );
-    let progress = |done: u64, total: u64| {
-        bar.set_length(total);
-        bar.set_position(done);
-    };
-    match &a.into {
-        Some(new) => {
-            image.write_merged(new, &progress)?;
-            bar.finish_and_clear();
-            println!(
-                "wrote {} ({}, raw): {} merged over {}",
-                new.display(),
-                human(image.size()),
-                a.overlay.display(),
-                image.backing_path().display()
-            );
-        }
-        None => {
-            let copied = image.commit_to_backing(&progress)?;
-            bar.finish_and_clear();
-            println!("merged {} of {} into {}", human(copied), a.overlay.display(), image.backing_path().display());
-            println!(
-                "note: {} changed, so overlays made over it no longer match it; {} still reads the same \
-                 (serve it with --ignore-backing-mtime) or can be removed",
-                image.backing_path().display(),
-                a.overlay.display()
-            );
-        }
+    merge(&a, image.size(), image.backing_path(), |new, p| image.write_merged(new, p), |p| image.commit_to_backing(p))?;
+    if a.into.is_none() {
+        println!(
+            "note: {} changed, so overlays made over it no longer match it; {} still reads the same \
+             (serve it with --ignore-backing-mtime) or can be removed",
+            image.backing_path().display(),
+            a.overlay.display()
+        );
     }
     Ok(())
 }
@@ -87,6 +67,20 @@ fn qcow2(a: &CommitArgs) -> Result<(), Failure> {
             image.backing_format().unwrap_or("of no format")
         )));
     }
+    merge(a, image.size(), &base, |new, p| image.write_merged(new, p), |p| image.commit_to_backing(p))?;
+    Ok(())
+}
+
+/// Runs a merge under a progress bar: into a new raw image with `--into`
+/// (`into_new`), else into the backing file `base` (`in_place`, which returns
+/// the bytes it copied); then says what it did.
+fn merge(
+    a: &CommitArgs,
+    size: u64,
+    base: &Path,
+    into_new: impl FnOnce(&Path, &dyn Fn(u64, u64)) -> Result<(), vdisk_image::Error>,
+    in_place: impl FnOnce(&dyn Fn(u64, u64)) -> Result<u64, vdisk_image::Error>,
+) -> Result<(), Failure> {
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("merging {bar:40} {bytes}/{total_bytes} ({eta})").expect("a valid template"),
     );
@@ -96,18 +90,13 @@ fn qcow2(a: &CommitArgs) -> Result<(), Failure> {
     };
     match &a.into {
         Some(new) => {
-            image.write_merged(new, &progress)?;
+            into_new(new, &progress)?;
             bar.finish_and_clear();
-            println!(
-                "wrote {} ({}, raw): {} merged over {}",
-                new.display(),
-                human(image.size()),
-                a.overlay.display(),
-                base.display()
-            );
+            let (new, overlay, base) = (new.display(), a.overlay.display(), base.display());
+            println!("wrote {new} ({}, raw): {overlay} merged over {base}", human(size));
         }
         None => {
-            let copied = image.commit_to_backing(&progress)?;
+            let copied = in_place(&progress)?;
             bar.finish_and_clear();
             println!("merged {} of {} into {}", human(copied), a.overlay.display(), base.display());
         }

@@ -2,7 +2,7 @@
 //! (`vdisk commit`): into its backing file in place, as `uml_moo -d` does, or
 //! into a new raw image, as `uml_moo OVERLAY NEW` does.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -124,18 +124,7 @@ impl CowImage {
     /// Writes the whole disk (overlay over backing) to a new sparse raw image
     /// at `new`, which must not exist. Calls `progress(done, total)` in bytes.
     pub fn write_merged(&self, new: &Path, progress: &dyn Fn(u64, u64)) -> Result<()> {
-        let out = OpenOptions::new().write(true).create_new(true).open(new).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AlreadyExists {
-                Error::invalid(format!("{} already exists; remove it first or pick another name", new.display()))
-            } else {
-                at(new, e, "cannot create")
-            }
-        })?;
-        let result = self.copy_disk(&out, new, progress);
-        if result.is_err() {
-            let _ = std::fs::remove_file(new);
-        }
-        result
+        crate::create_whole(new, |out| self.copy_disk(out, new, progress))
     }
 
     fn copy_disk(&self, out: &File, new: &Path, progress: &dyn Fn(u64, u64)) -> Result<()> {
