@@ -667,7 +667,12 @@ impl Storage {
             let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
             // SAFETY: umount2 only reads the NUL-terminated path for the duration of the call.
             if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-                return Err(io::Error::new(e.kind(), format!("cannot unmount {}: {e}", path.display())));
+                // EINVAL: no longer a mount point. The unmount went through and the
+                // error came from the session's end (ECONNABORTED once the
+                // connection is gone), which is what a power cut leaves.
+                if io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+                    return Err(io::Error::new(e.kind(), format!("cannot unmount {}: {e}", path.display())));
+                }
             }
         }
         Ok(())
