@@ -269,6 +269,26 @@ mod tests {
         assert_eq!(Buf::from_slice(b"abc"), b"abc".to_vec());
     }
 
+    /// Pages of a large buffer are resident only once written (a FUSE ring
+    /// entry's 1 MiB payload costs nothing until a request uses it).
+    #[test]
+    fn large_buffers_are_faulted_in_on_use() {
+        let len = (33 << 20) + 4096; // past the largest class: always a fresh mapping
+        let mut b = Buf::for_io(len);
+        let resident = |b: &Buf| {
+            let mut vec = vec![0u8; b.capacity().div_ceil(4096)];
+            // SAFETY: the range is our mapping and `vec` has one byte per page of it.
+            let r = unsafe { libc::mincore(b.as_ptr() as *mut _, b.capacity(), vec.as_mut_ptr()) };
+            assert_eq!(r, 0);
+            vec.iter().filter(|&&v| v & 1 != 0).count()
+        };
+        assert!(b.is_aligned());
+        assert_eq!(resident(&b), 0);
+        assert!(b[..8192].iter().all(|&x| x == 0));
+        b[..8192].fill(7);
+        assert_eq!(resident(&b), 2);
+    }
+
     #[test]
     fn buffers_are_reused_from_the_pool() {
         let a = Buf::for_io(100_000);
