@@ -21,6 +21,12 @@ use std::sync::Mutex;
 pub const ALIGN: usize = 4096;
 /// Most bytes the pool keeps for reuse.
 pub const POOL_LIMIT: usize = 128 << 20;
+/// Allocations from this size up are anonymous mappings of their own: zero
+/// without being written, so their pages are faulted in only where a request
+/// puts data. (The allocator's `alloc_zeroed` with 4 KiB alignment writes
+/// every byte, which made each FUSE ring entry's 1 MiB payload resident at
+/// start whether or not a request ever used it.)
+const MAP_MIN: usize = 128 << 10;
 const MIN_CLASS: u32 = 12;
 const MAX_CLASS: u32 = 25;
 const CLASSES: usize = (MAX_CLASS - MIN_CLASS + 1) as usize;
@@ -53,6 +59,24 @@ fn obtain(len: usize) -> (NonNull<u8>, usize) {
         return (unsafe { NonNull::new_unchecked(p as *mut u8) }, cap);
     }
     let layout = Buf::layout(cap);
+    if cap >= MAP_MIN {
+        // SAFETY: a fresh private anonymous mapping; it touches no memory of ours.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: mmap succeeded, so `p` is non-null (and page-aligned, which is ALIGN).
+        return (unsafe { NonNull::new_unchecked(p.cast()) }, cap);
+    }
     // SAFETY: the layout has a non-zero size and a valid alignment.
     let p = unsafe { alloc::alloc_zeroed(layout) };
     (NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout)), cap)
@@ -68,6 +92,11 @@ fn give_back(ptr: NonNull<u8>, cap: usize) {
         if size == cap {
             POOL.bytes.fetch_sub(cap, Ordering::Relaxed);
         }
+    }
+    if cap >= MAP_MIN {
+        // SAFETY: mapped by `obtain` with this length, and given back exactly once.
+        unsafe { libc::munmap(ptr.as_ptr().cast(), cap) };
+        return;
     }
     // SAFETY: allocated by `obtain` with this layout, and given back exactly once.
     unsafe { alloc::dealloc(ptr.as_ptr(), Buf::layout(cap)) };
@@ -238,6 +267,26 @@ mod tests {
         let e = Buf::new();
         assert!(e.is_empty());
         assert_eq!(Buf::from_slice(b"abc"), b"abc".to_vec());
+    }
+
+    /// Pages of a large buffer are resident only once written (a FUSE ring
+    /// entry's 1 MiB payload costs nothing until a request uses it).
+    #[test]
+    fn large_buffers_are_faulted_in_on_use() {
+        let len = (33 << 20) + 4096; // past the largest class: always a fresh mapping
+        let mut b = Buf::for_io(len);
+        let resident = |b: &Buf| {
+            let mut vec = vec![0u8; b.capacity().div_ceil(4096)];
+            // SAFETY: the range is our mapping and `vec` has one byte per page of it.
+            let r = unsafe { libc::mincore(b.as_ptr() as *mut _, b.capacity(), vec.as_mut_ptr()) };
+            assert_eq!(r, 0);
+            vec.iter().filter(|&&v| v & 1 != 0).count()
+        };
+        assert!(b.is_aligned());
+        assert_eq!(resident(&b), 0);
+        assert!(b[..8192].iter().all(|&x| x == 0));
+        b[..8192].fill(7);
+        assert_eq!(resident(&b), 2);
     }
 
     #[test]
