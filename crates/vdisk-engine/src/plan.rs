@@ -187,7 +187,7 @@ impl Planner {
         let r = if run.write {
             // SAFETY: the segments point into data of live requests (the caller's contract).
             let r = unsafe { sys::pwritev_full(file, segs, offset, run.dsync) };
-            if run.dsync && self.dsync_unreliable {
+            if run.dsync && self.dsync_unreliable && !skips_data_sync() {
                 r.and_then(|()| sys::fdatasync(file))
             } else {
                 r

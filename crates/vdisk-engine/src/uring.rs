@@ -239,7 +239,7 @@ impl RingWorker {
     fn start_run(&mut self, run: Run) -> std::io::Result<()> {
         let mut jobs = run.jobs.clone();
         jobs.dedup();
-        let linked = run.write && run.dsync && self.planner.dsync_unreliable;
+        let linked = run.write && run.dsync && self.planner.dsync_unreliable && !crate::plan::skips_data_sync();
         for &j in &jobs {
             self.jobs[j].pending += if linked { 2 } else { 1 };
         }

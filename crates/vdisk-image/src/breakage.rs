@@ -4,7 +4,8 @@
 //! product build: the vdisk crate's tests turn it on) has it, and even there nothing changes unless the
 //! environment variable `VDISK_BREAK` names what to break, comma-separated:
 //! - `skip-data-sync`: a FLUSH (and a durable TRIM or WRITE_ZEROES) does not
-//!   fdatasync the image's written file;
+//!   fdatasync the image's written file, nor does a durable write on FUSE
+//!   (whose fdatasync would sync every earlier write of the file with it);
 //! - `bitmap-first`: a COW overlay writes a bitmap block as soon as a bit in
 //!   it is set, and its bitmap rounds write without first making the data
 //!   durable: bits may reach the disk before the data they point at.
