@@ -336,15 +336,16 @@ def md_rbd(res, meta):
     if "error" in res:
         return out + [f"Not run: {res['error']}.", ""]
     cells = res["cells"]
-    out.append("| job | path | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | peak RSS MiB | vs fio rbd |")
-    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    out.append("| job | path | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | CPU µs / request | peak RSS MiB | "
+               "vs fio rbd |")
+    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for jid in res.get("jobs", RBD_JOBS):
         _, title_j, _opts, metric = JOB[jid]
         base = val(cells.get(f"{jid}|fio rbd"), metric)
         for target in res.get("targets", RBD_TARGETS):
             c = cells.get(f"{jid}|{target}", {"error": "not run"})
             if "error" in c:
-                out.append(f"| {title_j} | {target} | {cell_err(c)} | | | | | |")
+                out.append(f"| {title_j} | {target} | {cell_err(c)} | | | | | | |")
                 continue
             out.append(f"| {title_j} | {target} | {measured(c, metric)} | {fmt_ratio(ratio(c[metric], base))} |")
     out.append("")
@@ -366,9 +367,9 @@ def md_rbd(res, meta):
 def md_overlay(res, meta):
     out = ["### 4. Copy-on-write overlays over a 2 GiB base, tmpfs (/dev/shm)\n"]
     cells = res["cells"]
-    out.append("| job | server | overlay | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | peak RSS MiB | "
-               "overlay MiB at end | vs best peer |")
-    out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    out.append("| job | server | overlay | IOPS / MiB/s | p50 µs | p99 µs | server CPU % | CPU µs / request | "
+               "peak RSS MiB | overlay MiB at end | vs best peer |")
+    out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for jid in res.get("jobs", OVERLAY_JOBS):
         _, title_j, _opts, metric = JOB[jid]
         peer = best_peer([val(cells.get(f"{jid}|{p}"), metric) for p in PEERS])
@@ -376,7 +377,7 @@ def md_overlay(res, meta):
             c = cells.get(f"{jid}|{label}", {"error": "not run"})
             kind = OVERLAY_KIND[label]
             if "error" in c:
-                out.append(f"| {title_j} | {label} | {kind} | {cell_err(c)} | | | | | | |")
+                out.append(f"| {title_j} | {label} | {kind} | {cell_err(c)} | | | | | | | |")
                 continue
             v = c[metric]
             out.append(f"| {title_j} | {label} | {kind} | {measured(c, metric)} | "
