@@ -52,14 +52,7 @@ impl Drop for UringSwitch {
 
 fn pattern(round: u64, piece: u64) -> Vec<u8> {
     let mut x = (round << 32 ^ piece).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..PIECE)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    (0..PIECE).map(|_| common::xorshift(&mut x) as u8).collect()
 }
 
 /// A page-aligned copy of `data`, for O_DIRECT.

@@ -128,14 +128,7 @@ fn serve(c: &Cluster, dir: &TempDir, args: &[&str]) -> Server {
 /// Deterministic bytes that differ at every offset and between seeds.
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    (0..len).map(|_| common::xorshift(&mut x) as u8).collect()
 }
 
 #[test]
