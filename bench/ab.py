@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """A/B: the same fio rows against several vdisk command lines, alternating, in one run.
 
-    python3 bench/ab.py NAME=BINARY[:ARGS] NAME=BINARY[:ARGS] ... [--rounds N] [--runtime S]
+    python3 bench/ab.py NAME=BINARY[:ARGS][@CPUS][%VAR=VALUE] ... [--rounds N] [--runtime S] [--rows R,R]
 
 Each NAME is one configuration: a vdisk binary and extra `serve` arguments (comma-separated
 after a colon), e.g. `before=/tmp/old/vdisk after=target/release/vdisk
-metrics=target/release/vdisk:--metrics,127.0.0.1:19199` (scraped once a second). Every round runs every row
+metrics=target/release/vdisk:--metrics,127.0.0.1:19199` (scraped once a second); `@1` runs the
+server under `taskset -c 1`, `%VAR=VALUE` sets an environment variable for it (repeatable,
+after the rest). Every round runs every row
 against every configuration in turn on a fresh server over a 2 GiB tmpfs image (so
 drift in the machine's load hits all of them alike); the table gives each
-configuration's median and its ratio to the first. For comparing builds (a refactor
+configuration's median throughput and its ratio to the first, and the median server CPU
+per request (user+system µs of the server from the end of fio's ramp to fio's exit over the
+requests fio completed; lower is better). For comparing builds (a refactor
 that must not cost speed) or a switch (metrics on and off); the full suite is run.py.
 """
 
@@ -16,6 +20,8 @@ import argparse
 import shutil
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,10 +43,15 @@ def main():
     p.add_argument("--dir", default="/dev/shm")
     a = p.parse_args()
     configs = []
+    envs = {}
     for c in a.configs:
         name, _, rest = c.partition("=")
+        rest, *env = rest.split("%")
+        envs[name] = dict(e.split("=", 1) for e in env)
+        rest, _, cpus = rest.partition("@")
         binary, _, args = rest.partition(":")
-        configs.append((name, str(Path(binary).resolve()), [x for x in args.split(",") if x]))
+        pin = ["taskset", "-c", cpus] if cpus else []
+        configs.append((name, pin + [str(Path(binary).resolve())], [x for x in args.split(",") if x]))
     work = Path(a.dir) / "vdisk-ab"
     work.mkdir(exist_ok=True)
     for d in (RAW, LOGS):
@@ -49,22 +60,37 @@ def main():
     fill_image(image, IMAGE_SIZE, False)
     rows = a.rows.split(",")
     got = {(r, n): [] for r in rows for n, _, _ in configs}
+    cpu = {(r, n): [] for r in rows for n, _, _ in configs}
     try:
         for rnd in range(a.rounds):
             for row in rows:
                 _, title, opts, metric = JOB[row]
                 for name, binary, extra in configs:
-                    srv = Server(f"ab {name}", [binary, "serve", str(image), "--socket", str(sock)] + extra, str(sock))
+                    srv = Server(f"ab {name}", binary + ["serve", str(image), "--socket", str(sock)] + extra, str(sock),
+                                 env=envs[name] or None)
                     srv.start()
+                    if binary[0] == "taskset":
+                        srv.pid = srv.proc.pid  # taskset execs the server: same pid
                     scraper = Scraper(extra)  # with --metrics: GET /metrics once a second, as Prometheus would
+                    mark = {}
+                    timer = threading.Timer(1, lambda: mark.update(c0=srv.cpu_seconds()))  # fio's 1 s ramp
                     try:
                         args = fio_job_args(opts, a.runtime, 1) + ["--ioengine=nbd", f"--uri=nbd+unix:///ab?socket={sock}"]
+                        timer.start()
                         r = run_fio(f"ab-{row}-{name}-{rnd}", args, a.runtime + 60)
+                        c1 = srv.cpu_seconds()
                     finally:
+                        timer.cancel()
                         scraper.stop()
                         srv.stop()
+                    us = None
+                    if mark.get("c0") is not None and c1 is not None and r["total_ios"]:
+                        us = 1e6 * (c1 - mark["c0"]) / r["total_ios"]
+                        cpu[(row, name)].append(us)
                     got[(row, name)].append(r[metric])
-                    print(f"round {rnd} {title:<20} {name:<10} {r[metric]:>10.0f}", flush=True)
+                    print(f"round {rnd} {title:<20} {name:<10} {r[metric]:>10.0f}  "
+                          f"{'—' if us is None else f'{us:.2f}'} µs/req  p50 {r['p50_us']:.0f} µs", flush=True)
+                    time.sleep(0.2)
     finally:
         run_cleanups()
         shutil.rmtree(work, ignore_errors=True)
@@ -73,11 +99,17 @@ def main():
     print("| --- |" + " ---: |" * len(configs))
     for row in rows:
         base = statistics.median(got[(row, first)])
+        cbase = statistics.median(cpu[(row, first)]) if cpu[(row, first)] else None
         unit = "IOPS" if JOB[row][3] == "iops" else "MiB/s"
-        cells = [f"{statistics.median(got[(row, n)]):,.0f} {unit} ({statistics.median(got[(row, n)]) / base:.2f}×)"
-                 for n, _, _ in configs]
+        cells = []
+        for n, _, _ in configs:
+            v = statistics.median(got[(row, n)])
+            c = statistics.median(cpu[(row, n)]) if cpu[(row, n)] else None
+            cs = "" if c is None else f"; {c:.2f} µs/req" + (f" ({c / cbase:.2f}×)" if cbase else "")
+            cells.append(f"{v:,.0f} {unit} ({v / base:.2f}×){cs}")
         print(f"| {JOB[row][1]} | " + " | ".join(cells) + " |")
-    print(f"\nmedians of {a.rounds} rounds of {a.runtime} s each, configurations alternating within each round")
+    print(f"\nmedians of {a.rounds} rounds of {a.runtime} s each, configurations alternating within each round; "
+          "µs/req = server CPU (user+system) per request")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ import os
 import platform
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from .ablations import ABL_JOBS, ABLATIONS
 from .common import IMAGE_SIZE, MiB, last_line, log, sh
-from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS
+from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS, peer_config_name
 from .loopdev import LOOP_PEERS, LOOP_TARGETS, RAW_FILE
 from .overlay import OVERLAY_JOBS, OVERLAY_TARGETS
 from .rbd import RBD_JOBS, RBD_TARGETS
@@ -453,6 +454,26 @@ def md_rss(results):
     return out
 
 
+def peers_used(results):
+    """The peer configurations the report's rows actually ran with (TUNING in the Servers line)."""
+    cells = results.get("fio", {}).get("cells", {})
+    out = []
+    for p in PEERS:
+        used = {}
+        for k, c in cells.items():
+            if k.endswith(f"|{p}") and "error" not in c:
+                cfg = c.get("config") or peer_config_name(p, ())
+                used[cfg] = used.get(cfg, 0) + 1
+        if used:
+            out.append(f"{p}: " + ", ".join(f"`{cfg}` ({n} row{'s' if n > 1 else ''})"
+                                             for cfg, n in sorted(used.items(), key=lambda kv: -kv[1])))
+    tuned = ("Fio matrix peers, tuned per row (each row names its configuration): " + "; ".join(out) + ". "
+             if out else "")
+    return (tuned + "Elsewhere (loop, ablations, overlay, rbd) qemu-nbd runs with `--shared=8` (and `--aio=io_uring` "
+            "on image files) and "
+            "nbdkit with its defaults (16 threads).")
+
+
 def render(results, meta, md_path, png_path):
     m = meta["machine"]
     lines = [
@@ -472,8 +493,8 @@ def render(results, meta, md_path, png_path):
         "export name = file stem; every server on a unix socket, fio through its nbd engine (libnbd).",
         "- **Servers:** `vdisk serve IMG --engine uring|threads` "
         f"({'+ `--direct` on disk; ' if vdisk_direct(results) else ''}defaults otherwise); "
-        "`qemu-nbd -t -f raw --aio=io_uring --cache=writeback|none --shared=8`; "
-        "`nbdkit -f file IMG` (16 threads by default); direct = `fio --ioengine=io_uring` on the image file.",
+        "`qemu-nbd -t -f raw --cache=writeback|none TUNING`; `nbdkit -f TUNING file IMG`; "
+        "direct = `fio --ioengine=io_uring` on the image file. " + peers_used(results),
         "",
         "vs best peer = this row / max(qemu-nbd, nbdkit) for the same job (so the best peer reads 1.00×); "
         "vs direct = this row / fio io_uring on the file. Two cores run both the server and fio, so "
@@ -499,10 +520,18 @@ def render(results, meta, md_path, png_path):
 def plot(results, png_path, meta):
     try:
         import matplotlib
+    except ImportError:
+        # A python3 first on PATH other than the system's (pyenv, a venv) does not see Debian's
+        # python3-matplotlib: use the system's packages when they are for this Python version.
+        dist = Path("/usr/lib/python3/dist-packages")
+        if (dist / "matplotlib").is_dir() and any(dist.glob(f"*cpython-3{sys.version_info.minor}*")):
+            sys.path.append(str(dist))
+    try:
+        import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("matplotlib missing (pip install matplotlib): no PNG")
+        log("matplotlib missing (apt-get install python3-matplotlib): no PNG")
         return False
     cells = results["fio"]["cells"]
     labels = [t[0] for t in MATRIX_TARGETS]
