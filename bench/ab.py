@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.dont_write_bytecode = True
 
-from vbench.common import IMAGE_SIZE, LOGS, RAW, fill_image, run_cleanups  # noqa: E402
+from vbench.common import IMAGE_SIZE, LOGS, PIN, RAW, fill_image, run_cleanups  # noqa: E402
 from vbench.fio import JOB, Scraper, fio_job_args, run_fio  # noqa: E402
 from vbench.servers import Server  # noqa: E402
 
@@ -41,7 +41,10 @@ def main():
     p.add_argument("--runtime", type=int, default=3)
     p.add_argument("--rows", default=",".join(ROWS), help="fio rows (ids from vbench/fio.py JOBS)")
     p.add_argument("--dir", default="/dev/shm")
+    p.add_argument("--fio-cpus", help="run fio under taskset -c FIO_CPUS (with @CPUS on the servers: a fixed placement)")
     a = p.parse_args()
+    if a.fio_cpus:
+        PIN["fio"] = ["taskset", "-c", a.fio_cpus]
     configs = []
     envs = {}
     for c in a.configs:

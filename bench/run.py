@@ -22,7 +22,8 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
              (uring, threads) on a UML COW v3 overlay and on qcow2, qemu-nbd on qcow2,
              nbdkit's cow filter; 4K randread/randwrite QD32, 1M seq read/write QD8.
   vm         a QEMU guest (TCG, scripts/vmrig) on vdisk's vhost-user-blk socket and on
-             qemu-storage-daemon's, 1 and 2 queues: the guest's own timings side by side.
+             qemu-storage-daemon's, 1 and 2 queues: the guest's own timings side by side; then
+             kicks, calls and system calls per request (a guest fio run, the server under strace).
   rbd        a 1 GiB image on a throwaway single-node Ceph cluster (scripts/cephrig):
              vdisk over NBD, qemu-nbd with qemu's rbd driver (where it loads) and fio's own
              rbd engine (no server), side by side: 4K randread/randwrite QD32, 1M read/write QD8.
@@ -37,7 +38,8 @@ of 10 s; about 8 minutes in all. The full run takes about 23 minutes.
 python3 bench/run.py --help lists every option; bench/README.md explains the numbers.
 
 Needs: fio, qemu-nbd and qemu-img (qemu-utils), nbdkit, nbdfuse (libnbd-bin), dbench,
-perf (linux-perf) or strace, losetup, mkfs.ext4; matplotlib for the PNG (pip install matplotlib).
+perf (linux-perf) or strace, losetup, mkfs.ext4; matplotlib for the PNG (apt-get install -y
+python3-matplotlib); the vm section: strace and the rig (scripts/vmrig, set up by the section).
 Every server, FUSE mount, loop device, socket and image it makes is removed again,
 also on failure or Ctrl-C; a server that cannot start turns its rows into
 "failed: reason".
