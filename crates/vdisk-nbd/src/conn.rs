@@ -106,20 +106,6 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     result
 }
 
-/// Reads until `buf` is full or the stream ends; returns the bytes read.
-fn read_full(stream: &mut Stream, buf: &mut [u8]) -> io::Result<usize> {
-    let mut at = 0;
-    while at < buf.len() {
-        match stream.read(&mut buf[at..]) {
-            Ok(0) => break,
-            Ok(n) => at += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(at)
-}
-
 struct Reader<'a> {
     stream: Stream,
     device: &'a Device,
@@ -221,7 +207,7 @@ impl Reader<'_> {
         if len > have.len() {
             let rest = len - have.len();
             let got = if keep {
-                read_full(&mut self.stream, &mut data[have.len()..])?
+                self.stream.read_all(&mut data[have.len()..])?
             } else {
                 io::copy(&mut (&mut self.stream).take(rest as u64), &mut io::sink())? as usize
             };

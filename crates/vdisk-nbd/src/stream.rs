@@ -130,6 +130,35 @@ impl Stream {
         }
     }
 
+    /// Reads until `buf` is full, the peer closes or an error: on a plain
+    /// socket one `recv(MSG_WAITALL)` (the kernel waits for the rest, instead
+    /// of one system call per piece that arrives), with TLS a loop of reads.
+    pub(crate) fn read_all(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut at = 0;
+        while at < buf.len() {
+            let rest = &mut buf[at..];
+            let r = if self.is_tls() {
+                self.read(rest)
+            } else {
+                // SAFETY: rest is valid for writes of rest.len() bytes for the whole call.
+                let n =
+                    unsafe { libc::recv(self.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), libc::MSG_WAITALL) };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            };
+            match r {
+                Ok(0) => break,
+                Ok(n) => at += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(at)
+    }
+
     pub fn is_tls(&self) -> bool {
         matches!(self, Stream::Tls(_))
     }
