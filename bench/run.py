@@ -34,7 +34,8 @@ bench/out/ (gitignored), and bench/out/results.json. With --only, the sections n
 are taken from the previous bench/out/results.json, each marked with its own date.
 
 --quick: 2 s per fio job instead of 10 s (ramp 1 s either way), dbench 3 s instead
-of 10 s; about 8 minutes in all. The full run takes about 23 minutes.
+of 10 s; about 8 minutes for the fio to overlay sections (23 in a full run), plus about
+10 for vm (its boots do not shorten) and 1 for rbd.
 python3 bench/run.py --help lists every option; bench/README.md explains the numbers.
 
 Needs: fio, qemu-nbd and qemu-img (qemu-utils), nbdkit, nbdfuse (libnbd-bin), dbench,
@@ -79,7 +80,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Sections: " + ", ".join(SECTIONS))
-    p.add_argument("--quick", action="store_true", help="2 s fio jobs, 3 s dbench (about 8 min in all; full about 23)")
+    p.add_argument("--quick", action="store_true", help="2 s fio jobs, 3 s dbench (about 8 min + 11 for vm and rbd; full about 23 + 11)")
     p.add_argument("--only", action="append", default=[],
                    help="run only these sections (comma-separated or repeated): " + ", ".join(SECTIONS))
     p.add_argument("--repeat", type=int, default=1, help="run each fio job N times, report the median (default 1)")
