@@ -278,11 +278,10 @@ impl Image for Qcow2Image {
         self.claim_range(offset, len)
     }
 
-    fn write_failed(&self, offset: u64, len: u64) {
-        if let Err(e) = self.restore_range(offset, len) {
-            log::warn!("{}: after a failed write at {offset}: {e}", self.path.display());
-        }
-    }
+    /// Nothing to undo: a claim's units were filled with the old data before
+    /// the failed write was mapped, so the range reads as before or partly as
+    /// the failed write's data, whichever write publishes the claim.
+    fn write_failed(&self, _offset: u64, _len: u64) {}
 
     fn write_done(&self, offset: u64, len: u64, durable: bool) -> Result<()> {
         self.publish_range(offset, len)?;

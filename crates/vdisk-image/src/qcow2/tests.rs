@@ -113,3 +113,85 @@ fn a_small_l2_cache_evicts_clean_tables_and_loses_nothing() {
     }
     assert_eq!(read(&img, 40_000 * 200 + 13, 700), vec![0u8; 700]);
 }
+
+/// Prepares and maps a write the way the engine does, without writing its
+/// data yet: what is in flight between `plan` and the completion.
+fn start(img: &Qcow2Image, offset: u64, len: u64) -> Vec<Extent> {
+    img.prepare_write(offset, len).unwrap();
+    let mut ext = Vec::new();
+    img.map_write(offset, len, &mut ext).unwrap();
+    ext
+}
+
+/// Lands the data of a write [`start`]ed earlier and reports it done.
+fn finish(img: &Qcow2Image, offset: u64, ext: &[Extent], data: &[u8]) {
+    let mut at = 0;
+    for e in ext {
+        let Extent::Data { file, offset, len } = *e else { panic!("a write mapped to zeros") };
+        img.files()[file].write_all_at(&data[at..at + len as usize], offset).unwrap();
+        at += len as usize;
+    }
+    img.write_done(offset, data.len() as u64, false).unwrap();
+}
+
+/// An overlay (64 KiB clusters) over a 1 MiB base of 1s.
+fn overlay_over_ones(name: &str) -> PathBuf {
+    let base = tmp(name);
+    Qcow2Image::create(&base, &CreateOptions { size: 1 << 20, cluster_bits: 12, backing: None }).unwrap();
+    {
+        let img = Qcow2Image::open(&base, false).unwrap();
+        write(&img, 0, &[1u8; 1 << 20]);
+        img.sync_metadata().unwrap();
+    }
+    let top = base.with_file_name("top.qcow2");
+    let o = CreateOptions { size: 1 << 20, cluster_bits: 16, backing: Some((Path::new("img.qcow2"), "qcow2")) };
+    Qcow2Image::create(&top, &o).unwrap();
+    top
+}
+
+#[test]
+fn overlapping_writes_into_a_new_cluster_never_expose_unwritten_bytes_after_a_crash() {
+    // A covers the new cluster whole and is still in flight (mapped, data not
+    // landed) when B, a small write inside it, starts, lands and is flushed.
+    // Then the power goes: A's data never reached the file. B must be there,
+    // and the rest of the cluster must read what it read before (the backing
+    // file's 1s), or A's data: never the fresh cluster's zeros.
+    let top = overlay_over_ones("overlap");
+    {
+        let img = Qcow2Image::open(&top, false).unwrap();
+        let a = start(&img, 0, 65536);
+        let b = start(&img, 100, 10);
+        finish(&img, 100, &b, &[2u8; 10]);
+        img.sync_metadata().unwrap(); // the FLUSH after B: B is durable
+        let got = read(&img, 0, 65536);
+        assert!(got[..100].iter().all(|&v| v == 1), "before the crash, A's range outside B reads {:?}", &got[..8]);
+        drop(a); // the crash: A never lands
+    }
+    let img = Qcow2Image::open(&top, true).unwrap();
+    let got = read(&img, 0, 65536);
+    assert_eq!(&got[100..110], &[2u8; 10][..], "B was flushed");
+    let bad = got.iter().enumerate().filter(|&(i, &v)| !(100..110).contains(&i) && v != 1).count();
+    assert_eq!(bad, 0, "{bad} bytes outside B read neither the backing data nor A's (first: {:?})", &got[..8]);
+}
+
+#[test]
+fn overlapping_writes_land_both_and_a_failed_whole_write_leaves_old_data() {
+    let top = overlay_over_ones("overlap2");
+    let img = Qcow2Image::open(&top, false).unwrap();
+    // Both land, B first: A's data everywhere but where B's may be.
+    let a = start(&img, 0, 65536);
+    let b = start(&img, 100, 10);
+    finish(&img, 100, &b, &[2u8; 10]);
+    finish(&img, 0, &a, &[3u8; 65536]);
+    let got = read(&img, 0, 65536);
+    assert!(got.iter().enumerate().all(|(i, &v)| v == 3 || ((100..110).contains(&i) && v == 2)));
+    // A fails after B was published: A's range reads as before (or B).
+    let a = start(&img, 65536, 65536);
+    let b = start(&img, 65536 + 100, 10);
+    finish(&img, 65536 + 100, &b, &[4u8; 10]);
+    drop(a);
+    img.write_failed(65536, 65536);
+    let got = read(&img, 65536, 65536);
+    assert_eq!(&got[100..110], &[4u8; 10][..]);
+    assert!(got.iter().enumerate().all(|(i, &v)| (100..110).contains(&i) || v == 1), "A failed: old data stays");
+}

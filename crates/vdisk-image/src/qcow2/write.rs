@@ -8,14 +8,14 @@
 //! first (`prepare_write`, under the
 //! cluster's stripe lock): a host cluster is allocated (or the zero
 //! cluster's own reused); each unit (subcluster, or the cluster) the write
-//! covers in part is filled whole, its own range too, with what the guest
-//! sees there now (the backing image, zeros, an old cluster), and a unit it
-//! covers whole is marked covered; the claim is noted in `pending`. Writes
-//! map to the claimed cluster; once one's data is in the file (`write_done`)
-//! the L2 entry in memory points at the claim's filled units and that
-//! write's. A failed write (`write_failed`) has its covered units filled
-//! with the old data. So whichever write publishes a claim first, no range
-//! of it reads bytes nobody wrote, before or after a crash.
+//! touches is filled whole, its own range too, with what the guest sees
+//! there now (the backing image, zeros, an old cluster; a fresh cluster's
+//! zeros are skipped), and the claim is noted in `pending`. The fill is done
+//! before the first write to the unit is mapped, so it never lands on top of
+//! any write's data. Writes map to the claimed cluster; once one's data is in
+//! the file (`write_done`) the L2 entry in memory points at the claim's
+//! units. So whichever write publishes a claim first, and whichever fails,
+//! no range of it reads bytes nobody wrote, before or after a crash.
 //!
 //! Durability ordering (`sync_round`, one round at a time, group commit):
 //!
@@ -59,8 +59,6 @@ pub(super) struct Claim {
     fresh: bool,
     /// The units (bit per subcluster; bit 0 for a whole cluster) filled so far.
     units: u64,
-    /// Units a write in flight covers whole (not filled: valid once it is done).
-    covered: u64,
 }
 
 impl Qcow2Image {
@@ -122,31 +120,31 @@ impl Qcow2Image {
         let mut cl = match stripe.get(&c) {
             Some(cl) => *cl,
             None => match self.l2.reusable(e) {
-                Some(host) => Claim { host, fresh: false, units: 0, covered: 0 },
+                Some(host) => Claim { host, fresh: false, units: 0 },
                 // Data elsewhere (compressed, shared) moves whole into the new cluster.
                 None if e.host() != 0 || e.compressed() => {
                     let host = self.allocate_for(c)?;
                     self.copy_in(c, host, true, (c * self.cs(), self.cs()), (0, 0))?;
-                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1, covered: 0 }
+                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1 }
                 }
-                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0, covered: 0 },
+                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0 },
             },
         };
         let unit = self.cs() / self.l2.units();
         for u in 0..self.l2.units() {
             let bit = 1u64 << u;
-            let done = (cl.units | cl.covered) & bit != 0;
+            let done = cl.units & bit != 0;
             if units & bit == 0 || done || (!cl.fresh && self.l2.unit_valid(e, u)) {
                 continue;
             }
+            // The whole unit, the write's own range too, even when the write
+            // covers all of it: whatever other writes publish this claim
+            // first, the range reads old data until this write's lands, never
+            // bytes nobody wrote. The fill is done here, before this write (the
+            // first to touch the unit) is mapped, so it can never land on top of
+            // any write's data; later writes find the unit filled. (A fresh
+            // cluster's zeros cost nothing: they are skipped.)
             let start = c * self.cs() + u * unit;
-            if offset <= start && offset + len >= (start + unit).min(self.header.size) {
-                cl.covered |= bit; // all of it is this write's: valid once it is done
-                continue;
-            }
-            // The whole unit, the write's own range too: whatever other writes
-            // publish this claim first, the range reads old data until this
-            // write's lands, never bytes nobody wrote.
             self.copy_in(c, cl.host, cl.fresh, (start, unit), (0, 0))?;
             cl.units |= bit;
         }
@@ -245,36 +243,6 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// After a failed write: the units of a pending claim it covered whole
-    /// (and so never filled) are filled now with what the guest read there
-    /// before, so whichever write publishes the claim, they never read bytes
-    /// nobody wrote. (Units it covered in part were filled whole at the claim:
-    /// they read old data, or its data where it landed.) If even that fails
-    /// (a full disk), the claim is given up: the next write claims a new
-    /// cluster and this one leaks.
-    pub(super) fn restore_range(&self, offset: u64, len: u64) -> Result<()> {
-        let cs = self.cs();
-        let unit = cs / self.l2.units();
-        let mut result = Ok(());
-        for c in offset / cs..(offset + len).div_ceil(cs) {
-            let mut stripe = self.stripe(c);
-            let Some(mut cl) = stripe.get(&c).copied() else { continue };
-            let lost = cl.covered & self.touched(c, offset, len);
-            for u in (0..self.l2.units()).filter(|u| lost & (1 << u) != 0) {
-                // Not `fresh` here: the failed write may have left bytes there.
-                if let Err(e) = self.copy_in(c, cl.host, false, (c * cs + u * unit, unit), (0, 0)) {
-                    stripe.remove(&c);
-                    result = Err(e);
-                    break;
-                }
-                cl.units |= 1 << u;
-                cl.covered &= !(1 << u);
-                stripe.insert(c, cl);
-            }
-        }
-        result
-    }
-
     fn write_at(&self, buf: &[u8], at: u64) -> Result<()> {
         self.files[0].write_all_at(buf, at).map_err(|e| self.io_err(e, "copy-on-write write", at))
     }
@@ -291,16 +259,9 @@ impl Qcow2Image {
                 continue;
             }
             let mut stripe = self.stripe(c);
-            if let Some(cl) = stripe.get_mut(&c) {
-                // Valid now: the units filled, and those this write covered
-                // (the ones other writes in flight cover whole wait for them).
-                let touched = self.touched(c, offset, len);
-                cl.covered &= !touched;
-                cl.units |= touched;
-                let cl = *cl;
-                if cl.covered == 0 {
-                    stripe.remove(&c);
-                }
+            // Every unit of the claim was filled before any write to it was
+            // mapped, so all of them are valid now, whichever write is done first.
+            if let Some(cl) = stripe.remove(&c) {
                 let old = self.entry(c)?;
                 let bitmap = if self.header.extended_l2() {
                     // Allocation bits of another host cluster mean nothing here; zero bits stay.
