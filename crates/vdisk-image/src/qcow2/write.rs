@@ -90,7 +90,7 @@ impl Qcow2Image {
         for c in offset / cs..(offset + len).div_ceil(cs) {
             let units = self.touched(c, offset, len);
             if self.l2.in_place(self.entry(c)?, units).is_none() {
-                self.claim(c, offset, len, units)?;
+                self.claim(c, units)?;
             }
         }
         Ok(())
@@ -108,10 +108,10 @@ impl Qcow2Image {
         Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
     }
 
-    /// Claims the units `units` of guest cluster `c` for a write of
-    /// [offset, offset+len): a host cluster (this image's own, or a new one),
-    /// and each unit not yet valid there filled around the write.
-    fn claim(&self, c: u64, offset: u64, len: u64, units: u64) -> Result<()> {
+    /// Claims the units `units` of guest cluster `c` for a write touching
+    /// them: a host cluster (this image's own, or a new one), and each unit
+    /// not yet valid there filled whole with what the guest reads there now.
+    fn claim(&self, c: u64, units: u64) -> Result<()> {
         let mut stripe = self.stripe(c);
         let e = self.entry(c)?;
         if self.l2.in_place(e, units).is_some() {
@@ -369,6 +369,9 @@ impl Qcow2Image {
         let (blocks, table, moved) = {
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             let (b, t) = refs.take_dirty();
+            // This round may name the moved table in the header: it must not
+            // be freed as an intermediate one while the round runs.
+            refs.header_pending = refs.moved;
             (b, t.map(|t| (refs.table_at, t)), refs.moved)
         };
         let r = self.write_round(&l1, &tables, &blocks, &table, moved);
@@ -397,6 +400,7 @@ impl Qcow2Image {
             if refs.moved == moved {
                 refs.moved = None;
             }
+            refs.header_pending = None;
             let (old, n) = std::mem::replace(&mut refs.on_disk, now);
             for k in 0..n as u64 {
                 refs.release(&self.files[0], &self.path, old + k * self.cs())?;
