@@ -274,6 +274,11 @@ impl Qcow2Image {
                 self.release(old, cl.host);
             }
         }
+        if crate::breakage::active(crate::breakage::Breakage::Qcow2L2First) {
+            // Broken on purpose (a test build): the entry goes out now, before
+            // anything made the data durable.
+            self.sync_round()?;
+        }
         Ok(())
     }
 
@@ -424,8 +429,11 @@ impl Qcow2Image {
         }
         let file = &self.files[0];
         let sync = |what: &str| file.sync_data().map_err(|e| self.io_err(e, what, 0));
+        // Broken on purpose (a test build): only the last sync is left.
+        let broken = crate::breakage::active(crate::breakage::Breakage::Qcow2L2First);
+        let ordered = |what: &str| if broken { Ok(()) } else { sync(what) };
         let write = |b: &[u8], at: u64, what: &str| file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at));
-        sync("data sync")?;
+        ordered("data sync")?;
         for (_, at, bytes) in blocks {
             write(bytes, *at, "refcount block write")?;
         }
@@ -440,13 +448,13 @@ impl Qcow2Image {
             }
         }
         if !blocks.is_empty() || table.is_some() {
-            sync("refcount sync")?;
+            ordered("refcount sync")?;
         }
         for (_, at, bytes) in tables {
             write(bytes, *at, "L2 table write")?;
         }
         if let Some(bytes) = l1 {
-            sync("L2 table sync")?;
+            ordered("L2 table sync")?;
             write(bytes, self.header.l1_table_offset, "L1 table write")?;
         }
         sync("metadata sync")
