@@ -24,9 +24,11 @@
 //!    its data reached the file, and every cluster an L2 or L1 entry taken
 //!    points at was counted before that entry was set;
 //! 2. fdatasync: the data (and the copied-in parts) is durable;
-//! 3. write the refcount blocks (and a moved refcount table, then fdatasync
-//!    and the header naming it); fdatasync: refcounts durable before any
-//!    table that uses the clusters they count;
+//! 3. write the refcount blocks; if the refcount table changed in place
+//!    (it names new blocks), fdatasync, then write it; a moved table is
+//!    written beside the blocks, then fdatasync and the header naming it;
+//!    fdatasync: refcount blocks durable before the table entry naming them,
+//!    refcounts durable before any table that uses the clusters they count;
 //! 4. write the L2 tables; if the L1 table changed, fdatasync (new L2 tables
 //!    durable) and write it; fdatasync.
 //!
@@ -438,6 +440,14 @@ impl Qcow2Image {
             write(bytes, *at, "refcount block write")?;
         }
         if let Some((at, bytes)) = table {
+            if moved.is_none() && !blocks.is_empty() {
+                // The table in place names new refcount blocks: they must be
+                // durable first, or a crash can leave an entry naming a block
+                // that reads as zeros (its own refcount, and every one it
+                // holds, 0 while in use). A moved table is named by nothing
+                // until the header, which waits for the sync below.
+                ordered("refcount block sync")?;
+            }
             write(bytes, *at, "refcount table write")?;
             if let Some((at, clusters)) = moved {
                 sync("refcount table sync")?;
