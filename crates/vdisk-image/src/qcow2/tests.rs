@@ -233,3 +233,36 @@ fn a_refcount_table_grown_twice_between_flushes_leaks_nothing() {
     assert_eq!(code, 0, "qemu-img check after two moves of the refcount table:\n{text}");
     assert!(!text.contains("leaked"), "{text}");
 }
+
+#[test]
+fn a_new_refcount_block_is_durable_before_the_table_entry_naming_it() {
+    use super::write::trace::{self, Step};
+    // 512-byte clusters, 16-bit refcounts: a block counts 128 KiB of file;
+    // 200 KiB of data needs a second one, named by the table in place.
+    let p = tmp("newblock");
+    Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let img = Qcow2Image::open(&p, false).unwrap();
+    let (table_at, blocks_before) = {
+        let refs = img.refs.lock().unwrap();
+        (refs.table_at, refs.table_entries().count())
+    };
+    write(&img, 0, &[5u8; 200 << 10]);
+    let new_blocks: Vec<u64> = img.refs.lock().unwrap().table_entries().skip(blocks_before).collect();
+    assert!(!new_blocks.is_empty(), "no refcount block was added");
+    trace::start();
+    img.sync_metadata().unwrap();
+    let steps = trace::take();
+    let at = |want: u64| steps.iter().position(|s| matches!(*s, Step::Write(a, _) if a == want));
+    let table = at(table_at).expect("the refcount table was written");
+    for b in new_blocks {
+        let block = at(b).unwrap_or_else(|| panic!("the new refcount block at {b:#x} was not written: {steps:?}"));
+        assert!(
+            steps[block..table].contains(&Step::Sync),
+            "the table naming the block at {b:#x} went out before a sync made the block durable: {steps:?}"
+        );
+    }
+    // And the L1 table (it names new L2 tables) after a sync that follows every L2 table.
+    let l1 = at(img.header().l1_table_offset).expect("the L1 table was written");
+    let last_l2 = steps[..l1].iter().rposition(|s| matches!(s, Step::Write(..))).unwrap();
+    assert!(steps[last_l2..l1].contains(&Step::Sync), "{steps:?}");
+}

@@ -430,11 +430,19 @@ impl Qcow2Image {
             return Ok(());
         }
         let file = &self.files[0];
-        let sync = |what: &str| file.sync_data().map_err(|e| self.io_err(e, what, 0));
+        let sync = |what: &str| {
+            #[cfg(test)]
+            trace::note(trace::Step::Sync);
+            file.sync_data().map_err(|e| self.io_err(e, what, 0))
+        };
         // Broken on purpose (a test build): only the last sync is left.
         let broken = crate::breakage::active(crate::breakage::Breakage::Qcow2L2First);
         let ordered = |what: &str| if broken { Ok(()) } else { sync(what) };
-        let write = |b: &[u8], at: u64, what: &str| file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at));
+        let write = |b: &[u8], at: u64, what: &str| {
+            #[cfg(test)]
+            trace::note(trace::Step::Write(at, b.len() as u64));
+            file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at))
+        };
         ordered("data sync")?;
         for (_, at, bytes) in blocks {
             write(bytes, *at, "refcount block write")?;
@@ -508,4 +516,38 @@ fn copy_range(from: &std::fs::File, at: u64, to: &std::fs::File, dest: u64, len:
         }
     }
     Ok(())
+}
+
+/// What the metadata rounds of this thread wrote and synced, in order, when
+/// a test asks (`start`/`take`): the ordering rules checked step by step.
+#[cfg(test)]
+pub(super) mod trace {
+    use std::cell::RefCell;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Step {
+        /// `len` bytes written at `at`.
+        Write(u64, u64),
+        Sync,
+    }
+
+    thread_local! {
+        static STEPS: RefCell<Option<Vec<Step>>> = const { RefCell::new(None) };
+    }
+
+    pub fn note(s: Step) {
+        STEPS.with(|t| {
+            if let Some(v) = t.borrow_mut().as_mut() {
+                v.push(s);
+            }
+        });
+    }
+
+    pub fn start() {
+        STEPS.with(|t| *t.borrow_mut() = Some(Vec::new()));
+    }
+
+    pub fn take() -> Vec<Step> {
+        STEPS.with(|t| t.borrow_mut().take().unwrap_or_default())
+    }
 }
