@@ -36,7 +36,6 @@ mod repair;
 mod tests;
 mod write;
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -76,7 +75,7 @@ pub struct Qcow2Image {
     /// no longer name them are durable (see `write.rs`).
     released: Mutex<Vec<u64>>,
     /// Clusters claimed for writes in flight, not yet in their L2 table: cluster → host.
-    pending: [Mutex<HashMap<u64, write::Claim>>; STRIPES],
+    pending: [Mutex<write::Pending>; STRIPES],
     /// The length of file 0 as far as this process made it (reads past it are zeros).
     file_len: AtomicU64,
     /// Metadata rounds, one at a time; holds the number of the last round done.

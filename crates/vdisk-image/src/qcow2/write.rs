@@ -17,6 +17,17 @@
 //! units. So whichever write publishes a claim first, and whichever fails,
 //! no range of it reads bytes nobody wrote, before or after a crash.
 //!
+//! A write that covers a whole cluster with no shared claim in flight and
+//! no host cluster of its own to reuse gets a new host cluster of its own
+//! instead (`claim_whole`): nothing is filled, and its `write_done` points
+//! the entry at it, replacing whatever is there. Any other write to that
+//! cluster in flight overlaps it, so may be ordered before it; a shared
+//! claim made before that publish is stale when its turn comes (the entry
+//! is no longer the one it was made on) and is dropped, its write ordered
+//! before the whole one. A private claim is published by the `write_done`
+//! of the same range (the engine's pieces of a TRIM or WRITE_ZEROES that
+//! `zero` leaves it are never whole clusters, or are the whole request).
+//!
 //! Durability ordering (`sync_round`, one round at a time, group commit):
 //!
 //! 1. take the changed L1 entries, then the changed L2 tables, then the
@@ -43,6 +54,7 @@
 //! written, write an L2/L1 table before the refcounts it relies on, or drop a
 //! refcount before what named the cluster is durably gone.
 
+use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -61,10 +73,31 @@ pub(super) struct Claim {
     fresh: bool,
     /// The units (bit per subcluster; bit 0 for a whole cluster) filled so far.
     units: u64,
+    /// The L2 entry when the claim was made: if it changed before the claim
+    /// is published, a write covering the whole cluster published its own
+    /// cluster meanwhile, and this claim is stale (see `publish_range`).
+    base: Entry,
+}
+
+/// The claims of one stripe.
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    /// Guest cluster → its claim, shared by every write to it (filled).
+    shared: HashMap<u64, Claim>,
+    /// (guest cluster, write offset, write length) → a new host cluster of
+    /// its own for a write covering the whole cluster: nothing filled (all
+    /// of it is the write's), published by the first such write to finish.
+    whole: HashMap<(u64, u64, u64), u64>,
+}
+
+thread_local! {
+    /// The private claims the last `prepare_write` of this thread made or
+    /// joined, (guest cluster, host), for the `map_write` that follows it.
+    static PREPARED: std::cell::RefCell<Vec<(u64, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Qcow2Image {
-    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Claim>> {
+    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, Pending> {
         self.pending[(c % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -88,23 +121,65 @@ impl Qcow2Image {
         if len == 0 {
             return Ok(());
         }
+        PREPARED.with(|p| p.borrow_mut().clear());
         let cs = self.cs();
         for c in offset / cs..(offset + len).div_ceil(cs) {
             let units = self.touched(c, offset, len);
             if self.l2.in_place(self.entry(c)?, units).is_none() {
-                self.claim(c, units)?;
+                let whole = offset <= c * cs && offset + len >= (c + 1) * cs && (c + 1) * cs <= self.header.size;
+                if !(whole && self.claim_whole(c, offset, len)?) {
+                    self.claim(c, units)?;
+                }
             }
         }
         Ok(())
     }
 
+    /// Claims a new host cluster of its own for a write of [offset,
+    /// offset+len) that covers all of guest cluster `c`, or joins the one an
+    /// identical write in flight claimed: nothing to fill, the write's data
+    /// is all of it. False (claim the shared way) when the cluster has a
+    /// shared claim in flight or a host cluster of its own to reuse.
+    ///
+    /// Why this is safe beside the shared claims: whichever write covering
+    /// the whole cluster publishes its cluster, every other write to `c` in
+    /// flight at that moment overlaps it and may be ordered before it (NBD
+    /// gives overlapping writes in flight no order); a shared claim made
+    /// before that publish and published after it is stale and dropped
+    /// (`publish_range`), so no later publish brings back older data.
+    fn claim_whole(&self, c: u64, offset: u64, len: u64) -> Result<bool> {
+        let mut stripe = self.stripe(c);
+        let e = self.entry(c)?;
+        if self.l2.in_place(e, self.touched(c, offset, len)).is_some() {
+            return Ok(true); // published meanwhile: in place after all
+        }
+        if stripe.shared.contains_key(&c) || self.l2.reusable(e).is_some() {
+            return Ok(false);
+        }
+        let host = match stripe.whole.get(&(c, offset, len)) {
+            Some(&host) => host,
+            None => {
+                let host = self.allocate_for(c)?;
+                stripe.whole.insert((c, offset, len), host);
+                host
+            }
+        };
+        PREPARED.with(|p| p.borrow_mut().push((c, host)));
+        Ok(true)
+    }
+
     /// The host cluster a write of [offset, offset+len) within guest cluster
     /// `c` goes to (in place or claimed).
     pub(super) fn claimed_host(&self, c: u64, offset: u64, len: u64) -> Result<u64> {
+        // A cluster of its own first: never in place, even if another write
+        // published the cluster meanwhile (this one's publish replaces it).
+        if let Some(h) = PREPARED.with(|p| p.borrow().iter().find(|w| w.0 == c).map(|w| w.1)) {
+            return Ok(h);
+        }
         if let Some(h) = self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)) {
             return Ok(h);
         }
-        if let Some(cl) = self.stripe(c).get(&c) {
+        if let Some(cl) = self.stripe(c).shared.get(&c) {
             return Ok(cl.host);
         }
         Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
@@ -119,17 +194,17 @@ impl Qcow2Image {
         if self.l2.in_place(e, units).is_some() {
             return Ok(());
         }
-        let mut cl = match stripe.get(&c) {
+        let mut cl = match stripe.shared.get(&c) {
             Some(cl) => *cl,
             None => match self.l2.reusable(e) {
-                Some(host) => Claim { host, fresh: false, units: 0 },
+                Some(host) => Claim { host, fresh: false, units: 0, base: e },
                 // Data elsewhere (compressed, shared) moves whole into the new cluster.
                 None if e.host() != 0 || e.compressed() => {
                     let host = self.allocate_for(c)?;
                     self.copy_in(c, host, true, (c * self.cs(), self.cs()), (0, 0))?;
-                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1 }
+                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1, base: e }
                 }
-                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0 },
+                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0, base: e },
             },
         };
         let unit = self.cs() / self.l2.units();
@@ -150,7 +225,7 @@ impl Qcow2Image {
             self.copy_in(c, cl.host, cl.fresh, (start, unit), (0, 0))?;
             cl.units |= bit;
         }
-        stripe.insert(c, cl);
+        stripe.shared.insert(c, cl);
         Ok(())
     }
 
@@ -222,6 +297,13 @@ impl Qcow2Image {
     fn copy_extents(&self, extents: &[Extent], mut dest: u64, fresh: bool) -> Result<()> {
         for &ext in extents {
             let n = ext.len();
+            #[cfg(test)]
+            {
+                let in_place = matches!(ext, Extent::Data { file: 0, offset, .. } if offset == dest);
+                if !(in_place || fresh && matches!(ext, Extent::Zero { .. })) {
+                    trace::note(trace::Step::Fill(dest, n));
+                }
+            }
             match ext {
                 Extent::Data { file: 0, offset, .. } if offset == dest => {}
                 Extent::Zero { .. } if fresh => {}
@@ -257,14 +339,33 @@ impl Qcow2Image {
         }
         let cs = self.cs();
         for c in offset / cs..(offset + len).div_ceil(cs) {
+            let mut stripe = self.stripe(c);
+            if let Some(host) = stripe.whole.remove(&(c, offset, len)) {
+                // All of the cluster is this write's data (or an identical
+                // write's): it replaces whatever the entry names now.
+                let old = self.entry(c)?;
+                let bitmap = if self.header.extended_l2() { (1u64 << self.l2.units()) - 1 } else { 0 };
+                self.l2.set(&self.files[0], &self.path, c, Entry { desc: host | COPIED, bitmap })?;
+                self.release(old, host);
+                continue;
+            }
             if self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)).is_some() {
                 continue;
             }
-            let mut stripe = self.stripe(c);
             // Every unit of the claim was filled before any write to it was
             // mapped, so all of them are valid now, whichever write is done first.
-            if let Some(cl) = stripe.remove(&c) {
+            if let Some(cl) = stripe.shared.remove(&c) {
                 let old = self.entry(c)?;
+                if old != cl.base {
+                    // A write covering the whole cluster, in flight with this
+                    // one, published its own cluster after this claim was made:
+                    // this write is ordered before it, and its data (and the
+                    // old data the claim was filled with) is gone.
+                    if cl.fresh {
+                        self.released.lock().unwrap_or_else(|e| e.into_inner()).push(cl.host);
+                    }
+                    continue;
+                }
                 let bitmap = if self.header.extended_l2() {
                     // Allocation bits of another host cluster mean nothing here; zero bits stay.
                     let kept = if old.host() == cl.host { old.bitmap } else { old.bitmap & (u64::MAX << 32) };
@@ -313,7 +414,7 @@ impl Qcow2Image {
     fn zero_cluster(&self, c: u64, give_back: bool) -> Result<()> {
         let mut stripe = self.stripe(c);
         let e = self.entry(c)?;
-        let keep = self.l2.reusable(e).or_else(|| stripe.get(&c).map(|cl| cl.host));
+        let keep = self.l2.reusable(e).or_else(|| stripe.shared.get(&c).map(|cl| cl.host));
         if keep.is_none() && self.backing.is_none() && self.l2.unit(e, 0) == Unit::Backing && !self.header.extended_l2()
         {
             return Ok(()); // already reads as zeros
@@ -326,7 +427,7 @@ impl Qcow2Image {
             punch(&self.files[0], host, self.cs())
                 .map_err(|e| self.io_err(e, "cannot punch the zeroed cluster", host))?;
         }
-        stripe.remove(&c);
+        stripe.shared.remove(&c);
         let next = if self.header.extended_l2() {
             Entry { desc: if host != 0 { host | COPIED } else { 0 }, bitmap: 0xffff_ffff << 32 }
         } else {
@@ -529,6 +630,8 @@ pub(super) mod trace {
         /// `len` bytes written at `at`.
         Write(u64, u64),
         Sync,
+        /// A claim filled `len` bytes at `at` with what the guest read there.
+        Fill(u64, u64),
     }
 
     thread_local! {
