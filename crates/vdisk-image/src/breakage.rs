@@ -10,10 +10,11 @@
 //!   it is set, and its bitmap rounds write without first making the data
 //!   durable: bits may reach the disk before the data they point at.
 //! - `qcow2-l2-first`: a qcow2 image writes its changed metadata (refcount
-//!   blocks, then L2 and L1 tables) as soon as a write is done, and its
-//!   metadata rounds skip every fdatasync but the last: L2 entries may reach
-//!   the disk before the data they point at (and before the refcounts of
-//!   the clusters they use).
+//!   blocks, then L2 and L1 tables) as soon as a write is done, with no
+//!   fdatasync, and its metadata rounds skip every fdatasync but the last:
+//!   L2 entries may reach the disk before the data they point at (and
+//!   before the refcounts of the clusters they use). What a FLUSH covers is
+//!   still durable when it completes.
 //!
 //! Without the feature [`active`] is a constant `false`: the checks compile
 //! away. The places that can break call [`active`]: the engine's flush (both

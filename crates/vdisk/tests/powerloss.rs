@@ -73,10 +73,11 @@ fn power_cuts_keep_every_flushed_write_on_qcow2_overlays() {
     let acked = crash["writes_acked"].as_u64().unwrap();
     let flushes = crash["flushes"].as_u64().unwrap();
     let pinned = crash["pinned_blocks"].as_u64().unwrap();
-    // Cuts come early here (a qcow2 image syncs often, and half the cuts wait
-    // for one of the first FSYNCs): on a busy machine a run saw 202 writes
-    // acknowledged, 1 flush, 7 pinned blocks in all.
-    assert!(acked > ROUNDS * 5 && pinned > 0, "too little happened: {report}");
+    // A qcow2 image syncs often, so a cut that waits for an FSYNC waits for one
+    // of the first 32 here, not 8 (with 8, a run on a busy machine saw 202
+    // writes acknowledged, 1 flush and 7 pinned blocks in all); about 2000
+    // writes are acknowledged and 1500 blocks pinned on a quiet one.
+    assert!(acked > ROUNDS * 20 && flushes > ROUNDS && pinned > ROUNDS * 10, "too little happened: {report}");
     eprintln!(
         "{ROUNDS} power cuts on qcow2 ({} at an FSYNC): {acked} writes acknowledged, {flushes} flushes, {pinned} \
          pinned blocks, {:?}",
@@ -126,7 +127,8 @@ fn a_build_that_writes_qcow2_l2_tables_before_their_data_is_durable_is_caught() 
     // writes can show it; the harness sees zeros where backing data or a
     // durable write belongs, or `qemu-img check` sees a table pointing at a
     // cluster whose refcount did not survive.
-    // 6 configurations (qcow2 x 2 engines x 3 modes), at most 6 cuts each.
+    // 6 configurations (qcow2 x 2 engines x 3 modes), at most 6 cuts each;
+    // in 8 seeds it was caught by the first cut of some configuration (round <= 3).
     let round =
         caught("qcow2-l2-first", &["--rounds", "36", "--format", "qcow2", "--power-loss", "partial", "--seed", "13"]);
     assert!(round < 36);
