@@ -139,9 +139,10 @@ finish() {
 }
 fail() { log "FAIL: $*"; RC=1; finish; }
 log "init start uptime=$(up) kernel=$(uname -r)"
-MB=64; FS=1; FILES=200
+MB=64; FS=1; FILES=200; LOOP=0; LOOP_MAX_S=300; STOP_MB=192
 for a in $(cat /proc/cmdline); do case "$a" in
   vmrig.mb=*) MB=${a#*=};; vmrig.fs=*) FS=${a#*=};; vmrig.files=*) FILES=${a#*=};;
+  vmrig.loop=*) LOOP=${a#*=};; vmrig.loop_max_s=*) LOOP_MAX_S=${a#*=};; vmrig.stop_mb=*) STOP_MB=${a#*=};;
 esac; done
 for m in $(cat /etc/modules); do [ -f /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 i=0; while [ ! -b /dev/vda ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
@@ -152,6 +153,56 @@ WC=$(cat /sys/block/vda/queue/write_cache 2>/dev/null); NQ=$(ls /sys/block/vda/m
 RO=$(cat /sys/block/vda/ro)
 log "disk vda size=$SZ lbs=$LBS ro=$RO write_cache=$WC discard_max=$DMAX nr_hw_queues=$NQ"
 [ "$SZ" -ge $(( (MB + 8) * 1048576 )) ] || fail "disk too small for vmrig.mb=$MB"
+
+# --- loop mode (vmrig.loop=1): write-and-verify rounds while the host restarts
+# the backend under the guest. Each round writes 8 generation-tagged 64 KiB
+# blocks with O_DIRECT, concurrently (every other one with an fsync, so FLUSH
+# too), then reads them back with O_DIRECT and compares. Rounds go on until
+# the host puts "VMRIG-STOP" in the sector at vmrig.stop_mb MiB (or
+# vmrig.loop_max_s passes); then every block is verified once more against
+# its last generation, and the kernel log is searched for I/O errors.
+if [ "$LOOP" = 1 ]; then
+  NB=128; STOPSEC=$((STOP_MB * 2048)); r=0; mkdir -p /tmp/exp
+  [ "$SZ" -ge $(( (STOP_MB + 1) * 1048576 )) ] || fail "disk too small for vmrig.stop_mb=$STOP_MB"
+  log "loop start blocks=$NB stop_sector=$STOPSEC"
+  while :; do
+    r=$((r+1)); rm -f /tmp/bad; j=0
+    while [ $j -lt 8 ]; do
+      b=$(( (j * 16 + r) % NB ))
+      yes "vmrig g=$r b=$b " | head -c 65536 > /tmp/exp/$b
+      if [ $((j % 2)) = 0 ]; then c=notrunc,fsync; else c=notrunc; fi
+      (dd if=/tmp/exp/$b of=/dev/vda bs=65536 seek=$b count=1 oflag=direct conv=$c 2>/tmp/err.$b \
+        || { echo "write r=$r b=$b: $(cat /tmp/err.$b)" >> /tmp/bad; }) &
+      j=$((j+1))
+    done
+    wait
+    [ -f /tmp/bad ] && { cat /tmp/bad; fail "loop write"; }
+    j=0
+    while [ $j -lt 8 ]; do
+      b=$(( (j * 16 + r) % NB ))
+      (dd if=/dev/vda bs=65536 skip=$b count=1 iflag=direct 2>/dev/null | cmp -s - /tmp/exp/$b \
+        || echo "verify r=$r b=$b" >> /tmp/bad) &
+      j=$((j+1))
+    done
+    wait
+    [ -f /tmp/bad ] && { cat /tmp/bad; fail "loop verify"; }
+    log "loop round=$r ok uptime=$(up)"
+    dd if=/dev/vda bs=512 skip=$STOPSEC count=1 iflag=direct 2>/dev/null | grep -q VMRIG-STOP && break
+    awk -v u="$(up)" -v m="$LOOP_MAX_S" 'BEGIN{exit !(u > m)}' && { log "loop stopped by vmrig.loop_max_s"; break; }
+  done
+  n=0
+  for f in /tmp/exp/*; do
+    b=${f##*/}
+    dd if=/dev/vda bs=65536 skip=$b count=1 iflag=direct 2>/dev/null | cmp -s - "$f" || fail "final verify b=$b"
+    n=$((n+1))
+  done
+  log "loop_verify ok rounds=$r blocks=$n"
+  E=$(dmesg | grep -ciE 'i/o error|blk_update_request|critical medium|buffer i/o')
+  dmesg | grep -iE 'i/o error|blk_update_request|critical medium|buffer i/o' | head -5
+  log "dmesg_io_errors=$E"
+  [ "$E" = 0 ] || RC=1
+  finish
+fi
 
 # --- raw phase: O_DIRECT write/read of an MB-MiB random pattern
 t0=$(up); dd if=/dev/urandom of=/pat bs=1M count=$MB 2>/dev/null || fail "urandom"
