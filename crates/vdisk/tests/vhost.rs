@@ -3,7 +3,9 @@
 //! rig's workload: O_DIRECT pattern writes and reads, odd-offset sector
 //! writes, discard, mkfs.ext4, files, remount and verify. Once with one queue
 //! (then a second frontend on the same socket: reconnect), once with two
-//! queues and two vCPUs, once on a COW overlay.
+//! queues and two vCPUs, once on a COW overlay. And vdisk restarted under a
+//! running guest (QEMU reconnecting, inflight I/O resubmitted): three times
+//! by SIGKILL, three times by SIGTERM, while the guest writes and verifies.
 //!
 //! The rig is set up by scripts/vmrig/vm-setup.sh (idempotent; downloads .debs
 //! into /tmp/vmrig the first time). If it cannot be set up the tests fail.
@@ -11,8 +13,9 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -150,4 +153,136 @@ fn a_socket_path_that_is_not_a_socket_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(s(&file)) && err.contains("--vhost-user-blk"), "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+}
+
+/// A child process ended (SIGKILL) when dropped, if still running.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn count(path: &Path, what: &str) -> usize {
+    std::fs::read_to_string(path).map_or(0, |t| t.matches(what).count())
+}
+
+/// Waits (up to `secs`) until `path` holds `n` times `what`; panics with `why` otherwise.
+fn wait_for(path: &Path, what: &str, n: usize, secs: u64, why: &str) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while count(path, what) < n {
+        assert!(Instant::now() < deadline, "{why}: waited {secs} s for {n} x {what:?} in {}", path.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `vdisk serve -v IMAGE --vhost-user-blk SOCKET`, everything it prints appended to `log`;
+/// returns once it is ready.
+fn start_backend(image: &Path, socket: &Path, log: &Path) -> Proc {
+    let ready = count(log, "vdisk: ready");
+    let out = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+    let child = Command::new(vdisk_bin())
+        .args(["serve", "-v", s(image), "--vhost-user-blk", s(socket), "--num-queues", "1"])
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .expect("spawn vdisk");
+    let p = Proc(child);
+    wait_for(log, "vdisk: ready", ready + 1, 30, "vdisk did not become ready");
+    p
+}
+
+/// A guest runs the rig's write-and-verify loop (`--loop`) on one queue while
+/// vdisk is stopped with `signal` and started again three times; QEMU
+/// reconnects (`--reconnect`). The loop must verify every round and every
+/// block at the end, and the guest's kernel log must show no I/O error.
+fn restarts_under_a_running_guest(tag: &str, signal: i32) {
+    let mut ready = RIG.lock().unwrap_or_else(|e| e.into_inner());
+    setup(&mut ready);
+    let dir = TempDir::new(tag);
+    let image = dir.path("disk.img");
+    create_image(&image, "256M");
+    let socket = dir.path("vub.sock");
+    let log = dir.path("vdisk.log");
+    let serial = dir.path("serial.log");
+    let started = Instant::now();
+    let mut backend = start_backend(&image, &socket, &log);
+    let rig = Command::new("bash")
+        .arg(rig_dir().join("vm-vhost-user-blk.sh"))
+        .args(["--timeout", "300", "--reconnect", "--loop", "--log", s(&serial), s(&socket)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vm-vhost-user-blk.sh");
+    let mut rig = Proc(rig);
+    let rounds = || count(&serial, "VMRIG: loop round=");
+    let mut downtimes = Vec::new();
+    let mut seed = 0x2545_f491_4f6c_dd1du64 ^ u64::from(std::process::id());
+    for k in 0..3 {
+        wait_for(
+            &serial,
+            "VMRIG: loop round=",
+            rounds() + 3,
+            150,
+            &format!("the guest's loop stalled before stop {k}"),
+        );
+        // Somewhere inside a round, so that requests are in flight more often.
+        std::thread::sleep(Duration::from_millis(xorshift(&mut seed) % 300));
+        let pid = backend.0.id() as i32;
+        let down = Instant::now();
+        // SAFETY: kill only reads its integer arguments; `pid` is our running child.
+        unsafe { libc::kill(pid, signal) };
+        let st = backend.0.wait().unwrap();
+        if signal == libc::SIGTERM {
+            assert!(st.success(), "vdisk exited with {st} after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        backend = start_backend(&image, &socket, &log);
+        let before = rounds();
+        wait_for(&serial, "VMRIG: loop round=", before + 1, 150, &format!("the guest did not go on after restart {k}"));
+        downtimes.push(down.elapsed());
+    }
+    wait_for(&serial, "VMRIG: loop round=", rounds() + 3, 150, "the guest's loop stalled after the last restart");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&image).unwrap();
+        f.write_all_at(b"VMRIG-STOP", 192 << 20).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while rig.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the guest did not finish after VMRIG-STOP");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = std::mem::replace(&mut rig.0, Command::new("true").spawn().unwrap()).wait_with_output().unwrap();
+    let all = text(&out);
+    let vdisk_log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(out.status.success(), "the guest's loop failed:\n{all}\nvdisk:\n{vdisk_log}");
+    assert!(all.contains("VMRIG: loop_verify ok"), "{all}");
+    assert!(all.contains("VMRIG: dmesg_io_errors=0"), "the guest's kernel log shows I/O errors:\n{all}");
+    let resubmitted: usize =
+        vdisk_log.lines().filter_map(|l| l.split("submitting ").nth(1)?.split(' ').next()?.parse::<usize>().ok()).sum();
+    let verify = all.lines().find(|l| l.contains("loop_verify ok")).unwrap_or_default().trim().to_owned();
+    eprintln!(
+        "{tag}: 3 restarts by signal {signal}; guest: {verify}; requests resubmitted after a restart: {resubmitted}; \
+         backend down (stop to the guest's next round): {downtimes:?}; total {:?}",
+        started.elapsed()
+    );
+    let pid = backend.0.id() as i32;
+    // SAFETY: kill only reads its integer arguments; `pid` is our running child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(backend.0.wait().unwrap().success());
+}
+
+#[test]
+fn a_guest_goes_on_across_three_sigkill_restarts() {
+    restarts_under_a_running_guest("vhostkill", libc::SIGKILL);
+}
+
+#[test]
+fn a_guest_goes_on_across_three_sigterm_restarts() {
+    restarts_under_a_running_guest("vhostterm", libc::SIGTERM);
 }
