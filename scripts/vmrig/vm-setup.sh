@@ -162,9 +162,20 @@ log "disk vda size=$SZ lbs=$LBS ro=$RO write_cache=$WC discard_max=$DMAX nr_hw_q
 # vmrig.loop_max_s passes); then every block is verified once more against
 # its last generation, and the kernel log is searched for I/O errors.
 if [ "$LOOP" = 1 ]; then
-  NB=128; STOPSEC=$((STOP_MB * 2048)); r=0; mkdir -p /tmp/exp
+  NB=128; STOPSEC=$((STOP_MB * 2048)); r=0; P=; mkdir -p /tmp/exp
   [ "$SZ" -ge $(( (STOP_MB + 1) * 1048576 )) ] || fail "disk too small for vmrig.stop_mb=$STOP_MB"
   log "loop start blocks=$NB stop_sector=$STOPSEC"
+  # Meanwhile a stream keeps larger requests in flight: 4 MiB at 32 MiB, 1 MiB
+  # O_DIRECT writes and an fsync, read back and compared, over and over.
+  ( p=0; while [ ! -f /tmp/stream.stop ]; do
+      p=$((p+1)); yes "vmrig stream pass=$p " | head -c 4194304 > /tmp/stream
+      dd if=/tmp/stream of=/dev/vda bs=1M seek=32 count=4 oflag=direct conv=notrunc,fsync 2>/dev/null \
+        || { echo "stream write pass=$p" > /tmp/stream.bad; break; }
+      dd if=/dev/vda bs=1M skip=32 count=4 iflag=direct 2>/dev/null | cmp -s - /tmp/stream \
+        || { echo "stream verify pass=$p" > /tmp/stream.bad; break; }
+      echo $p > /tmp/stream.passes
+    done ) &
+  SPID=$!
   while :; do
     r=$((r+1)); rm -f /tmp/bad; j=0
     while [ $j -lt 8 ]; do
@@ -173,23 +184,26 @@ if [ "$LOOP" = 1 ]; then
       if [ $((j % 2)) = 0 ]; then c=notrunc,fsync; else c=notrunc; fi
       (dd if=/tmp/exp/$b of=/dev/vda bs=65536 seek=$b count=1 oflag=direct conv=$c 2>/tmp/err.$b \
         || { echo "write r=$r b=$b: $(cat /tmp/err.$b)" >> /tmp/bad; }) &
-      j=$((j+1))
+      P="$P $!"; j=$((j+1))
     done
-    wait
+    wait $P; P=
     [ -f /tmp/bad ] && { cat /tmp/bad; fail "loop write"; }
     j=0
     while [ $j -lt 8 ]; do
       b=$(( (j * 16 + r) % NB ))
       (dd if=/dev/vda bs=65536 skip=$b count=1 iflag=direct 2>/dev/null | cmp -s - /tmp/exp/$b \
         || echo "verify r=$r b=$b" >> /tmp/bad) &
-      j=$((j+1))
+      P="$P $!"; j=$((j+1))
     done
-    wait
+    wait $P; P=
     [ -f /tmp/bad ] && { cat /tmp/bad; fail "loop verify"; }
     log "loop round=$r ok uptime=$(up)"
     dd if=/dev/vda bs=512 skip=$STOPSEC count=1 iflag=direct 2>/dev/null | grep -q VMRIG-STOP && break
     awk -v u="$(up)" -v m="$LOOP_MAX_S" 'BEGIN{exit !(u > m)}' && { log "loop stopped by vmrig.loop_max_s"; break; }
   done
+  touch /tmp/stream.stop; wait $SPID
+  [ -f /tmp/stream.bad ] && fail "$(cat /tmp/stream.bad)"
+  log "stream ok passes=$(cat /tmp/stream.passes 2>/dev/null || echo 0)"
   n=0
   for f in /tmp/exp/*; do
     b=${f##*/}

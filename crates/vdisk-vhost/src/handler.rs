@@ -169,6 +169,10 @@ impl BlkHandler {
                 ctx.set_resubmit(r.resubmit);
             }
             state.queue.set_ready(true);
+            // An interrupt, in case the last backend put requests on the used
+            // ring and died (or disconnected) before the guest heard of it:
+            // a guest with nothing else in flight would wait forever.
+            let _ = state.signal();
         }
         let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(io_err)?);
         let exit = Arc::new(AtomicBool::new(false));
@@ -338,7 +342,13 @@ impl VhostUserBackendReqHandlerMut for BlkHandler {
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> Result<()> {
-        self.queue(u32::from(index))?.vring().lock().call = fd;
+        let q = self.queue(u32::from(index))?;
+        let mut s = q.vring().lock();
+        s.call = fd;
+        if s.queue.ready() {
+            // As at ring start: the guest may owe itself a look at the used ring.
+            let _ = s.signal();
+        }
         Ok(())
     }
 

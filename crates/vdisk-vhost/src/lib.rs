@@ -51,8 +51,8 @@ pub struct VhostBlk {
 #[derive(Default)]
 struct Control {
     stopping: bool,
-    /// The connected frontend's socket, if any (shut down to end the connection).
-    current: Option<UnixStream>,
+    /// The connected frontend's socket and handler, if any.
+    current: Option<(UnixStream, Arc<Mutex<BlkHandler>>)>,
 }
 
 impl VhostBlk {
@@ -84,8 +84,15 @@ impl VhostBlk {
         {
             let mut c = self.control.lock().unwrap();
             c.stopping = true;
-            if let Some(h) = c.current.take() {
-                let _ = h.shutdown(std::net::Shutdown::Both);
+            if let Some((conn, handler)) = c.current.take() {
+                // The requests taken are answered while the frontend still
+                // listens (their interrupts arrive), no more are taken, and
+                // only then the connection ends: a frontend that reconnects
+                // to the next backend finds nothing in flight.
+                let mut h = handler.lock().unwrap_or_else(|e| e.into_inner());
+                h.shutdown();
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+                drop(h);
             }
         }
         // Wakes the listener if it is waiting for a frontend; the loop sees
@@ -153,7 +160,7 @@ fn serve(
             if c.stopping {
                 return;
             }
-            c.current = conn.try_clone_connection().ok();
+            c.current = conn.try_clone_connection().ok().map(|sock| (sock, handler.clone()));
         }
         log::info!("{name}: vhost-user frontend connected");
         let end = loop {

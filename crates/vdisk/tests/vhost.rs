@@ -221,6 +221,7 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
     let mut rig = Proc(rig);
     let rounds = || count(&serial, "VMRIG: loop round=");
     let mut downtimes = Vec::new();
+    let mut in_flight_at_stop = Vec::new();
     let mut seed = 0x2545_f491_4f6c_dd1du64 ^ u64::from(std::process::id());
     for k in 0..3 {
         wait_for(
@@ -230,9 +231,16 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
             150,
             &format!("the guest's loop stalled before stop {k}"),
         );
-        // Somewhere inside a round, so that requests are in flight more often.
+        // Somewhere inside a round, and when the inflight buffer shows requests
+        // taken and not answered (up to 5 s), so that some are in flight.
         std::thread::sleep(Duration::from_millis(xorshift(&mut seed) % 300));
         let pid = backend.0.id() as i32;
+        let look = Instant::now();
+        let mut seen = 0;
+        while seen == 0 && look.elapsed() < Duration::from_secs(5) {
+            seen = heads_in_flight(backend.0.id());
+        }
+        in_flight_at_stop.push(seen);
         let down = Instant::now();
         // SAFETY: kill only reads its integer arguments; `pid` is our running child.
         unsafe { libc::kill(pid, signal) };
@@ -267,14 +275,40 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
         vdisk_log.lines().filter_map(|l| l.split("submitting ").nth(1)?.split(' ').next()?.parse::<usize>().ok()).sum();
     let verify = all.lines().find(|l| l.contains("loop_verify ok")).unwrap_or_default().trim().to_owned();
     eprintln!(
-        "{tag}: 3 restarts by signal {signal}; guest: {verify}; requests resubmitted after a restart: {resubmitted}; \
+        "{tag}: 3 restarts by signal {signal}; guest: {verify}; heads in flight just before each stop: {in_flight_at_stop:?}; requests resubmitted after a restart: {resubmitted}; \
          backend down (stop to the guest's next round): {downtimes:?}; total {:?}",
         started.elapsed()
     );
+    if signal == libc::SIGTERM {
+        // A clean stop answers what it took before it lets the frontend go.
+        assert_eq!(resubmitted, 0, "a SIGTERM left requests in flight:\n{vdisk_log}");
+    } else if in_flight_at_stop.iter().filter(|&&n| n > 0).count() >= 2 {
+        assert!(resubmitted > 0, "requests were in flight at the kills but none was resubmitted:\n{vdisk_log}");
+    }
     let pid = backend.0.id() as i32;
     // SAFETY: kill only reads its integer arguments; `pid` is our running child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert!(backend.0.wait().unwrap().success());
+}
+
+/// Heads flagged in flight in queue 0 of the inflight buffer that vdisk
+/// process `pid` has mapped (the memfd it made, or QEMU passed back), read
+/// through /proc as QEMU's copy would be; 0 if there is none yet.
+fn heads_in_flight(pid: u32) -> usize {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return 0 };
+    for fd in fds.flatten() {
+        let target = std::fs::read_link(fd.path()).unwrap_or_default();
+        if !target.to_string_lossy().contains("memfd:vdisk-vhost-inflight") {
+            continue;
+        }
+        let Ok(buf) = std::fs::read(fd.path()) else { continue };
+        if buf.len() < 16 {
+            continue;
+        }
+        let desc_num = u16::from_le_bytes([buf[10], buf[11]]) as usize;
+        return (0..desc_num).filter(|i| buf.get(16 + 16 * i) == Some(&1)).count();
+    }
+    0
 }
 
 #[test]
