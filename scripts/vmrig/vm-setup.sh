@@ -139,10 +139,11 @@ finish() {
 }
 fail() { log "FAIL: $*"; RC=1; finish; }
 log "init start uptime=$(up) kernel=$(uname -r)"
-MB=64; FS=1; FILES=200; LOOP=0; LOOP_MAX_S=300; STOP_MB=192
+MB=64; FS=1; FILES=200; LOOP=0; LOOP_MAX_S=300; STOP_MB=192; DURABLE=0
 for a in $(cat /proc/cmdline); do case "$a" in
   vmrig.mb=*) MB=${a#*=};; vmrig.fs=*) FS=${a#*=};; vmrig.files=*) FILES=${a#*=};;
   vmrig.loop=*) LOOP=${a#*=};; vmrig.loop_max_s=*) LOOP_MAX_S=${a#*=};; vmrig.stop_mb=*) STOP_MB=${a#*=};;
+  vmrig.durable=*) DURABLE=${a#*=};;
 esac; done
 for m in $(cat /etc/modules); do [ -f /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 i=0; while [ ! -b /dev/vda ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
@@ -153,6 +154,25 @@ WC=$(cat /sys/block/vda/queue/write_cache 2>/dev/null); NQ=$(ls /sys/block/vda/m
 RO=$(cat /sys/block/vda/ro)
 log "disk vda size=$SZ lbs=$LBS ro=$RO write_cache=$WC discard_max=$DMAX nr_hw_queues=$NQ"
 [ "$SZ" -ge $(( (MB + 8) * 1048576 )) ] || fail "disk too small for vmrig.mb=$MB"
+
+# --- durable mode (vmrig.durable=1), for power cuts: 4 KiB blocks 1, 2, 3, ...
+# each written once with O_DIRECT and fsync'd (FLUSH); after the fsync returns
+# the console says "VMRIG: durable b=N", and block N must survive any power cut
+# from then on (its bytes: the line "vmrig durable b=N " repeated). Meanwhile a writer
+# that never syncs keeps other data pending at 8 MiB. Runs until the host pulls
+# the plug (or vmrig.loop_max_s).
+if [ "$DURABLE" = 1 ]; then
+  ( i=0; while :; do i=$((i+1)); yes "vmrig pending $i " | head -c 65536 > /tmp/p
+      dd if=/tmp/p of=/dev/vda bs=65536 seek=$((128 + i % 32)) count=1 oflag=direct conv=notrunc 2>/dev/null || break
+    done ) &
+  b=0
+  while awk -v u="$(up)" -v m="$LOOP_MAX_S" 'BEGIN{exit !(u < m)}'; do
+    b=$((b+1)); yes "vmrig durable b=$b " | head -c 4096 > /tmp/d
+    dd if=/tmp/d of=/dev/vda bs=4096 seek=$b count=1 oflag=direct conv=notrunc,fsync 2>/dev/null || fail "durable write b=$b"
+    echo "VMRIG: durable b=$b"
+  done
+  finish
+fi
 
 # --- loop mode (vmrig.loop=1): write-and-verify rounds while the host restarts
 # the backend under the guest. Each round writes 8 generation-tagged 64 KiB
