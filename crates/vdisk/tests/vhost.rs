@@ -6,6 +6,9 @@
 //! queues and two vCPUs, once on a COW overlay. And vdisk restarted under a
 //! running guest (QEMU reconnecting, inflight I/O resubmitted): three times
 //! by SIGKILL, three times by SIGTERM, while the guest writes and verifies.
+//! And a power cut under a guest, with the image on the power-loss storage
+//! (crates/vdisk-powercut): every write the guest saw fsynced survives, and a
+//! vdisk built to skip its data fdatasync is caught.
 //!
 //! The rig is set up by scripts/vmrig/vm-setup.sh (idempotent; downloads .debs
 //! into /tmp/vmrig the first time). If it cannot be set up the tests fail.
