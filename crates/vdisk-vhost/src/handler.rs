@@ -281,6 +281,7 @@ impl VhostUserBackendReqHandlerMut for BlkHandler {
         }
         let mem = GuestMemoryMmap::from_regions(regions).map_err(io_err)?;
         self.set_memory(mem);
+        log::debug!("{}: memory table of {} region(s)", self.name, mappings.len());
         self.mappings = mappings;
         Ok(None)
     }
@@ -360,7 +361,8 @@ impl VhostUserBackendReqHandlerMut for BlkHandler {
     fn get_protocol_features(&mut self) -> Result<VhostUserProtocolFeatures> {
         Ok(VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
-            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> Result<()> {
@@ -451,6 +453,8 @@ impl VhostUserBackendReqHandlerMut for BlkHandler {
             .ok_or(Error::InvalidParam)?;
         let mem = self.memory().insert_region(Arc::new(r)).map_err(io_err)?;
         self.set_memory(mem);
+        let (size, gpa) = (region.memory_size, region.guest_phys_addr);
+        log::debug!("{}: memory region added: {size:#x} bytes at {gpa:#x}", self.name);
         self.mappings.push(Mapping {
             vmm_addr: region.user_addr,
             size: region.memory_size,

@@ -520,3 +520,40 @@ fn random_descriptor(i: u16, rand: &mut impl FnMut(u64) -> u64) -> Descriptor {
     let to = if rand(10) == 0 { rand(QSIZE as u64 + 4) as u16 } else { i + 1 };
     Descriptor::new(addr, len, flags, to)
 }
+
+/// The memory table (SET_MEM_TABLE) and single regions (ADD/REM_MEM_REG) as
+/// the handler keeps them: ring addresses are translated from the frontend's
+/// address space, and only inside a region it was given.
+#[test]
+fn memory_regions_translate_ring_addresses() {
+    use crate::handler::BlkHandler;
+    use vhost::vhost_user::message::{VhostUserMemoryRegion, VhostUserSingleMemoryRegion, VhostUserVringAddrFlags};
+    use vhost::vhost_user::VhostUserBackendReqHandlerMut;
+    let rig = Rig::new("memtable", false);
+    let file = |name: &str| {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(rig.dir.join(name))
+            .unwrap();
+        f.set_len(1 << 20).unwrap();
+        f
+    };
+    let mut h = BlkHandler::new(rig.ctx_shared(), 1, "memtable");
+    let va = 0x7f00_0000_0000u64;
+    let flags = VhostUserVringAddrFlags::empty;
+    h.set_mem_table(&[VhostUserMemoryRegion::new(0, 1 << 20, va, 0)], vec![file("a")], None).unwrap();
+    h.set_vring_num(0, 64).unwrap();
+    assert!(h.set_vring_num(0, 100).is_err(), "not a power of two");
+    h.set_vring_addr(0, flags(), va + 0x1000, va + 0x3000, va + 0x2000, 0).unwrap();
+    assert!(h.set_vring_addr(0, flags(), va + (2 << 20), va, va, 0).is_err(), "outside every region");
+    // A second region at 1 MiB, then gone again.
+    let va2 = 0x7f00_1000_0000u64;
+    h.add_mem_region(&VhostUserSingleMemoryRegion::new(1 << 20, 1 << 20, va2, 0), file("b"), None).unwrap();
+    h.set_vring_addr(0, flags(), va2, va2 + 0x2000, va2 + 0x1000, 0).unwrap();
+    h.remove_mem_region(&VhostUserSingleMemoryRegion::new(1 << 20, 1 << 20, va2, 0)).unwrap();
+    assert!(h.set_vring_addr(0, flags(), va2, va2 + 0x2000, va2 + 0x1000, 0).is_err(), "the region is gone");
+    h.set_vring_addr(0, flags(), va + 0x1000, va + 0x3000, va + 0x2000, 0).unwrap();
+}
