@@ -175,7 +175,7 @@ fn serve(
         control.lock().unwrap().current = None;
         // The rings stop, and requests the engine still holds finish (and reach
         // the used ring, the inflight log in step) before the memory goes away.
-        handler.lock().unwrap().shutdown();
+        handler.lock().unwrap_or_else(|e| e.into_inner()).shutdown();
         drop(conn);
         if control.lock().unwrap().stopping {
             return;
