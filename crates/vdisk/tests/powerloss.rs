@@ -37,7 +37,7 @@ fn power_cuts_keep_every_flushed_write_on_every_configuration() {
     const ROUNDS: u64 = 36;
     let dir = TempDir::new("powerloss");
     let started = Instant::now();
-    let out = soak(&dir, &["--rounds", &ROUNDS.to_string(), "--power-loss", "mixed"], &[]);
+    let out = soak(&dir, &["--rounds", &ROUNDS.to_string(), "--format", "raw,cow", "--power-loss", "mixed"], &[]);
     assert!(out.status.success(), "power-loss rounds failed:\n{}", text(&out));
     let report = json(&String::from_utf8_lossy(&out.stdout));
     let crash = &report["crash"];

@@ -485,7 +485,7 @@ fn qemu_img_check(image: &Path) -> Result<(), String> {
         .args(["check", "-f", "qcow2"])
         .arg(image)
         .output()
-        .map_err(|e| format!("cannot run qemu-img check (install qemu-utils): {e}"))?;
+        .map_err(|e| format!("cannot run qemu-img check (install qemu-utils, or leave qcow2 out: --format raw,cow): {e}"))?;
     match out.status.code() {
         Some(0) | Some(3) => Ok(()),
         _ => Err(format!(
