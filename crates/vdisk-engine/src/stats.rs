@@ -28,7 +28,7 @@ enum Class {
 }
 
 fn class(req: &Request) -> (Class, u64) {
-    match req.op {
+    match req.op() {
         Op::Read => (Class::Read, req.len),
         Op::Write { .. } => (Class::Write, req.len),
         Op::Flush => (Class::Flush, 0),
