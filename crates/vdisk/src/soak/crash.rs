@@ -30,9 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::check::{self, BlockLog};
-use super::client::{Cmd, Conn, FUA};
 use super::server::Served;
 use super::Rng;
+use vdisk_nbd::client::{Client as Conn, Cmd, FUA};
 
 /// Blocks are 1000 bytes: not sector-aligned, so neighbours share sectors.
 const BS: usize = 1000;
