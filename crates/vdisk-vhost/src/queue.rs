@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use vdisk_engine::inflight::InFlight;
 use vdisk_engine::slab::Slab;
-use vdisk_engine::{Buf, Device, Lent, Op, Request, Sink};
+use vdisk_engine::{Buf, Command, Data, Device, Lent, Op, Request, Sink};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
     Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
@@ -181,17 +181,16 @@ impl QueueCtx {
                             let slot = slab.insert(pending) as u64;
                             let mut at = offset;
                             for piece in pieces {
-                                let mut req = Request::new(op, at, piece.len() as u64, slot);
-                                at += piece.len() as u64;
-                                req.lent = Some(piece);
-                                batch.push(req);
+                                let n = piece.len() as u64;
+                                batch.push(Request::new(Command::new(op, piece.into()), at, n, slot));
+                                at += n;
                             }
                             continue;
                         }
-                        let mut req = Request::new(op, offset, len, 0);
+                        let mut data = Data::default();
                         if matches!(op, Op::Write { .. }) {
                             match copy_in(mem, &segs, len) {
-                                Some(buf) => req.buf = buf,
+                                Some(buf) => data = buf.into(),
                                 None => {
                                     failed_io += 1;
                                     answered.push(self.answer(mem, p.head, p.status, S_IOERR, 0));
@@ -199,6 +198,7 @@ impl QueueCtx {
                                 }
                             }
                         }
+                        let mut req = Request::new(Command::new(op, data), offset, len, 0);
                         if read {
                             pending.read_into = segs;
                         }
@@ -266,9 +266,14 @@ impl Sink for QueueCtx {
                 let slot = req.tag as usize;
                 let Some(p) = slab.get_mut(slot) else { continue };
                 if let Some(e) = &req.error {
-                    log::warn!("vhost-user-blk: {} of {} bytes at {} failed: {e}", req.op.name(), req.len, req.offset);
+                    log::warn!(
+                        "vhost-user-blk: {} of {} bytes at {} failed: {e}",
+                        req.op().name(),
+                        req.len,
+                        req.offset
+                    );
                     p.failed = true;
-                } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
+                } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, req.buf()) {
                     p.failed = true;
                 }
                 // Lent guest memory is let go of here, before the guest sees the request done.

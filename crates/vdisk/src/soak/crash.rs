@@ -30,9 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::check::{self, BlockLog};
-use super::client::{Cmd, Conn, FUA};
 use super::server::Served;
 use super::Rng;
+use vdisk_nbd::client::{Client as Conn, Cmd, FUA};
 
 /// Blocks are 1000 bytes: not sector-aligned, so neighbours share sectors.
 const BS: usize = 1000;
@@ -481,11 +481,10 @@ fn read_back(c: &Combo, salt: u64, logs: &[BlockLog]) -> Result<Vec<u8>, String>
 /// `qemu-img check` on a qcow2 image just after a crash: exit 0 (clean) or 3
 /// (leaked clusters only) pass; corruption or a failed check is the round's error.
 fn qemu_img_check(image: &Path) -> Result<(), String> {
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", "-f", "qcow2"])
-        .arg(image)
-        .output()
-        .map_err(|e| format!("cannot run qemu-img check (install qemu-utils, or leave qcow2 out: --format raw,cow): {e}"))?;
+    let out =
+        std::process::Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(image).output().map_err(|e| {
+            format!("cannot run qemu-img check (install qemu-utils, or leave qcow2 out: --format raw,cow): {e}")
+        })?;
     match out.status.code() {
         Some(0) | Some(3) => Ok(()),
         _ => Err(format!(

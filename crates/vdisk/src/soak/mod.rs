@@ -7,7 +7,6 @@
 //! the server runs.
 
 mod check;
-mod client;
 mod crash;
 mod load;
 mod server;
