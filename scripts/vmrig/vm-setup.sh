@@ -139,9 +139,11 @@ finish() {
 }
 fail() { log "FAIL: $*"; RC=1; finish; }
 log "init start uptime=$(up) kernel=$(uname -r)"
-MB=64; FS=1; FILES=200
+MB=64; FS=1; FILES=200; LOOP=0; LOOP_MAX_S=300; STOP_MB=192; DURABLE=0
 for a in $(cat /proc/cmdline); do case "$a" in
   vmrig.mb=*) MB=${a#*=};; vmrig.fs=*) FS=${a#*=};; vmrig.files=*) FILES=${a#*=};;
+  vmrig.loop=*) LOOP=${a#*=};; vmrig.loop_max_s=*) LOOP_MAX_S=${a#*=};; vmrig.stop_mb=*) STOP_MB=${a#*=};;
+  vmrig.durable=*) DURABLE=${a#*=};;
 esac; done
 for m in $(cat /etc/modules); do [ -f /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null; done
 i=0; while [ ! -b /dev/vda ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
@@ -152,6 +154,89 @@ WC=$(cat /sys/block/vda/queue/write_cache 2>/dev/null); NQ=$(ls /sys/block/vda/m
 RO=$(cat /sys/block/vda/ro)
 log "disk vda size=$SZ lbs=$LBS ro=$RO write_cache=$WC discard_max=$DMAX nr_hw_queues=$NQ"
 [ "$SZ" -ge $(( (MB + 8) * 1048576 )) ] || fail "disk too small for vmrig.mb=$MB"
+
+# --- durable mode (vmrig.durable=1), for power cuts: 4 KiB blocks 1, 2, 3, ...
+# each written once with O_DIRECT and fsync'd (FLUSH); after the fsync returns
+# the console says "VMRIG: durable b=N", and block N must survive any power cut
+# from then on (its bytes: the line "vmrig durable b=N " repeated). Meanwhile a writer
+# that never syncs keeps other data pending at 8 MiB. Runs until the host pulls
+# the plug (or vmrig.loop_max_s).
+if [ "$DURABLE" = 1 ]; then
+  ( i=0; while :; do i=$((i+1)); yes "vmrig pending $i " | head -c 65536 > /tmp/p
+      dd if=/tmp/p of=/dev/vda bs=65536 seek=$((128 + i % 32)) count=1 oflag=direct conv=notrunc 2>/dev/null || break
+    done ) &
+  b=0
+  while awk -v u="$(up)" -v m="$LOOP_MAX_S" 'BEGIN{exit !(u < m)}'; do
+    b=$((b+1)); yes "vmrig durable b=$b " | head -c 4096 > /tmp/d
+    dd if=/tmp/d of=/dev/vda bs=4096 seek=$b count=1 oflag=direct conv=notrunc,fsync 2>/dev/null || fail "durable write b=$b"
+    echo "VMRIG: durable b=$b"
+  done
+  finish
+fi
+
+# --- loop mode (vmrig.loop=1): write-and-verify rounds while the host restarts
+# the backend under the guest. Each round writes 8 generation-tagged 64 KiB
+# blocks with O_DIRECT, concurrently (every other one with an fsync, so FLUSH
+# too), then reads them back with O_DIRECT and compares. Rounds go on until
+# the host puts "VMRIG-STOP" in the sector at vmrig.stop_mb MiB (or
+# vmrig.loop_max_s passes); then every block is verified once more against
+# its last generation, and the kernel log is searched for I/O errors.
+if [ "$LOOP" = 1 ]; then
+  NB=128; STOPSEC=$((STOP_MB * 2048)); r=0; P=; mkdir -p /tmp/exp
+  [ "$SZ" -ge $(( (STOP_MB + 1) * 1048576 )) ] || fail "disk too small for vmrig.stop_mb=$STOP_MB"
+  log "loop start blocks=$NB stop_sector=$STOPSEC"
+  # Meanwhile a stream keeps larger requests in flight: 4 MiB at 32 MiB, 1 MiB
+  # O_DIRECT writes and an fsync, read back and compared, over and over.
+  ( p=0; while [ ! -f /tmp/stream.stop ]; do
+      p=$((p+1)); yes "vmrig stream pass=$p " | head -c 4194304 > /tmp/stream
+      dd if=/tmp/stream of=/dev/vda bs=1M seek=32 count=4 oflag=direct conv=notrunc,fsync 2>/dev/null \
+        || { echo "stream write pass=$p" > /tmp/stream.bad; break; }
+      dd if=/dev/vda bs=1M skip=32 count=4 iflag=direct 2>/dev/null | cmp -s - /tmp/stream \
+        || { echo "stream verify pass=$p" > /tmp/stream.bad; break; }
+      echo $p > /tmp/stream.passes
+    done ) &
+  SPID=$!
+  while :; do
+    r=$((r+1)); rm -f /tmp/bad; j=0
+    while [ $j -lt 8 ]; do
+      b=$(( (j * 16 + r) % NB ))
+      yes "vmrig g=$r b=$b " | head -c 65536 > /tmp/exp/$b
+      if [ $((j % 2)) = 0 ]; then c=notrunc,fsync; else c=notrunc; fi
+      (dd if=/tmp/exp/$b of=/dev/vda bs=65536 seek=$b count=1 oflag=direct conv=$c 2>/tmp/err.$b \
+        || { echo "write r=$r b=$b: $(cat /tmp/err.$b)" >> /tmp/bad; }) &
+      P="$P $!"; j=$((j+1))
+    done
+    wait $P; P=
+    [ -f /tmp/bad ] && { cat /tmp/bad; fail "loop write"; }
+    j=0
+    while [ $j -lt 8 ]; do
+      b=$(( (j * 16 + r) % NB ))
+      (dd if=/dev/vda bs=65536 skip=$b count=1 iflag=direct 2>/dev/null | cmp -s - /tmp/exp/$b \
+        || echo "verify r=$r b=$b" >> /tmp/bad) &
+      P="$P $!"; j=$((j+1))
+    done
+    wait $P; P=
+    [ -f /tmp/bad ] && { cat /tmp/bad; fail "loop verify"; }
+    log "loop round=$r ok uptime=$(up)"
+    dd if=/dev/vda bs=512 skip=$STOPSEC count=1 iflag=direct 2>/dev/null | grep -q VMRIG-STOP && break
+    awk -v u="$(up)" -v m="$LOOP_MAX_S" 'BEGIN{exit !(u > m)}' && { log "loop stopped by vmrig.loop_max_s"; break; }
+  done
+  touch /tmp/stream.stop; wait $SPID
+  [ -f /tmp/stream.bad ] && fail "$(cat /tmp/stream.bad)"
+  log "stream ok passes=$(cat /tmp/stream.passes 2>/dev/null || echo 0)"
+  n=0
+  for f in /tmp/exp/*; do
+    b=${f##*/}
+    dd if=/dev/vda bs=65536 skip=$b count=1 iflag=direct 2>/dev/null | cmp -s - "$f" || fail "final verify b=$b"
+    n=$((n+1))
+  done
+  log "loop_verify ok rounds=$r blocks=$n"
+  E=$(dmesg | grep -ciE 'i/o error|blk_update_request|critical medium|buffer i/o')
+  dmesg | grep -iE 'i/o error|blk_update_request|critical medium|buffer i/o' | head -5
+  log "dmesg_io_errors=$E"
+  [ "$E" = 0 ] || RC=1
+  finish
+fi
 
 # --- raw phase: O_DIRECT write/read of an MB-MiB random pattern
 t0=$(up); dd if=/dev/urandom of=/pat bs=1M count=$MB 2>/dev/null || fail "urandom"

@@ -11,6 +11,9 @@
 # opts: --accel tcg|kvm|kvm-pvh (default tcg; see NOTE)  --timeout S (300)
 #       --mb N (raw-phase MiB, 64; <= ~40% of --mem)  --no-fs  --files N (200)  --smp N (1)
 #       --num-queues N (1)  --mem 512M  --log FILE  --append 'kernel args'  -q (quiet)
+#       --reconnect (QEMU reconnects to the socket every second after the backend dies)
+#       --loop (the guest runs write-and-verify rounds until VMRIG-STOP appears at 192 MiB;
+#               see vm-setup.sh; with --reconnect, for restarting the backend under the guest)
 # Disk must be >= mb+8 MiB (256 MiB suggested). Its contents are destroyed.
 # Exit: 0 guest PASS | 1 guest workload FAIL | 124 timeout | 125 no result marker
 #       (qemu/boot failure; see log) | 2 usage/setup error.
@@ -23,14 +26,15 @@ set -uo pipefail
 
 VMRIG_DIR=${VMRIG_DIR:-/tmp/vmrig}
 ACCEL=tcg TIMEOUT=300 MB=64 FS=1 FILES=200 SMP=1 NQ=1 MEM=512M LOG= APPEND= QUIET=0
-MODE=vub TARGET=
-usage() { sed -n '3,21p' "$0" >&2; exit 2; }
+MODE=vub TARGET= RECONNECT= LOOP=0
+usage() { sed -n '3,24p' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --accel) ACCEL=$2; shift;; --timeout) TIMEOUT=$2; shift;; --mb) MB=$2; shift;;
     --no-fs) FS=0;; --files) FILES=$2; shift;; --smp) SMP=$2; shift;;
     --num-queues) NQ=$2; shift;; --mem) MEM=$2; shift;; --log) LOG=$2; shift;;
     --append) APPEND=$2; shift;; -q) QUIET=1;;
+    --reconnect) RECONNECT=,reconnect=1;; --loop) LOOP=1;;
     --qsd) MODE=qsd; TARGET=$2; shift;; --raw) MODE=raw; TARGET=$2; shift;;
     -h|--help) usage;; -*) echo "unknown option $1" >&2; usage;;
     *) TARGET=$1;;
@@ -87,9 +91,9 @@ esac
 if [ $MODE = raw ]; then
   DISK_ARGS=(-drive "file=$TARGET,if=virtio,format=raw,cache=none,aio=threads")
 else
-  DISK_ARGS=(-chardev "socket,id=vub0,path=$SOCK" -device "vhost-user-blk-pci,chardev=vub0,num-queues=$NQ")
+  DISK_ARGS=(-chardev "socket,id=vub0,path=$SOCK$RECONNECT" -device "vhost-user-blk-pci,chardev=vub0,num-queues=$NQ")
 fi
-CMDLINE="console=ttyS0 loglevel=4 panic=-1 rdinit=/init vmrig.mb=$MB vmrig.fs=$FS vmrig.files=$FILES $APPEND"
+CMDLINE="console=ttyS0 loglevel=4 panic=-1 rdinit=/init vmrig.mb=$MB vmrig.fs=$FS vmrig.files=$FILES vmrig.loop=$LOOP $APPEND"
 
 T0=$(now)
 # shellcheck disable=SC2086

@@ -4,8 +4,8 @@
 //! the image, merge what is contiguous into single `preadv`/`pwritev` calls,
 //! and hand completions back in batches.
 //!
-//! The engine knows nothing of wire protocols: a request is an [`Op`], a range,
-//! a buffer and an opaque tag.
+//! The engine knows nothing of wire protocols: a request is a [`Command`] (an [`Op`]
+//! with the data it owns), a range and an opaque tag.
 //!
 //! Durability: a write completes once it is in the host page cache, unless it
 //! carries FUA or the device is in sync mode (then `RWF_DSYNC`, still in
@@ -67,7 +67,7 @@ use vdisk_image::{Image, Result};
 pub use buf::{Buf, ALIGN};
 pub use lent::Lent;
 pub use qos::Limits;
-pub use request::{Op, Request, Sink};
+pub use request::{Command, Data, Op, Request, Sink};
 pub use stats::{Snapshot, Stats};
 
 use queue::Queue;
@@ -336,7 +336,7 @@ impl Device {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
                 let (small, large): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| !r.op.is_data() || r.len <= INLINE_MAX);
+                    batch.into_iter().partition(|r| !r.op().is_data() || r.len <= INLINE_MAX);
                 let first = done.len();
                 done.extend(small);
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
@@ -346,7 +346,7 @@ impl Device {
             Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => submit(batch),
             Inline::CachedReads => {
                 let (mut reads, mut rest): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| r.op == Op::Read && r.len <= INLINE_MAX);
+                    batch.into_iter().partition(|r| r.op() == Op::Read && r.len <= INLINE_MAX);
                 let runs = planner.plan(reads.iter_mut().enumerate());
                 let mut missed = vec![false; reads.len()];
                 for run in &runs {

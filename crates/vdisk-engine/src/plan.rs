@@ -10,7 +10,7 @@ use vdisk_image::{Error, ErrorKind, Extent, Image, Result};
 
 use crate::sys::{self, Segment, IOV_MAX};
 use crate::ALIGN;
-use crate::{Op, Request};
+use crate::{Command, Data, Op, Request};
 
 /// One contiguous piece of a read or write, in one file.
 struct Piece {
@@ -21,6 +21,16 @@ struct Piece {
     offset: u64,
     job: usize,
     seg: Segment,
+}
+
+/// A read or write being mapped: its caller's key and what of the request the mapping needs.
+#[derive(Clone, Copy)]
+struct Io {
+    key: usize,
+    offset: u64,
+    len: u64,
+    write: bool,
+    fua: bool,
 }
 
 /// One vectored call: pieces contiguous in one file, all reads or all writes.
@@ -72,43 +82,43 @@ impl Planner {
     pub fn plan<'a>(&mut self, jobs: impl Iterator<Item = (usize, &'a mut Request)>) -> Vec<Run> {
         let mut pieces = Vec::new();
         for (key, req) in jobs {
-            let write = match req.op {
-                Op::Read => false,
-                Op::Write { .. } => true,
+            let Request { cmd, offset, len, error, .. } = req;
+            let (write, fua, data) = match cmd {
+                Command::Read { data } => (false, false, data),
+                Command::Write { data, fua } => (true, *fua, data),
                 _ => continue,
             };
-            if let Err(e) = self.map_one(key, req, write, &mut pieces) {
-                req.error.get_or_insert(e);
+            let io = Io { key, offset: *offset, len: *len, write, fua };
+            if let Err(e) = self.map_one(io, data, &mut pieces) {
+                error.get_or_insert(e);
             }
         }
         self.merge(pieces)
     }
 
-    fn map_one(&mut self, key: usize, req: &mut Request, write: bool, pieces: &mut Vec<Piece>) -> Result<()> {
+    fn map_one(&mut self, io: Io, data: &mut Data, pieces: &mut Vec<Piece>) -> Result<()> {
+        let Io { key, offset, len, write, fua } = io;
         if write && self.image.read_only() {
             return Err(read_only());
         }
-        if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, req.offset, req.len)) {
+        if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, offset, len)) {
             return Err(e);
         }
-        match &req.lent {
-            Some(lent) if lent.len() as u64 != req.len => {
-                return Err(Error::invalid("lent memory does not match the request's length"));
-            }
-            Some(_) => {}
-            None if req.buf.len() as u64 == req.len => {}
-            None if write => return Err(Error::invalid("write buffer does not match its length")),
+        match data {
+            _ if data.len() as u64 == len => {}
+            Data::Lent(_) => return Err(Error::invalid("lent memory does not match the request's length")),
+            Data::Buf(_) if write => return Err(Error::invalid("write buffer does not match its length")),
             // The read fills every byte: a pooled buffer needs no zeroing.
-            None => req.buf = crate::Buf::for_io(req.len as usize),
+            Data::Buf(buf) => *buf = crate::Buf::for_io(len as usize),
         }
         self.extents.clear();
         if write {
-            self.image.prepare_write(req.offset, req.len)?;
-            self.image.map_write(req.offset, req.len, &mut self.extents)?;
+            self.image.prepare_write(offset, len)?;
+            self.image.map_write(offset, len, &mut self.extents)?;
         } else {
-            self.image.map_read(req.offset, req.len, &mut self.extents)?;
+            self.image.map_read(offset, len, &mut self.extents)?;
         }
-        let dsync = write && (self.sync || req.op.fua());
+        let dsync = write && (self.sync || fua);
         let can_direct = !self.image.direct_files().is_empty();
         let mut at = 0usize;
         for ext in &self.extents {
@@ -116,7 +126,7 @@ impl Planner {
             let aligned = |v: usize| v.is_multiple_of(ALIGN);
             match *ext {
                 Extent::Data { file, offset, .. } => {
-                    let seg = segment(req, at, len);
+                    let seg = data.segment(at, len);
                     pieces.push(Piece {
                         write,
                         dsync,
@@ -127,10 +137,7 @@ impl Planner {
                         seg,
                     })
                 }
-                Extent::Zero { .. } if !write => match &req.lent {
-                    Some(lent) => lent.zero(at, len),
-                    None => req.buf[at..at + len].fill(0),
-                },
+                Extent::Zero { .. } if !write => data.zero(at, len),
                 Extent::Zero { .. } => {}
             }
             at += len;
@@ -256,11 +263,11 @@ impl Planner {
     /// Performs a request that is not a data transfer or a flush (those return
     /// `false`, untouched): trim, write zeroes, cache, block status.
     pub fn perform_other(&mut self, req: &mut Request) -> bool {
-        let r = match req.op {
-            Op::Read | Op::Write { .. } | Op::Flush => return false,
-            Op::Trim { .. } | Op::WriteZeroes { .. } => self.deallocate(req),
-            Op::Cache => self.cache(req),
-            Op::BlockStatus { max } => self.image.allocation(req.offset, req.len, max.max(1), &mut req.status),
+        let r = match &mut req.cmd {
+            Command::Read { .. } | Command::Write { .. } | Command::Flush => return false,
+            Command::Trim { .. } | Command::WriteZeroes { .. } => self.deallocate(req),
+            Command::Cache => self.cache(req),
+            Command::BlockStatus { max, runs } => self.image.allocation(req.offset, req.len, (*max).max(1), runs),
         };
         if let Err(e) = r {
             req.error.get_or_insert(e);
@@ -272,7 +279,7 @@ impl Planner {
         if self.image.read_only() {
             return Err(read_only());
         }
-        let (trim, no_hole) = match req.op {
+        let (trim, no_hole) = match req.op() {
             Op::WriteZeroes { no_hole, .. } => (false, no_hole),
             _ => (true, false),
         };
@@ -280,7 +287,7 @@ impl Planner {
         for (offset, len) in rest {
             self.zero_files(req, offset, len)?;
         }
-        let durable = self.sync || req.op.fua();
+        let durable = self.sync || req.op().fua();
         if durable {
             self.sync_files()?;
         }
@@ -296,9 +303,9 @@ impl Planner {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
             let file = &self.image.files()[f];
             let at = |e| {
-                Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op.name(), self.describe(f)))
+                Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op().name(), self.describe(f)))
             };
-            let Op::WriteZeroes { no_hole, fast_zero, .. } = req.op else {
+            let Op::WriteZeroes { no_hole, fast_zero, .. } = req.op() else {
                 match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
                     Ok(()) => {}
                     // TRIM is advisory: a file system that cannot punch keeps the data.
@@ -318,9 +325,9 @@ impl Planner {
     /// caller makes the metadata durable once for the whole batch with
     /// [`Planner::settle_metadata`] before any reply goes out.
     pub fn write_done(&self, req: &mut Request) -> bool {
-        if !matches!(req.op, Op::Write { .. }) {
+        let Command::Write { fua, .. } = req.cmd else {
             return false;
-        }
+        };
         if req.error.is_some() {
             self.image.write_failed(req.offset, req.len);
             return false;
@@ -329,7 +336,7 @@ impl Planner {
             req.error = Some(e);
             return false;
         }
-        self.sync || req.op.fua()
+        self.sync || fua
     }
 
     /// One metadata sync for the durable writes of a batch; if it fails, they fail.
@@ -402,14 +409,6 @@ impl Planner {
 
     fn flush_error(&self, e: std::io::Error) -> Error {
         Error::io(e, format!("flush of {}", self.describe(0)))
-    }
-}
-
-/// Bytes `[at, at + len)` of a read's or write's data, wherever it lives.
-fn segment(req: &mut Request, at: usize, len: usize) -> Segment {
-    match &req.lent {
-        Some(lent) => lent.segment(at, len),
-        None => Segment { ptr: req.buf[at..at + len].as_mut_ptr(), len },
     }
 }
 

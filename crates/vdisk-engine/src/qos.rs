@@ -117,7 +117,7 @@ impl Qos {
         }
         let (mut reads, mut writes) = (0u64, 0u64);
         for r in batch {
-            match r.op {
+            match r.op() {
                 Op::Read => reads += r.len,
                 Op::Write { .. } => writes += r.len,
                 _ => {}

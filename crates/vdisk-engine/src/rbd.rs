@@ -220,7 +220,7 @@ impl RbdWorker {
     /// Starts what a request needs besides data runs: a flush, a discard, zeroes.
     fn start_other(&mut self, k: usize) {
         let req = &self.jobs[k].job.0;
-        let (op, offset, len) = (req.op, req.offset, req.len);
+        let (op, offset, len) = (req.op(), req.offset, req.len);
         let on_rbd = self.planner.image.rbd(0).is_some();
         match op {
             Op::Read | Op::Write { .. } => {}
@@ -260,7 +260,7 @@ impl RbdWorker {
     /// Submits one operation for job `k`.
     fn submit(&mut self, k: usize, kind: OpKind) {
         self.jobs[k].pending += 1;
-        let op_code = self.jobs[k].job.0.op;
+        let op_code = self.jobs[k].job.0.op();
         let r = match &kind {
             OpKind::Flush { .. } => {
                 let op = self.ops.insert(kind);
@@ -341,7 +341,8 @@ impl RbdWorker {
             }
             OpKind::Other { job, offset, len } => {
                 if res < 0 {
-                    let what = if matches!(self.jobs[job].job.0.op, Op::Trim { .. }) { "trim" } else { "write zeroes" };
+                    let what =
+                        if matches!(self.jobs[job].job.0.op(), Op::Trim { .. }) { "trim" } else { "write zeroes" };
                     let e = self.rbd(0).error(what, offset, len, res);
                     self.jobs[job].job.0.error.get_or_insert(e);
                 }

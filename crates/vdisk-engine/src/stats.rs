@@ -28,7 +28,7 @@ enum Class {
 }
 
 fn class(req: &Request) -> (Class, u64) {
-    match req.op {
+    match req.op() {
         Op::Read => (Class::Read, req.len),
         Op::Write { .. } => (Class::Write, req.len),
         Op::Flush => (Class::Flush, 0),
@@ -108,24 +108,35 @@ impl Stats {
     /// Requests submitted at `started` are complete.
     pub(crate) fn completed<'a>(&self, reqs: impl Iterator<Item = &'a Request>, started: Instant) {
         let us = started.elapsed().as_micros().clamp(1, 60_000_000) as u64;
-        let (mut n, mut timed) = (0i64, [0u64; 3]);
+        // Counted here first, then one atomic add per counter for the whole batch.
+        let (mut n, mut ops, mut errors) = (0i64, [0u64; 6], 0u64);
+        let (mut bytes, mut timed) = ([0u64; 2], [0u64; 3]);
         for req in reqs {
             n += 1;
-            let (c, bytes) = class(req);
-            self.ops[c as usize].fetch_add(1, Ordering::Relaxed);
+            let (c, len) = class(req);
+            ops[c as usize] += 1;
             if req.error.is_some() {
-                self.errors.fetch_add(1, Ordering::Relaxed);
+                errors += 1;
                 continue;
             }
-            match c {
-                Class::Read => self.read_bytes.fetch_add(bytes, Ordering::Relaxed),
-                Class::Write => self.write_bytes.fetch_add(bytes, Ordering::Relaxed),
-                _ => 0,
-            };
-            if (c as usize) < 3 {
-                timed[c as usize] += 1;
+            if let Some(b) = bytes.get_mut(c as usize) {
+                *b += len;
+            }
+            if let Some(t) = timed.get_mut(c as usize) {
+                *t += 1;
             }
         }
+        let add = |counter: &AtomicU64, v: u64| {
+            if v > 0 {
+                counter.fetch_add(v, Ordering::Relaxed);
+            }
+        };
+        for (counter, &v) in self.ops.iter().zip(&ops) {
+            add(counter, v);
+        }
+        add(&self.errors, errors);
+        add(&self.read_bytes, bytes[Class::Read as usize]);
+        add(&self.write_bytes, bytes[Class::Write as usize]);
         self.in_flight.fetch_sub(n, Ordering::Relaxed);
         for (h, count) in self.latency.iter().zip(timed) {
             if count > 0 {

@@ -41,16 +41,18 @@ pub fn skip(segs: &[Segment], mut n: usize) -> Vec<Segment> {
 /// Runs one vectored call (`call(iovecs, count, offset)`, returning bytes or
 /// -1 with errno) until every byte of `segs` is done, retrying after EINTR and
 /// short transfers. Returns the bytes left when a call moved none (end of
-/// file), 0 when all is done.
+/// file), 0 when all is done. The iovecs are built once and advanced in
+/// place: a call that does it all (the usual case) costs no more allocation.
 fn vectored_full(
     segs: &[Segment],
     mut offset: u64,
     mut call: impl FnMut(*const libc::iovec, i32, i64) -> isize,
 ) -> io::Result<usize> {
-    let mut rest = std::borrow::Cow::Borrowed(segs);
-    while !rest.is_empty() {
-        let iov = iovecs(&rest);
-        let r = call(iov.as_ptr(), iov.len().min(IOV_MAX) as i32, offset as i64);
+    let mut iov = iovecs(segs);
+    let mut first = 0;
+    while first < iov.len() {
+        let live = &iov[first..];
+        let r = call(live.as_ptr(), live.len().min(IOV_MAX) as i32, offset as i64);
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -61,10 +63,20 @@ fn vectored_full(
         if r == 0 {
             break;
         }
-        rest = std::borrow::Cow::Owned(skip(&rest, r as usize));
         offset += r as u64;
+        let mut n = r as usize;
+        while n > 0 && first < iov.len() {
+            let v = &mut iov[first];
+            if n < v.iov_len {
+                v.iov_base = v.iov_base.cast::<u8>().wrapping_add(n).cast();
+                v.iov_len -= n;
+                break;
+            }
+            n -= v.iov_len;
+            first += 1;
+        }
     }
-    Ok(rest.iter().map(|s| s.len).sum())
+    Ok(iov[first..].iter().map(|v| v.iov_len).sum())
 }
 
 /// Reads the whole of `segs` from `offset`. The image maps reads only inside
@@ -174,6 +186,28 @@ pub fn readahead(file: &File, offset: u64, len: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vectored_calls_resume_after_short_transfers() {
+        let (mut a, mut b) = ([0u8; 4], [0u8; 8]);
+        let segs = [Segment { ptr: a.as_mut_ptr(), len: 4 }, Segment { ptr: b.as_mut_ptr(), len: 8 }];
+        // Each call moves at most 3 bytes: the iovecs it sees start where the last one stopped.
+        let mut seen = Vec::new();
+        let left = vectored_full(&segs, 100, |iov, n, at| {
+            // SAFETY: `vectored_full` passes `n` live iovecs built from `segs`.
+            let first = unsafe { *iov };
+            seen.push((first.iov_base as usize, first.iov_len, n, at));
+            (first.iov_len.min(3)) as isize
+        })
+        .unwrap();
+        assert_eq!(left, 0);
+        let (pa, pb) = (a.as_ptr() as usize, b.as_ptr() as usize);
+        let want = [(pa, 4, 2, 100), (pa + 3, 1, 2, 103), (pb, 8, 1, 104), (pb + 3, 5, 1, 107), (pb + 6, 2, 1, 110)];
+        assert_eq!(seen, want);
+        // A call that moves nothing (end of file) leaves the rest.
+        let left = vectored_full(&segs, 0, |_, _, _| 0).unwrap();
+        assert_eq!(left, 12);
+    }
 
     #[test]
     fn skip_drops_whole_and_partial_segments() {

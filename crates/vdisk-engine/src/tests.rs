@@ -93,9 +93,12 @@ impl Rig {
 }
 
 fn write(off: u64, data: Vec<u8>, tag: u64) -> Request {
-    let mut r = Request::new(Op::WRITE, off, data.len() as u64, tag);
-    r.buf = Buf::from_slice(&data);
-    r
+    fua_write(off, data, tag, false)
+}
+
+fn fua_write(off: u64, data: Vec<u8>, tag: u64, fua: bool) -> Request {
+    let len = data.len() as u64;
+    Request::new(Command::Write { data: Buf::from_slice(&data).into(), fua }, off, len, tag)
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
@@ -153,10 +156,9 @@ fn reads_return_what_batched_writes_wrote() {
         for r in &done {
             assert!(r.error.is_none(), "{name}");
             let at = r.offset as usize;
-            assert_eq!(r.buf, expect[at..at + 4096], "{name}: block at {at}");
+            assert_eq!(r.buf(), &expect[at..at + 4096], "{name}: block at {at}");
         }
-        let mut fua = write(1 << 20, pattern(7, 65536), 0);
-        fua.op = Op::Write { fua: true };
+        let fua = fua_write(1 << 20, pattern(7, 65536), 0, true);
         let flush = Request::new(Op::Flush, 0, 0, 1);
         assert!(rig.run(vec![fua, flush]).iter().all(|r| r.error.is_none()));
         rig.dev.shutdown().unwrap();
@@ -172,13 +174,13 @@ fn trim_and_write_zeroes_read_back_as_zeros() {
         let zero = Request::new(Op::WriteZeroes { fua: false, no_hole: true, fast_zero: false }, 65536, 65536, 1);
         let zero_odd = Request::new(Op::WriteZeroes { fua: false, no_hole: false, fast_zero: true }, 200_001, 999, 2);
         assert!(rig.run(vec![trim, zero, zero_odd]).iter().all(|r| r.error.is_none()), "{name}");
-        let got = rig.run(vec![Request::new(Op::Read, 0, 1 << 20, 0)]).remove(0).buf;
+        let got = rig.run(vec![Request::new(Op::Read, 0, 1 << 20, 0)]).remove(0).take_buf();
         assert!(got[..131072].iter().all(|&b| b == 0), "{name}");
         assert!(got[200_001..201_000].iter().all(|&b| b == 0), "{name}");
         assert_eq!(got[200_000], 0xab);
         assert_eq!(got[201_000], 0xab);
         let bs = Request::new(Op::BlockStatus { max: 16 }, 0, 1 << 20, 0);
-        let st = rig.run(vec![bs]).remove(0).status;
+        let st = rig.run(vec![bs]).remove(0).runs().to_vec();
         assert!(st[0].hole, "{name}: a trimmed start is a hole: {st:?}");
         assert_eq!(st[0].len, 65536, "{name}: {st:?}");
     }
@@ -258,10 +260,10 @@ fn inline_submission_matches_queued_submission() {
             let done = rig.run_inline(mixed);
             for r in &done[..32] {
                 assert!(r.error.is_none(), "{name}");
-                assert_eq!(r.buf, pattern(r.tag as u8, 8192), "{name} in {}: block {}", base.display(), r.tag);
+                assert_eq!(r.buf(), pattern(r.tag as u8, 8192), "{name} in {}: block {}", base.display(), r.tag);
             }
             assert!(done[32..].iter().all(|r| r.error.is_none()));
-            let zero = rig.run_inline(vec![Request::new(Op::Read, 0, 8192, 0)]).remove(0).buf;
+            let zero = rig.run_inline(vec![Request::new(Op::Read, 0, 8192, 0)]).remove(0).take_buf();
             assert!(zero.iter().all(|&b| b == 0), "{name}: trimmed range reads zeros");
         }
     }
@@ -287,12 +289,12 @@ fn direct_io_serves_aligned_and_unaligned_requests() {
         let done = rig.run(vec![write(0, pattern(1, 65536), 0), write(65536 + 100, pattern(2, 5000), 1)]);
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");
         let done = rig.run(vec![Request::new(Op::Read, 0, 65536, 0), Request::new(Op::Read, 65536 + 100, 5000, 1)]);
-        assert_eq!(done[0].buf, pattern(1, 65536), "{name}");
-        assert_eq!(done[1].buf, pattern(2, 5000), "{name}");
+        assert_eq!(done[0].buf(), pattern(1, 65536), "{name}");
+        assert_eq!(done[1].buf(), pattern(2, 5000), "{name}");
         let mut inline = Vec::new();
         rig.dev.submit_inline(vec![Request::new(Op::Read, 4096, 4096, 0)], &rig.sink, &mut inline);
         assert!(inline.is_empty(), "{name}: direct devices never run inline");
-        assert_eq!(rig.rx.recv().unwrap().buf, pattern(1, 65536)[4096..8192].to_vec());
+        assert_eq!(rig.rx.recv().unwrap().buf(), pattern(1, 65536)[4096..8192].to_vec());
     }
 }
 
@@ -404,25 +406,24 @@ fn borrowed_buffers_are_read_into_and_written_from_in_place() {
         // and one piece at an odd address.
         let mut reqs = Vec::new();
         for i in 0..3u64 {
-            let mut r = Request::new(Op::WRITE, 65536 + i * 4096, 4096, i);
-            r.lent = lender.lend(i as usize * 4096, 4096);
-            reqs.push(r);
+            let data = lender.lend(i as usize * 4096, 4096).unwrap().into();
+            reqs.push(Request::new(Command::Write { data, fua: false }, 65536 + i * 4096, 4096, i));
         }
-        let mut odd = Request::new(Op::WRITE, 131072, 1536, 3);
-        odd.lent = lender.lend(100_000 + 3, 1536);
-        reqs.push(odd);
+        let data = lender.lend(100_000 + 3, 1536).unwrap().into();
+        reqs.push(Request::new(Command::Write { data, fua: false }, 131072, 1536, 3));
         let done = rig.run(reqs);
-        assert!(done.iter().all(|r| r.error.is_none() && r.lent.is_some() && r.buf.is_empty()), "{name}: {done:?}");
+        assert!(
+            done.iter().all(|r| r.error.is_none() && matches!(r.cmd.data(), Some(Data::Lent(_))) && r.buf().is_empty()),
+            "{name}: {done:?}"
+        );
         drop(done);
         let mut reqs = Vec::new();
         for i in 0..3u64 {
-            let mut r = Request::new(Op::Read, 65536 + i * 4096, 4096, i);
-            r.lent = lender.lend(524288 + i as usize * 4096, 4096);
-            reqs.push(r);
+            let data = lender.lend(524288 + i as usize * 4096, 4096).unwrap().into();
+            reqs.push(Request::new(Command::Read { data }, 65536 + i * 4096, 4096, i));
         }
-        let mut odd = Request::new(Op::Read, 131072, 1536, 3);
-        odd.lent = lender.lend(700_000 + 1, 1536);
-        reqs.push(odd);
+        let data = lender.lend(700_000 + 1, 1536).unwrap().into();
+        reqs.push(Request::new(Command::Read { data }, 131072, 1536, 3));
         let done = rig.run(reqs);
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");
         drop(done);
@@ -486,16 +487,14 @@ fn power_cut_round(fopen_direct_io: bool) {
             let (tx, rx) = mpsc::channel();
             let rig = Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, dir: dir.join("unused") };
             let base = round as u64 * 64 * 1024;
-            let mut fua = write(base, pattern(round, 16384), 0);
-            fua.op = Op::Write { fua: true };
+            let fua = fua_write(base, pattern(round, 16384), 0, true);
             let plain = write(base + 16384, pattern(round ^ 0x55, 16384), 1);
             let done = rig.run(vec![fua, plain]);
             assert!(done.iter().all(|r| r.error.is_none()), "{name}");
             assert!(rig.run(vec![Request::new(Op::Flush, 0, 0, 2)])[0].error.is_none(), "{name}");
             // Written after the flush, not durable: may be lost; here only to be pending at the cut.
             assert!(rig.run(vec![write(base + 32768, pattern(7, 4096), 3)])[0].error.is_none());
-            let mut fua = write(base + 40960, pattern(round ^ 0xaa, 8192), 4);
-            fua.op = Op::Write { fua: true };
+            let fua = fua_write(base + 40960, pattern(round ^ 0xaa, 8192), 4, true);
             assert!(rig.run(vec![fua])[0].error.is_none(), "{name}");
             storage.cut(vdisk_powercut::Survival::Nothing);
             drop(rig);

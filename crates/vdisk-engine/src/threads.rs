@@ -51,13 +51,13 @@ pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
     }
     let mut flush = false;
     for req in reqs.iter_mut() {
-        if !planner.perform_other(req) && req.op == Op::Flush {
+        if !planner.perform_other(req) && req.op() == Op::Flush {
             flush = true;
         }
     }
     if flush {
         let r = planner.flush();
-        for req in reqs.iter_mut().filter(|r| r.op == Op::Flush) {
+        for req in reqs.iter_mut().filter(|r| r.op() == Op::Flush) {
             if let Err(e) = &r {
                 req.error = Some(e.clone());
             }

@@ -222,7 +222,7 @@ impl RingWorker {
             self.start_run(run)?;
         }
         for &k in &keys {
-            if self.jobs[k].job.0.op == Op::Flush {
+            if self.jobs[k].job.0.op() == Op::Flush {
                 self.start_flush(k)?;
             } else {
                 self.planner.perform_other(&mut self.jobs[k].job.0);

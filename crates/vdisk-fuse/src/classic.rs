@@ -55,7 +55,7 @@ impl FdSink {
         let (errno, body) = self.session.reply_of(req, req.tag);
         match body {
             ReplyBody::Empty => self.send(req.tag, errno, &[]),
-            ReplyBody::Data => self.send(req.tag, errno, &req.buf[..req.len as usize]),
+            ReplyBody::Data => self.send(req.tag, errno, &req.buf()[..req.len as usize]),
             ReplyBody::Out(b) => self.send(req.tag, errno, &b),
         }
     }
@@ -159,18 +159,21 @@ impl Reader {
             let action = if h.opcode == proto::WRITE && n >= proto::WRITE_HEADER {
                 let action = session.dispatch(&h, &self.head[40..]);
                 match action {
-                    Action::Submit(mut req) if matches!(req.op, Op::Write { .. }) => {
+                    Action::Submit(mut req) if matches!(req.op(), Op::Write { .. }) => {
                         let data = n - proto::WRITE_HEADER;
                         if data as u64 != req.len {
                             Action::Reply(libc::EINVAL, Vec::new())
                         } else {
-                            req.buf = if data <= COPY_MAX {
+                            let buf = if data <= COPY_MAX {
                                 Buf::from_slice(&self.payload[..data])
                             } else {
                                 let mut buf = std::mem::replace(&mut self.payload, fresh_payload());
                                 buf.set_len(data);
                                 buf
                             };
+                            if let Some(into) = req.cmd.data_mut() {
+                                *into = buf.into();
+                            }
                             Action::Submit(req)
                         }
                     }

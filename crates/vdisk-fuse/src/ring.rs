@@ -263,13 +263,14 @@ impl Queue {
             Action::Nothing => self.reply(i, 0, &[]),
             Action::Submit(mut req) => {
                 req.tag = i as u64;
-                if req.op.is_data() {
-                    if req.op != Op::Read && ent.payload_sz as u64 != req.len {
+                let (op, len) = (req.op(), req.len);
+                if let Some(data) = req.cmd.data_mut() {
+                    if op != Op::Read && ent.payload_sz as u64 != len {
                         return self.reply(i, libc::EINVAL, &[]);
                     }
                     let mut buf = slot.payload.take().expect("an idle entry has its payload");
-                    buf.set_len(req.len as usize);
-                    req.buf = buf;
+                    buf.set_len(len as usize);
+                    *data = buf.into();
                 }
                 batch.push(req);
                 Ok(())
@@ -282,8 +283,8 @@ impl Queue {
         self.session.inflight.end(1, 0);
         let i = req.tag as usize;
         let mut body_len = 0;
-        if req.op.is_data() {
-            let mut buf = std::mem::take(&mut req.buf);
+        if req.op().is_data() {
+            let mut buf = req.take_buf();
             if buf.as_ptr() != self.slots[i].payload_ptr {
                 // The kernel holds this entry's payload address: had the engine
                 // swapped buffers, the registered one would be back in the pool.

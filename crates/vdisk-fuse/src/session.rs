@@ -211,15 +211,16 @@ impl Session {
     /// `unique`): errno and body. For a READ the body is the request's own
     /// buffer (the transport sends it as it is).
     pub fn reply_of(&self, req: &Request, unique: u64) -> (i32, ReplyBody) {
-        let want_hole = match req.op {
+        let op = req.op();
+        let want_hole = match op {
             Op::BlockStatus { .. } => self.seeks.lock().unwrap().remove(&unique).unwrap_or(false),
             _ => false,
         };
         if let Some(e) = &req.error {
-            log::debug!("fuse: {} at {} (+{}) failed: {e}", req.op.name(), req.offset, req.len);
+            log::debug!("fuse: {} at {} (+{}) failed: {e}", op.name(), req.offset, req.len);
             return (e.errno(), ReplyBody::Empty);
         }
-        match req.op {
+        match op {
             Op::Read => (0, ReplyBody::Data),
             Op::Write { .. } => {
                 (0, ReplyBody::Out(proto::WriteOut { size: req.len as u32, padding: 0 }.bytes().try_into().unwrap()))
@@ -239,7 +240,7 @@ impl Session {
 fn seek(req: &Request, want_hole: bool) -> Result<u64, i32> {
     let end = req.offset + req.len;
     let mut pos = req.offset;
-    for run in &req.status {
+    for run in req.runs() {
         if run.hole == want_hole {
             return Ok(pos);
         }

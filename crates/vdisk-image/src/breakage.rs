@@ -9,16 +9,23 @@
 //! - `bitmap-first`: a COW overlay writes a bitmap block as soon as a bit in
 //!   it is set, and its bitmap rounds write without first making the data
 //!   durable: bits may reach the disk before the data they point at.
+//! - `qcow2-l2-first`: a qcow2 image writes its changed metadata (refcount
+//!   blocks, then L2 and L1 tables) as soon as a write is done, with no
+//!   fdatasync, and its metadata rounds skip every fdatasync but the last:
+//!   L2 entries may reach the disk before the data they point at (and
+//!   before the refcounts of the clusters they use). What a FLUSH covers is
+//!   still durable when it completes.
 //!
 //! Without the feature [`active`] is a constant `false`: the checks compile
 //! away. The places that can break call [`active`]: the engine's flush (both
-//! engines) and the overlay's bitmap round.
+//! engines), the overlay's bitmap round and the qcow2 image's metadata round.
 
 /// What `VDISK_BREAK` may break.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Breakage {
     SkipDataSync,
     BitmapFirst,
+    Qcow2L2First,
 }
 
 pub const ENV: &str = "VDISK_BREAK";
@@ -37,7 +44,8 @@ pub fn active(b: Breakage) -> bool {
             .map(|s| match s {
                 "skip-data-sync" => Breakage::SkipDataSync,
                 "bitmap-first" => Breakage::BitmapFirst,
-                _ => panic!("{ENV}={spec:?}: {s:?} is neither skip-data-sync nor bitmap-first"),
+                "qcow2-l2-first" => Breakage::Qcow2L2First,
+                _ => panic!("{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first or qcow2-l2-first"),
             })
             .collect();
         log::warn!("{ENV}={spec}: durability is broken on purpose (a test build)");

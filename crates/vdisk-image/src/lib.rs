@@ -114,8 +114,8 @@ pub trait Image: Send + Sync {
     /// may or may not have been prepared, and part of its data may be in the
     /// files). The image may undo what `prepare_write` did for it, so that
     /// the range reads as before, or partly as the failed write's data, and
-    /// nothing else (a qcow2 cluster claimed for it is refilled with what the
-    /// guest read there before the claim).
+    /// nothing else. (qcow2 needs nothing here: a claimed cluster is filled
+    /// with what the guest read there before any write to it is mapped.)
     fn write_failed(&self, _offset: u64, _len: u64) {}
 
     /// Records a TRIM (`trim`) or WRITE_ZEROES of `len` bytes at `offset` in

@@ -14,7 +14,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use vdisk_engine::{Buf, Device, Op, Request, Sink};
+use vdisk_engine::{Buf, Command, Device, Op, Request, Sink};
 
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
@@ -228,8 +228,7 @@ impl Reader<'_> {
                 return;
             }
         };
-        let mut req = Request::new(v.op, h.offset, h.len as u64, h.cookie);
-        req.buf = data;
+        let req = Request::new(Command::new(v.op, data.into()), h.offset, h.len as u64, h.cookie);
         if v.dont_fragment {
             self.outbox.dont_fragment(h.cookie);
         }

@@ -6,6 +6,7 @@
 //! writer thread; many connections to one export share one device, which is
 //! what makes multi-conn safe (a FLUSH syncs the files all of them write).
 
+pub mod client;
 mod conn;
 #[doc(hidden)]
 pub mod fuzzing;

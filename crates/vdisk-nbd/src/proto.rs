@@ -37,6 +37,8 @@ pub const REP_ERR_TLS_REQD: u32 = 0x8000_0005;
 pub const REP_ERR_UNKNOWN: u32 = 0x8000_0006;
 pub const REP_ERR_SHUTDOWN: u32 = 0x8000_0007;
 pub const REP_ERR_TOO_BIG: u32 = 0x8000_0009;
+/// The bit every error reply type has.
+pub const REP_FLAG_ERROR: u32 = 1 << 31;
 
 // NBD_INFO types.
 pub const INFO_EXPORT: u16 = 0;
@@ -80,6 +82,8 @@ pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+/// An error chunk naming an offset (the server never sends it; clients must read it).
+pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) + 2;
 
 // Block status flags of base:allocation.
 pub const STATE_HOLE: u32 = 1 << 0;

@@ -78,32 +78,33 @@ pub fn refusal(structured: bool, kind: u16, cookie: u64, errno: u32) -> OutMsg {
 impl Encoder {
     /// The reply to a completed request; `dont_fragment`: a structured read
     /// goes in one chunk (the client's DF flag).
-    pub fn encode(&self, req: Request, dont_fragment: bool) -> OutMsg {
-        let cost = cost(req.op, req.len);
+    pub fn encode(&self, mut req: Request, dont_fragment: bool) -> OutMsg {
+        let op = req.op();
+        let cost = cost(op, req.len);
         let cookie = req.tag;
         let mut head = Vec::with_capacity(32);
         if let Some(e) = &req.error {
             if e.kind() != ErrorKind::Unsupported {
-                log::warn!("{} of {} bytes at {} failed: {e}", req.op.name(), req.len, req.offset);
+                log::warn!("{} of {} bytes at {} failed: {e}", op.name(), req.len, req.offset);
             }
-            if self.structured && matches!(req.op, Op::Read | Op::BlockStatus { .. }) {
+            if self.structured && matches!(op, Op::Read | Op::BlockStatus { .. }) {
                 error_chunk(&mut head, cookie, wire_errno(e), e.message());
             } else {
                 simple_reply(&mut head, wire_errno(e), cookie);
             }
             return OutMsg::header_only(head, cost);
         }
-        match req.op {
+        match op {
             Op::Read if self.structured => encode_structured_read(req, cost, dont_fragment),
             Op::Read => {
                 simple_reply(&mut head, 0, cookie);
-                let n = req.buf.len();
-                OutMsg { parts: vec![Part::Head(0, head.len()), Part::Data(0, n)], head, data: req.buf, cost }
+                let data = req.take_buf();
+                OutMsg { parts: vec![Part::Head(0, head.len()), Part::Data(0, data.len())], head, data, cost }
             }
             Op::BlockStatus { max } => {
                 // REQ_ONE is the only way a request asks for one run.
                 let one = max == 1;
-                encode_block_status(&mut head, cookie, self.allocation_context, req.len, &req.status, one);
+                encode_block_status(&mut head, cookie, self.allocation_context, req.len, req.runs(), one);
                 OutMsg::header_only(head, cost)
             }
             _ => {
@@ -121,8 +122,8 @@ fn is_zero(b: &[u8]) -> bool {
 }
 
 /// OFFSET_DATA and OFFSET_HOLE chunks: all-zero granules travel as holes.
-fn encode_structured_read(req: Request, cost: usize, dont_fragment: bool) -> OutMsg {
-    let (cookie, offset, buf) = (req.tag, req.offset, req.buf);
+fn encode_structured_read(mut req: Request, cost: usize, dont_fragment: bool) -> OutMsg {
+    let (cookie, offset, buf) = (req.tag, req.offset, req.take_buf());
     let mut runs: Vec<(bool, usize, usize)> = Vec::new();
     if dont_fragment {
         runs.push((false, 0, buf.len()));
@@ -190,18 +191,18 @@ fn encode_block_status(out: &mut Vec<u8>, cookie: u64, context: u32, len: u64, r
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vdisk_engine::Command;
 
     #[test]
     fn structured_reads_send_zero_granules_as_holes() {
-        let mut req = Request::new(Op::Read, 4096, 3 * HOLE_GRANULE as u64, 5);
-        req.buf = Buf::zeroed(3 * HOLE_GRANULE);
-        req.buf[HOLE_GRANULE + 7] = 1;
+        let mut buf = Buf::zeroed(3 * HOLE_GRANULE);
+        buf[HOLE_GRANULE + 7] = 1;
+        let req = Request::new(Command::Read { data: buf.into() }, 4096, 3 * HOLE_GRANULE as u64, 5);
         let m = encode_structured_read(req, 0, false);
         // hole, data, hole: three chunks, two header-only.
         let kinds: Vec<&str> = m.parts.iter().map(|p| if matches!(p, Part::Head(..)) { "h" } else { "d" }).collect();
         assert_eq!(kinds, ["h", "h", "d", "h"]);
-        let mut whole = Request::new(Op::Read, 0, 4096, 5);
-        whole.buf = Buf::zeroed(4096);
+        let whole = Request::new(Command::Read { data: Buf::zeroed(4096).into() }, 0, 4096, 5);
         assert_eq!(encode_structured_read(whole, 0, false).parts.len(), 1);
     }
 

@@ -4,20 +4,26 @@
 //! every available request per kick, submits them to the device's engine as
 //! one batch, and completes them as one batch with one notification.
 //!
-//! Built on rust-vmm's vhost-user-backend (protocol, memory table, rings).
-//! This crate owns the virtio-blk part: the request parser ([`parse`]), the
-//! config space ([`config`]) and the request path ([`queue`]). It never
-//! touches the image: every request goes through the engine.
+//! The `vhost` crate reads and writes the protocol's messages; this crate's
+//! handler answers them (memory table, rings, config, inflight buffer) and
+//! drives the rings with virtio-queue. It owns the virtio-blk part: the
+//! request parser ([`parse`]), the config space ([`config`]), the request
+//! path ([`queue`]) and inflight tracking ([`inflight`]), so that QEMU can
+//! reconnect to a restarted backend and the requests in flight are served
+//! again. It never touches the image: every request goes through the engine.
 //!
 //! One frontend at a time: when it disconnects, the socket is served again
-//! and the next frontend gets the device from a clean state.
+//! and the next frontend gets the device from a clean state (except for what
+//! the frontend's inflight buffer says).
 
-mod backend;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
+mod handler;
+pub mod inflight;
 pub mod parse;
 mod queue;
+mod vring;
 
 use std::io;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -27,11 +33,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use vdisk_engine::Device;
-use vhost::vhost_user::Listener;
-use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
-use backend::BlkBackend;
+use handler::BlkHandler;
 use queue::Shared;
 
 /// A running export, serving one frontend after another until stopped.
@@ -46,8 +51,8 @@ pub struct VhostBlk {
 #[derive(Default)]
 struct Control {
     stopping: bool,
-    /// The connected frontend, if any.
-    current: Option<ShutdownHandle>,
+    /// The connected frontend's socket and handler, if any.
+    current: Option<(UnixStream, Arc<Mutex<BlkHandler>>)>,
 }
 
 impl VhostBlk {
@@ -61,7 +66,7 @@ impl VhostBlk {
             let name = format!("{}-vhost", device.name());
             std::thread::Builder::new()
                 .name(name.clone())
-                .spawn(move || serve(Listener::from(listener), &name, &device, num_queues.max(1), serial, &control))?
+                .spawn(move || serve(listener, &name, &device, num_queues.max(1), serial, &control))?
         };
         Ok(VhostBlk { control, path: path.to_owned(), thread: Some(thread), remove_socket: true })
     }
@@ -79,8 +84,15 @@ impl VhostBlk {
         {
             let mut c = self.control.lock().unwrap();
             c.stopping = true;
-            if let Some(h) = c.current.take() {
+            if let Some((conn, handler)) = c.current.take() {
+                // The requests taken are answered while the frontend still
+                // listens (their interrupts arrive), no more are taken, and
+                // only then the connection ends: a frontend that reconnects
+                // to the next backend finds nothing in flight.
+                let mut h = handler.lock().unwrap_or_else(|e| e.into_inner());
                 h.shutdown();
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+                drop(h);
             }
         }
         // Wakes the listener if it is waiting for a frontend; the loop sees
@@ -111,9 +123,9 @@ impl Drop for VhostBlk {
     }
 }
 
-/// Accepts frontends one after another; each gets a fresh backend.
+/// Accepts frontends one after another; each gets a fresh handler.
 fn serve(
-    mut listener: Listener,
+    listener: UnixListener,
     name: &str,
     device: &Arc<Device>,
     num_queues: u16,
@@ -121,47 +133,50 @@ fn serve(
     control: &Mutex<Control>,
 ) {
     loop {
-        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let stream = listener.accept().map(|(s, _)| s);
+        if control.lock().unwrap().stopping {
+            return;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("{name}: accepting a vhost-user frontend failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+        };
         let shared = Arc::new(Shared {
             device: device.clone(),
-            mem: Mutex::new(mem.clone()),
+            mem: Mutex::new(GuestMemoryAtomic::new(GuestMemoryMmap::new())),
             writeback: AtomicBool::new(true),
             event_idx: AtomicBool::new(false),
             serial,
             zero_copy: true,
         });
-        let backend = BlkBackend::new(shared, num_queues);
-        let mut daemon = match VhostUserDaemon::new(name.to_owned(), backend.clone(), mem) {
-            Ok(d) => d,
-            Err(e) => {
-                log::error!("{name}: cannot set up the vhost-user backend: {e}");
-                return;
-            }
-        };
-        let started = daemon.start(&mut listener);
+        let handler = Arc::new(Mutex::new(BlkHandler::new(shared, num_queues, name)));
+        let mut conn = BackendReqHandler::from_stream(stream, handler.clone());
         {
             let mut c = control.lock().unwrap();
             if c.stopping {
-                daemon.request_shutdown();
-                let _ = daemon.wait();
                 return;
             }
-            c.current = daemon.shutdown_handle();
-        }
-        if let Err(e) = started {
-            log::warn!("{name}: accepting a vhost-user frontend failed: {e}");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-            continue;
+            c.current = conn.try_clone_connection().ok().map(|sock| (sock, handler.clone()));
         }
         log::info!("{name}: vhost-user frontend connected");
-        match daemon.wait() {
-            Ok(()) => log::info!("{name}: vhost-user frontend disconnected"),
-            Err(e) => log::info!("{name}: vhost-user frontend gone: {e}"),
+        let end = loop {
+            if let Err(e) = conn.handle_request() {
+                break e;
+            }
+        };
+        match end {
+            VuError::Disconnected | VuError::PartialMessage => log::info!("{name}: vhost-user frontend disconnected"),
+            e => log::info!("{name}: vhost-user frontend gone: {e}"),
         }
         control.lock().unwrap().current = None;
-        // Requests the engine still holds finish before the queues go away.
-        backend.wait_idle();
-        drop(daemon);
+        // The rings stop, and requests the engine still holds finish (and reach
+        // the used ring, the inflight log in step) before the memory goes away.
+        handler.lock().unwrap_or_else(|e| e.into_inner()).shutdown();
+        drop(conn);
         if control.lock().unwrap().stopping {
             return;
         }

@@ -17,21 +17,23 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use vdisk_engine::inflight::InFlight;
 use vdisk_engine::slab::Slab;
-use vdisk_engine::{Buf, Device, Lent, Op, Request, Sink};
-use vhost_user_backend::{VringRwLock, VringT};
-use virtio_queue::QueueT;
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+use vdisk_engine::{Buf, Command, Data, Device, Lent, Op, Request, Sink};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{
+    Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
+    GuestRegionMmap,
+};
 
 use crate::config::{ID_BYTES, SECTOR};
 use crate::parse::{self, Action, Limits, Parsed, Seg, S_IOERR, S_OK};
 
 pub type Mem = GuestMemoryMmap<()>;
 pub type Gm = GuestMemoryAtomic<Mem>;
-pub type Vring = VringRwLock<Gm>;
+pub use crate::vring::Vring;
 
 /// What every queue of a device shares.
 pub struct Shared {
@@ -71,7 +73,10 @@ struct Pending {
 
 pub struct QueueCtx {
     shared: Arc<Shared>,
-    vring: OnceLock<Vring>,
+    vring: Arc<Vring>,
+    /// Heads a previous backend took and never answered (inflight log), oldest
+    /// first: served at the next kick, before the available ring.
+    resubmit: Mutex<Vec<u16>>,
     /// Pending requests; the engine tag is the slot.
     pending: Mutex<Slab<Pending>>,
     /// Virtio requests with the engine.
@@ -79,37 +84,58 @@ pub struct QueueCtx {
 }
 
 impl QueueCtx {
-    pub fn new(shared: Arc<Shared>) -> Arc<QueueCtx> {
+    pub fn new(shared: Arc<Shared>, vring: Arc<Vring>) -> Arc<QueueCtx> {
         Arc::new(QueueCtx {
             shared,
-            vring: OnceLock::new(),
+            vring,
+            resubmit: Mutex::new(Vec::new()),
             pending: Mutex::new(Slab::default()),
             inflight: InFlight::new(),
         })
     }
 
+    pub fn vring(&self) -> &Arc<Vring> {
+        &self.vring
+    }
+
+    /// Heads to serve again before the available ring (see [`QueueCtx::resubmit`]).
+    pub fn set_resubmit(&self, heads: Vec<u16>) {
+        *self.resubmit.lock().unwrap() = heads;
+    }
+
     /// Serves a kick: drains the queue (again while the guest keeps adding,
     /// with EVENT_IDX), submits one batch, answers what needs no engine.
-    pub fn kick(self: &Arc<Self>, vring: &Vring) {
-        let vring = self.vring.get_or_init(|| vring.clone());
+    /// Heads left in flight by a previous backend go first.
+    pub fn kick(self: &Arc<Self>) {
         let mem: Arc<Mem> = self.shared.mem.lock().unwrap().memory().into_inner();
         let limits = self.shared.limits();
         let event_idx = self.shared.event_idx.load(Ordering::Relaxed);
         let mut parsed = Vec::new();
         {
-            let mut state = vring.get_mut();
-            let queue = state.get_queue_mut();
-            if !queue.ready() {
+            let mut state = self.vring.lock();
+            if !state.serving() {
                 return;
             }
+            let resubmit = std::mem::take(&mut *self.resubmit.lock().unwrap());
+            if !resubmit.is_empty() {
+                log::info!(
+                    "vhost-user-blk: submitting {} request(s) a previous backend left in flight",
+                    resubmit.len()
+                );
+                resubmit_chains(&mem, &state.queue, &resubmit, &limits, &mut parsed);
+            }
+            let state = &mut *state;
             loop {
                 if event_idx {
-                    let _ = queue.disable_notification(&*mem);
+                    let _ = state.queue.disable_notification(&*mem);
                 }
-                while let Some(chain) = queue.pop_descriptor_chain(&*mem) {
+                while let Some(chain) = state.queue.pop_descriptor_chain(&*mem) {
+                    if let Some(log) = state.log.as_mut() {
+                        log.mark(chain.head_index());
+                    }
                     parsed.push(parse::parse(chain, &limits));
                 }
-                if !event_idx || !queue.enable_notification(&*mem).unwrap_or(false) {
+                if !event_idx || !state.queue.enable_notification(&*mem).unwrap_or(false) {
                     break;
                 }
             }
@@ -155,17 +181,16 @@ impl QueueCtx {
                             let slot = slab.insert(pending) as u64;
                             let mut at = offset;
                             for piece in pieces {
-                                let mut req = Request::new(op, at, piece.len() as u64, slot);
-                                at += piece.len() as u64;
-                                req.lent = Some(piece);
-                                batch.push(req);
+                                let n = piece.len() as u64;
+                                batch.push(Request::new(Command::new(op, piece.into()), at, n, slot));
+                                at += n;
                             }
                             continue;
                         }
-                        let mut req = Request::new(op, offset, len, 0);
+                        let mut data = Data::default();
                         if matches!(op, Op::Write { .. }) {
                             match copy_in(mem, &segs, len) {
-                                Some(buf) => req.buf = buf,
+                                Some(buf) => data = buf.into(),
                                 None => {
                                     failed_io += 1;
                                     answered.push(self.answer(mem, p.head, p.status, S_IOERR, 0));
@@ -173,6 +198,7 @@ impl QueueCtx {
                                 }
                             }
                         }
+                        let mut req = Request::new(Command::new(op, data), offset, len, 0);
                         if read {
                             pending.read_into = segs;
                         }
@@ -190,7 +216,7 @@ impl QueueCtx {
                 self.complete(done);
             }
         }
-        self.publish(&answered);
+        self.publish(mem, &answered);
         self.release(failed_io);
     }
 
@@ -203,19 +229,18 @@ impl QueueCtx {
     }
 
     /// Puts finished chains on the used ring and notifies the guest once.
-    fn publish(&self, used: &[(u16, u32)]) {
-        let Some(vring) = self.vring.get() else { return };
+    fn publish(&self, mem: &Mem, used: &[(u16, u32)]) {
         if used.is_empty() {
             return;
         }
-        let mut state = vring.get_mut();
+        let mut state = self.vring.lock();
         for &(head, len) in used {
-            if let Err(e) = state.add_used(head, len) {
+            if let Err(e) = state.add_used(mem, head, len) {
                 log::warn!("vhost-user-blk: cannot return descriptor {head} to the guest: {e}");
             }
         }
-        if state.needs_notification().unwrap_or(true) {
-            if let Err(e) = state.signal_used_queue() {
+        if state.needs_notification(mem) {
+            if let Err(e) = state.signal() {
                 log::warn!("vhost-user-blk: cannot notify the guest: {e}");
             }
         }
@@ -234,15 +259,21 @@ impl QueueCtx {
 impl Sink for QueueCtx {
     fn complete(&self, done: Vec<Request>) {
         let mut used = Vec::with_capacity(done.len());
+        let mut mem = None;
         {
             let mut slab = self.pending.lock().unwrap();
             for req in done {
                 let slot = req.tag as usize;
                 let Some(p) = slab.get_mut(slot) else { continue };
                 if let Some(e) = &req.error {
-                    log::warn!("vhost-user-blk: {} of {} bytes at {} failed: {e}", req.op.name(), req.len, req.offset);
+                    log::warn!(
+                        "vhost-user-blk: {} of {} bytes at {} failed: {e}",
+                        req.op().name(),
+                        req.len,
+                        req.offset
+                    );
                     p.failed = true;
-                } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, &req.buf) {
+                } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, req.buf()) {
                     p.failed = true;
                 }
                 // Lent guest memory is let go of here, before the guest sees the request done.
@@ -254,9 +285,12 @@ impl Sink for QueueCtx {
                 let p = slab.remove(slot).expect("slot is taken");
                 let (s, written) = if p.failed { (S_IOERR, 0) } else { (S_OK, p.written) };
                 used.push(self.answer(&p.mem, p.head, p.status, s, written));
+                mem = Some(p.mem);
             }
         }
-        self.publish(&used);
+        if let Some(mem) = mem {
+            self.publish(&mem, &used);
+        }
         self.release(used.len());
     }
 }
@@ -304,4 +338,47 @@ fn copy_out(mem: &Mem, segs: &[Seg], buf: &[u8]) -> bool {
         at += n as usize;
     }
     true
+}
+
+/// Parses the chains of `heads` (taken by a previous backend, still in the
+/// descriptor table since the guest never got them back). virtio-queue makes
+/// chains only from an available ring, so a scratch one is used: the guest's
+/// memory plus one private page past its end holding an available ring that
+/// lists `heads`, read through a copy of the queue (same descriptor table).
+/// The chains' data is checked against that memory; the real guest memory is
+/// used for every access after parsing, so a descriptor pointing at the
+/// scratch page only fails there (IOERR), as any bad address does.
+fn resubmit_chains(mem: &Arc<Mem>, queue: &Queue, heads: &[u16], limits: &Limits, out: &mut Vec<Parsed>) {
+    let size = usize::from(queue.size());
+    let ring_bytes = (6 + 2 * size).next_multiple_of(4);
+    let used_bytes = 6 + 8 * size;
+    let Some(end) = mem.last_addr().checked_add(1) else { return };
+    let at = GuestAddress(end.0.next_multiple_of(4096));
+    let region = match vm_memory::MmapRegion::new((ring_bytes + used_bytes).next_multiple_of(4096))
+        .ok()
+        .and_then(|r| GuestRegionMmap::new(r, at))
+    {
+        Some(r) => Arc::new(r),
+        None => return,
+    };
+    let Ok(scratch) = (**mem).insert_region(region) else { return };
+    let _ = scratch.write_obj(heads.len() as u16, at.unchecked_add(2));
+    for (i, &h) in heads.iter().enumerate() {
+        let _ = scratch.write_obj(h, at.unchecked_add(4 + 2 * i as u64));
+    }
+    let mut q = match Queue::new(queue.max_size()) {
+        Ok(q) => q,
+        Err(_) => return,
+    };
+    q.set_size(queue.size());
+    let _ = q.try_set_desc_table_address(GuestAddress(queue.desc_table()));
+    let _ = q.try_set_avail_ring_address(at);
+    let _ = q.try_set_used_ring_address(at.unchecked_add(ring_bytes as u64));
+    q.set_ready(true);
+    for &h in heads {
+        match q.pop_descriptor_chain(&scratch) {
+            Some(chain) => out.push(parse::parse(chain, limits)),
+            None => log::warn!("vhost-user-blk: head {h} left in flight cannot be read again"),
+        }
+    }
 }

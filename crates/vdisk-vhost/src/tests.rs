@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 
 use vdisk_engine::{Device, EngineConfig};
 use vdisk_image::{Image, RawImage};
-use vhost_user_backend::VringT;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
+use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::parse::{S_IOERR, S_OK, S_UNSUPP};
@@ -30,7 +30,7 @@ const DATA: u64 = 0x20000;
 
 struct Rig {
     gm: GuestMemoryAtomic<GuestMemoryMmap<()>>,
-    vring: Vring,
+    vring: Arc<Vring>,
     ctx: Arc<QueueCtx>,
     shared: Arc<Shared>,
     used_addr: GuestAddress,
@@ -69,11 +69,16 @@ impl Rig {
             let mock = MockSplitQueue::new(&*guard, QSIZE);
             (mock.desc_table_addr(), mock.avail_addr(), mock.used_addr())
         };
-        let vring = <Vring as VringT<_>>::new(gm.clone(), QSIZE).unwrap();
-        vring.set_queue_size(QSIZE);
-        vring.set_queue_info(desc.0, avail.0, used.0).unwrap();
-        vring.set_queue_ready(true);
-        vring.set_enabled(true);
+        let vring = Arc::new(Vring::new(QSIZE));
+        {
+            let mut s = vring.lock();
+            s.queue.set_size(QSIZE);
+            s.queue.try_set_desc_table_address(desc).unwrap();
+            s.queue.try_set_avail_ring_address(avail).unwrap();
+            s.queue.try_set_used_ring_address(used).unwrap();
+            s.queue.set_ready(true);
+            s.enabled = true;
+        }
         let shared = Arc::new(Shared {
             device,
             mem: Mutex::new(gm.clone()),
@@ -82,7 +87,7 @@ impl Rig {
             serial: *b"vdisk-test-serial-01",
             zero_copy,
         });
-        let ctx = QueueCtx::new(shared.clone());
+        let ctx = QueueCtx::new(shared.clone(), vring.clone());
         Rig { gm, vring, ctx, shared, used_addr: used, avail_addr: avail, next_desc: 0, chains: 0, dir }
     }
 
@@ -131,7 +136,7 @@ impl Rig {
 
     /// Kicks the queue and waits for the engine; returns the used entries (head, len) so far.
     fn kick(&self) -> Vec<(u32, u32)> {
-        self.ctx.kick(&self.vring);
+        self.ctx.kick();
         self.ctx.wait_idle();
         let mem = self.mem();
         let n: u16 = mem.read_obj(GuestAddress(self.used_addr.0 + 2)).unwrap();
@@ -303,23 +308,107 @@ fn copies_when_descriptors_are_not_whole_sectors_or_zero_copy_is_off() {
 
 #[test]
 fn the_guest_switches_the_write_cache_through_the_config() {
-    use crate::backend::BlkBackend;
-    use vhost_user_backend::VhostUserBackend;
+    use crate::handler::BlkHandler;
+    use vhost::vhost_user::message::VhostUserConfigFlags;
+    use vhost::vhost_user::VhostUserBackendReqHandlerMut;
     let rig = Rig::new("wce", false);
-    let backend = BlkBackend::new(rig.ctx_shared(), 2);
-    let cfg = backend.get_config(0, 60);
+    let mut h = BlkHandler::new(rig.ctx_shared(), 2, "wce");
+    let f = VhostUserConfigFlags::empty();
+    let cfg = h.get_config(0, 60, f).unwrap();
     assert_eq!(u64::from_le_bytes(cfg[0..8].try_into().unwrap()), DISK / 512);
     assert_eq!(u16::from_le_bytes(cfg[34..36].try_into().unwrap()), 2, "num_queues");
     assert_eq!(cfg[32], 1, "writeback at start");
-    backend.set_config(32, &[0]).unwrap();
-    assert_eq!(backend.get_config(32, 1), vec![0]);
-    assert!(backend.set_config(0, &[1]).is_err(), "only wce is writable");
-    assert!(backend.set_config(32, &[2]).is_err());
-    assert_eq!(backend.get_config(56, 8), vec![1, 0, 0, 0, 0, 0, 0, 0], "past the end reads as zeros");
+    h.set_config(32, &[0], f).unwrap();
+    assert_eq!(h.get_config(32, 1, f).unwrap(), vec![0]);
+    assert!(h.set_config(0, &[1], f).is_err(), "only wce is writable");
+    assert!(h.set_config(32, &[2], f).is_err());
+    assert_eq!(h.get_config(56, 8, f).unwrap(), vec![1, 0, 0, 0, 0, 0, 0, 0], "past the end reads as zeros");
     // Without FLUSH negotiated the device writes through.
-    backend.set_config(32, &[1]).unwrap();
-    backend.acked_features(0);
-    assert_eq!(backend.get_config(32, 1), vec![0]);
+    h.set_config(32, &[1], f).unwrap();
+    h.set_features(0).unwrap();
+    assert_eq!(h.get_config(32, 1, f).unwrap(), vec![0]);
+    assert_eq!(h.get_queue_num().unwrap(), 2);
+    assert!(h.set_features(1 << 63).is_err(), "features never offered are refused");
+}
+
+/// The inflight log follows the ring: heads are flagged while the engine has
+/// them and cleared once on the used ring, with the header's used index in step.
+#[test]
+fn heads_are_in_flight_from_pop_to_the_used_ring() {
+    use crate::inflight::InflightBuf;
+    let mut rig = Rig::new("inflight", false);
+    let buf = Arc::new(InflightBuf::anonymous(1, QSIZE));
+    {
+        let mut s = rig.vring.lock();
+        let mut log = buf.queue(0).unwrap();
+        assert_eq!(log.recover(0, QSIZE).next_avail, None, "a fresh buffer");
+        s.log = Some(log);
+    }
+    let st = |n| (Rig::status_of(n), 1, true);
+    for n in 0..3u16 {
+        let h = rig.header(n, VIRTIO_BLK_T_OUT, u64::from(n) * 8);
+        rig.offer(&[(h, 16, false), (DATA, 4096, false), st(n)]);
+    }
+    let used = rig.kick();
+    assert_eq!(used.len(), 3);
+    let mut again = buf.queue(0).unwrap();
+    let r = again.recover(3, QSIZE);
+    assert_eq!(r.resubmit, Vec::<u16>::new(), "nothing is left in flight once answered");
+    assert_eq!(r.next_avail, Some(3));
+}
+
+/// A backend that took three writes and died before answering them: the next
+/// one, on the same inflight buffer, serves them before the available ring,
+/// and the guest gets every one back exactly once.
+#[test]
+fn heads_left_in_flight_are_resubmitted_first() {
+    use crate::inflight::InflightBuf;
+    let mut rig = Rig::new("resubmit", false);
+    let buf = Arc::new(InflightBuf::anonymous(1, QSIZE));
+    let st = |n| (Rig::status_of(n), 1, true);
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 11 + 5) as u8).collect();
+    rig.mem().write_slice(&pattern, GuestAddress(DATA)).unwrap();
+    let mut heads = Vec::new();
+    for n in 0..3u16 {
+        let h = rig.header(n, VIRTIO_BLK_T_OUT, u64::from(n) * 8);
+        heads.push(rig.offer(&[(h, 16, false), (DATA, 4096, false), st(n)]));
+    }
+    // The dead backend: took all three (flagged in the log), answered none.
+    let mut dead = buf.queue(0).unwrap();
+    dead.recover(0, QSIZE);
+    for &h in heads.iter().rev() {
+        dead.mark(h);
+    }
+    // A fourth request came after the death.
+    let h3 = rig.header(3, VIRTIO_BLK_T_IN, 16);
+    let read = rig.offer(&[(h3, 16, false), (DATA + 0x8000, 4096, true), st(3)]);
+    rig.mem().write_slice(&[0xee; 4], GuestAddress(STATUS)).unwrap();
+    // The new backend starts the ring as the handler does.
+    {
+        let mut s = rig.vring.lock();
+        let mut log = buf.queue(0).unwrap();
+        let r = log.recover(0, QSIZE);
+        assert_eq!(r.resubmit, heads.iter().rev().copied().collect::<Vec<_>>(), "oldest counter first");
+        assert_eq!(r.next_avail, Some(3));
+        s.queue.set_next_avail(3);
+        s.log = Some(log);
+        rig.ctx.set_resubmit(r.resubmit);
+    }
+    let used = rig.kick();
+    assert_eq!(used.len(), 4, "{used:?}");
+    for n in 0..4 {
+        assert_eq!(rig.status(n), S_OK, "request {n}");
+    }
+    assert_eq!(len_of(&used, read), 4097);
+    // The resubmitted write reached the disk.
+    let h4 = rig.header(4, VIRTIO_BLK_T_IN, 16);
+    rig.offer(&[(h4, 16, false), (DATA + 0x8000, 4096, true), st(4)]);
+    assert_eq!(rig.kick().len(), 5);
+    let mut got = vec![0u8; 4096];
+    rig.mem().read_slice(&mut got, GuestAddress(DATA + 0x8000)).unwrap();
+    assert!(got == pattern, "the resubmitted write at sector 16 is on the disk");
+    let r = buf.queue(0).unwrap().recover(5, QSIZE);
+    assert!(r.resubmit.is_empty(), "{r:?}");
 }
 
 /// Random descriptor tables (random addresses in and out of guest memory,
@@ -372,7 +461,7 @@ fn random_chains_never_panic_and_always_come_back() {
         }
         rig.mem().write_obj(rig.chains, GuestAddress(rig.avail_addr.0 + 2)).unwrap();
         offered = offered.wrapping_add(count);
-        rig.ctx.kick(&rig.vring);
+        rig.ctx.kick();
         rig.ctx.wait_idle();
         let used: u16 = rig.mem().read_obj(GuestAddress(rig.used_addr.0 + 2)).unwrap();
         assert_eq!(used, offered, "every offered chain is returned");
@@ -430,4 +519,41 @@ fn random_descriptor(i: u16, rand: &mut impl FnMut(u64) -> u64) -> Descriptor {
     }
     let to = if rand(10) == 0 { rand(QSIZE as u64 + 4) as u16 } else { i + 1 };
     Descriptor::new(addr, len, flags, to)
+}
+
+/// The memory table (SET_MEM_TABLE) and single regions (ADD/REM_MEM_REG) as
+/// the handler keeps them: ring addresses are translated from the frontend's
+/// address space, and only inside a region it was given.
+#[test]
+fn memory_regions_translate_ring_addresses() {
+    use crate::handler::BlkHandler;
+    use vhost::vhost_user::message::{VhostUserMemoryRegion, VhostUserSingleMemoryRegion, VhostUserVringAddrFlags};
+    use vhost::vhost_user::VhostUserBackendReqHandlerMut;
+    let rig = Rig::new("memtable", false);
+    let file = |name: &str| {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(rig.dir.join(name))
+            .unwrap();
+        f.set_len(1 << 20).unwrap();
+        f
+    };
+    let mut h = BlkHandler::new(rig.ctx_shared(), 1, "memtable");
+    let va = 0x7f00_0000_0000u64;
+    let flags = VhostUserVringAddrFlags::empty;
+    h.set_mem_table(&[VhostUserMemoryRegion::new(0, 1 << 20, va, 0)], vec![file("a")], None).unwrap();
+    h.set_vring_num(0, 64).unwrap();
+    assert!(h.set_vring_num(0, 100).is_err(), "not a power of two");
+    h.set_vring_addr(0, flags(), va + 0x1000, va + 0x3000, va + 0x2000, 0).unwrap();
+    assert!(h.set_vring_addr(0, flags(), va + (2 << 20), va, va, 0).is_err(), "outside every region");
+    // A second region at 1 MiB, then gone again.
+    let va2 = 0x7f00_1000_0000u64;
+    h.add_mem_region(&VhostUserSingleMemoryRegion::new(1 << 20, 1 << 20, va2, 0), file("b"), None).unwrap();
+    h.set_vring_addr(0, flags(), va2, va2 + 0x2000, va2 + 0x1000, 0).unwrap();
+    h.remove_mem_region(&VhostUserSingleMemoryRegion::new(1 << 20, 1 << 20, va2, 0)).unwrap();
+    assert!(h.set_vring_addr(0, flags(), va2, va2 + 0x2000, va2 + 0x1000, 0).is_err(), "the region is gone");
+    h.set_vring_addr(0, flags(), va + 0x1000, va + 0x3000, va + 0x2000, 0).unwrap();
 }

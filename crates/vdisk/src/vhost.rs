@@ -38,7 +38,7 @@ pub fn start(
     ));
     banner.push(format!(
         "  try: qemu-system-x86_64 ... -object memory-backend-memfd,id=mem,size=1G,share=on -numa node,memdev=mem \
-         -chardev socket,id=vd,path={} -device vhost-user-blk-pci,chardev=vd,num-queues={queues}",
+         -chardev socket,id=vd,path={},reconnect=1 -device vhost-user-blk-pci,chardev=vd,num-queues={queues}",
         socket.display()
     ));
     Ok(Box::new(Export(export)))

@@ -19,7 +19,7 @@ fn sigkill_rounds_keep_every_flushed_write_and_invent_nothing() {
     let dir = TempDir::new("crash");
     let started = Instant::now();
     let out = Command::new(vdisk_bin())
-        .args(["soak", "--rounds", &ROUNDS.to_string(), "--seconds", "0", "--json", "--dir"])
+        .args(["soak", "--rounds", &ROUNDS.to_string(), "--seconds", "0", "--format", "raw,cow", "--json", "--dir"])
         .arg(&dir.0)
         .output()
         .expect("run vdisk soak");

@@ -79,7 +79,7 @@ pub fn image_input(data: &[u8]) -> bool {
             }
             let _ = img.files()[0].write_all_at(&vec![0xa5; n as usize], offset);
         }
-        // The last write "fails" after its data went out: the image refills what it claimed.
+        // The last write "fails" after its data went out: its claim stays, filled with the old data.
         if k == 3 {
             img.write_failed(at, len);
         } else {

@@ -36,7 +36,6 @@ mod repair;
 mod tests;
 mod write;
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -76,7 +75,7 @@ pub struct Qcow2Image {
     /// no longer name them are durable (see `write.rs`).
     released: Mutex<Vec<u64>>,
     /// Clusters claimed for writes in flight, not yet in their L2 table: cluster → host.
-    pending: [Mutex<HashMap<u64, write::Claim>>; STRIPES],
+    pending: [Mutex<write::Pending>; STRIPES],
     /// The length of file 0 as far as this process made it (reads past it are zeros).
     file_len: AtomicU64,
     /// Metadata rounds, one at a time; holds the number of the last round done.
@@ -278,11 +277,10 @@ impl Image for Qcow2Image {
         self.claim_range(offset, len)
     }
 
-    fn write_failed(&self, offset: u64, len: u64) {
-        if let Err(e) = self.restore_range(offset, len) {
-            log::warn!("{}: after a failed write at {offset}: {e}", self.path.display());
-        }
-    }
+    /// Nothing to undo: a claim's units were filled with the old data before
+    /// the failed write was mapped, so the range reads as before or partly as
+    /// the failed write's data, whichever write publishes the claim.
+    fn write_failed(&self, _offset: u64, _len: u64) {}
 
     fn write_done(&self, offset: u64, len: u64, durable: bool) -> Result<()> {
         self.publish_range(offset, len)?;

@@ -38,6 +38,10 @@ pub struct Refcounts {
     pub on_disk: (u64, u32),
     /// The table moved: (offset, clusters) for the header, until it is written there.
     pub moved: Option<(u64, u32)>,
+    /// The move a metadata round took and may be writing into the header
+    /// now (set by the round, cleared once it is done): such a table may be
+    /// named on disk, so its refcounts must not drop.
+    pub header_pending: Option<(u64, u32)>,
     /// Where the next allocation goes: past everything in the file.
     next_free: u64,
 }
@@ -117,6 +121,7 @@ impl Refcounts {
             table_at: h.refcount_table_offset,
             on_disk: (h.refcount_table_offset, h.refcount_table_clusters),
             moved: None,
+            header_pending: None,
             next_free: file_len.div_ceil(cs) * cs,
         })
     }
@@ -227,13 +232,23 @@ impl Refcounts {
         let at = self.next_free;
         self.next_free += clusters * cs;
         // The table the header names is freed once the header names this one
-        // (`write.rs`); one made since and replaced before that leaks.
+        // (`write.rs`). One made since and replaced before any header named
+        // it (grown twice between rounds) is named by nothing on disk: it is
+        // freed now, its refcounts written with the new table's. Not if a
+        // round in progress may be writing it into the header: that round
+        // leaves it in `on_disk`, and the next one frees it.
+        let intermediate = self.moved.filter(|&m| Some(m) != self.header_pending && m.0 != self.on_disk.0);
         self.table.resize(entries as usize, 0);
         self.table_dirty = true;
         self.table_at = at;
         self.moved = Some((at, clusters as u32));
         for k in 0..clusters {
             self.set_one(file, path, at + k * cs, 1)?;
+        }
+        if let Some((old, n)) = intermediate {
+            for k in 0..n as u64 {
+                self.set_one(file, path, old + k * cs, 0)?;
+            }
         }
         Ok(())
     }

@@ -8,14 +8,25 @@
 //! first (`prepare_write`, under the
 //! cluster's stripe lock): a host cluster is allocated (or the zero
 //! cluster's own reused); each unit (subcluster, or the cluster) the write
-//! covers in part is filled whole, its own range too, with what the guest
-//! sees there now (the backing image, zeros, an old cluster), and a unit it
-//! covers whole is marked covered; the claim is noted in `pending`. Writes
-//! map to the claimed cluster; once one's data is in the file (`write_done`)
-//! the L2 entry in memory points at the claim's filled units and that
-//! write's. A failed write (`write_failed`) has its covered units filled
-//! with the old data. So whichever write publishes a claim first, no range
-//! of it reads bytes nobody wrote, before or after a crash.
+//! touches is filled whole, its own range too, with what the guest sees
+//! there now (the backing image, zeros, an old cluster; a fresh cluster's
+//! zeros are skipped), and the claim is noted in `pending`. The fill is done
+//! before the first write to the unit is mapped, so it never lands on top of
+//! any write's data. Writes map to the claimed cluster; once one's data is in
+//! the file (`write_done`) the L2 entry in memory points at the claim's
+//! units. So whichever write publishes a claim first, and whichever fails,
+//! no range of it reads bytes nobody wrote, before or after a crash.
+//!
+//! A write that covers a whole cluster with no shared claim in flight and
+//! no host cluster of its own to reuse gets a new host cluster of its own
+//! instead (`claim_whole`): nothing is filled, and its `write_done` points
+//! the entry at it, replacing whatever is there. Any other write to that
+//! cluster in flight overlaps it, so may be ordered before it; a shared
+//! claim made before that publish is stale when its turn comes (the entry
+//! is no longer the one it was made on) and is dropped, its write ordered
+//! before the whole one. A private claim is published by the `write_done`
+//! of the same range (the engine's pieces of a TRIM or WRITE_ZEROES that
+//! `zero` leaves it are never whole clusters, or are the whole request).
 //!
 //! Durability ordering (`sync_round`, one round at a time, group commit):
 //!
@@ -24,9 +35,11 @@
 //!    its data reached the file, and every cluster an L2 or L1 entry taken
 //!    points at was counted before that entry was set;
 //! 2. fdatasync: the data (and the copied-in parts) is durable;
-//! 3. write the refcount blocks (and a moved refcount table, then fdatasync
-//!    and the header naming it); fdatasync: refcounts durable before any
-//!    table that uses the clusters they count;
+//! 3. write the refcount blocks; if the refcount table changed in place
+//!    (it names new blocks), fdatasync, then write it; a moved table is
+//!    written beside the blocks, then fdatasync and the header naming it;
+//!    fdatasync: refcount blocks durable before the table entry naming them,
+//!    refcounts durable before any table that uses the clusters they count;
 //! 4. write the L2 tables; if the L1 table changed, fdatasync (new L2 tables
 //!    durable) and write it; fdatasync.
 //!
@@ -41,6 +54,7 @@
 //! written, write an L2/L1 table before the refcounts it relies on, or drop a
 //! refcount before what named the cluster is durably gone.
 
+use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -59,12 +73,31 @@ pub(super) struct Claim {
     fresh: bool,
     /// The units (bit per subcluster; bit 0 for a whole cluster) filled so far.
     units: u64,
-    /// Units a write in flight covers whole (not filled: valid once it is done).
-    covered: u64,
+    /// The L2 entry when the claim was made: if it changed before the claim
+    /// is published, a write covering the whole cluster published its own
+    /// cluster meanwhile, and this claim is stale (see `publish_range`).
+    base: Entry,
+}
+
+/// The claims of one stripe.
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    /// Guest cluster → its claim, shared by every write to it (filled).
+    shared: HashMap<u64, Claim>,
+    /// (guest cluster, write offset, write length) → a new host cluster of
+    /// its own for a write covering the whole cluster: nothing filled (all
+    /// of it is the write's), published by the first such write to finish.
+    whole: HashMap<(u64, u64, u64), u64>,
+}
+
+thread_local! {
+    /// The private claims the last `prepare_write` of this thread made or
+    /// joined, (guest cluster, host), for the `map_write` that follows it.
+    static PREPARED: std::cell::RefCell<Vec<(u64, u64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Qcow2Image {
-    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Claim>> {
+    fn stripe(&self, c: u64) -> std::sync::MutexGuard<'_, Pending> {
         self.pending[(c % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -88,69 +121,111 @@ impl Qcow2Image {
         if len == 0 {
             return Ok(());
         }
+        PREPARED.with(|p| p.borrow_mut().clear());
         let cs = self.cs();
         for c in offset / cs..(offset + len).div_ceil(cs) {
             let units = self.touched(c, offset, len);
             if self.l2.in_place(self.entry(c)?, units).is_none() {
-                self.claim(c, offset, len, units)?;
+                let whole = offset <= c * cs && offset + len >= (c + 1) * cs && (c + 1) * cs <= self.header.size;
+                if !(whole && self.claim_whole(c, offset, len)?) {
+                    self.claim(c, units)?;
+                }
             }
         }
         Ok(())
     }
 
+    /// Claims a new host cluster of its own for a write of [offset,
+    /// offset+len) that covers all of guest cluster `c`, or joins the one an
+    /// identical write in flight claimed: nothing to fill, the write's data
+    /// is all of it. False (claim the shared way) when the cluster has a
+    /// shared claim in flight or a host cluster of its own to reuse.
+    ///
+    /// Why this is safe beside the shared claims: whichever write covering
+    /// the whole cluster publishes its cluster, every other write to `c` in
+    /// flight at that moment overlaps it and may be ordered before it (NBD
+    /// gives overlapping writes in flight no order); a shared claim made
+    /// before that publish and published after it is stale and dropped
+    /// (`publish_range`), so no later publish brings back older data.
+    fn claim_whole(&self, c: u64, offset: u64, len: u64) -> Result<bool> {
+        let mut stripe = self.stripe(c);
+        let e = self.entry(c)?;
+        if self.l2.in_place(e, self.touched(c, offset, len)).is_some() {
+            return Ok(true); // published meanwhile: in place after all
+        }
+        if stripe.shared.contains_key(&c) || self.l2.reusable(e).is_some() {
+            return Ok(false);
+        }
+        let host = match stripe.whole.get(&(c, offset, len)) {
+            Some(&host) => host,
+            None => {
+                let host = self.allocate_for(c)?;
+                stripe.whole.insert((c, offset, len), host);
+                host
+            }
+        };
+        PREPARED.with(|p| p.borrow_mut().push((c, host)));
+        Ok(true)
+    }
+
     /// The host cluster a write of [offset, offset+len) within guest cluster
     /// `c` goes to (in place or claimed).
     pub(super) fn claimed_host(&self, c: u64, offset: u64, len: u64) -> Result<u64> {
+        // A cluster of its own first: never in place, even if another write
+        // published the cluster meanwhile (this one's publish replaces it).
+        if let Some(h) = PREPARED.with(|p| p.borrow().iter().find(|w| w.0 == c).map(|w| w.1)) {
+            return Ok(h);
+        }
         if let Some(h) = self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)) {
             return Ok(h);
         }
-        if let Some(cl) = self.stripe(c).get(&c) {
+        if let Some(cl) = self.stripe(c).shared.get(&c) {
             return Ok(cl.host);
         }
         Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
     }
 
-    /// Claims the units `units` of guest cluster `c` for a write of
-    /// [offset, offset+len): a host cluster (this image's own, or a new one),
-    /// and each unit not yet valid there filled around the write.
-    fn claim(&self, c: u64, offset: u64, len: u64, units: u64) -> Result<()> {
+    /// Claims the units `units` of guest cluster `c` for a write touching
+    /// them: a host cluster (this image's own, or a new one), and each unit
+    /// not yet valid there filled whole with what the guest reads there now.
+    fn claim(&self, c: u64, units: u64) -> Result<()> {
         let mut stripe = self.stripe(c);
         let e = self.entry(c)?;
         if self.l2.in_place(e, units).is_some() {
             return Ok(());
         }
-        let mut cl = match stripe.get(&c) {
+        let mut cl = match stripe.shared.get(&c) {
             Some(cl) => *cl,
             None => match self.l2.reusable(e) {
-                Some(host) => Claim { host, fresh: false, units: 0, covered: 0 },
+                Some(host) => Claim { host, fresh: false, units: 0, base: e },
                 // Data elsewhere (compressed, shared) moves whole into the new cluster.
                 None if e.host() != 0 || e.compressed() => {
                     let host = self.allocate_for(c)?;
                     self.copy_in(c, host, true, (c * self.cs(), self.cs()), (0, 0))?;
-                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1, covered: 0 }
+                    Claim { host, fresh: true, units: (1u64 << self.l2.units()) - 1, base: e }
                 }
-                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0, covered: 0 },
+                None => Claim { host: self.allocate_for(c)?, fresh: true, units: 0, base: e },
             },
         };
         let unit = self.cs() / self.l2.units();
         for u in 0..self.l2.units() {
             let bit = 1u64 << u;
-            let done = (cl.units | cl.covered) & bit != 0;
+            let done = cl.units & bit != 0;
             if units & bit == 0 || done || (!cl.fresh && self.l2.unit_valid(e, u)) {
                 continue;
             }
+            // The whole unit, the write's own range too, even when the write
+            // covers all of it: whatever other writes publish this claim
+            // first, the range reads old data until this write's lands, never
+            // bytes nobody wrote. The fill is done here, before this write (the
+            // first to touch the unit) is mapped, so it can never land on top of
+            // any write's data; later writes find the unit filled. (A fresh
+            // cluster's zeros cost nothing: they are skipped.)
             let start = c * self.cs() + u * unit;
-            if offset <= start && offset + len >= (start + unit).min(self.header.size) {
-                cl.covered |= bit; // all of it is this write's: valid once it is done
-                continue;
-            }
-            // The whole unit, the write's own range too: whatever other writes
-            // publish this claim first, the range reads old data until this
-            // write's lands, never bytes nobody wrote.
             self.copy_in(c, cl.host, cl.fresh, (start, unit), (0, 0))?;
             cl.units |= bit;
         }
-        stripe.insert(c, cl);
+        stripe.shared.insert(c, cl);
         Ok(())
     }
 
@@ -222,6 +297,13 @@ impl Qcow2Image {
     fn copy_extents(&self, extents: &[Extent], mut dest: u64, fresh: bool) -> Result<()> {
         for &ext in extents {
             let n = ext.len();
+            #[cfg(test)]
+            {
+                let in_place = matches!(ext, Extent::Data { file: 0, offset, .. } if offset == dest);
+                if !(in_place || fresh && matches!(ext, Extent::Zero { .. })) {
+                    trace::note(trace::Step::Fill(dest, n));
+                }
+            }
             match ext {
                 Extent::Data { file: 0, offset, .. } if offset == dest => {}
                 Extent::Zero { .. } if fresh => {}
@@ -245,36 +327,6 @@ impl Qcow2Image {
         Ok(())
     }
 
-    /// After a failed write: the units of a pending claim it covered whole
-    /// (and so never filled) are filled now with what the guest read there
-    /// before, so whichever write publishes the claim, they never read bytes
-    /// nobody wrote. (Units it covered in part were filled whole at the claim:
-    /// they read old data, or its data where it landed.) If even that fails
-    /// (a full disk), the claim is given up: the next write claims a new
-    /// cluster and this one leaks.
-    pub(super) fn restore_range(&self, offset: u64, len: u64) -> Result<()> {
-        let cs = self.cs();
-        let unit = cs / self.l2.units();
-        let mut result = Ok(());
-        for c in offset / cs..(offset + len).div_ceil(cs) {
-            let mut stripe = self.stripe(c);
-            let Some(mut cl) = stripe.get(&c).copied() else { continue };
-            let lost = cl.covered & self.touched(c, offset, len);
-            for u in (0..self.l2.units()).filter(|u| lost & (1 << u) != 0) {
-                // Not `fresh` here: the failed write may have left bytes there.
-                if let Err(e) = self.copy_in(c, cl.host, false, (c * cs + u * unit, unit), (0, 0)) {
-                    stripe.remove(&c);
-                    result = Err(e);
-                    break;
-                }
-                cl.units |= 1 << u;
-                cl.covered &= !(1 << u);
-                stripe.insert(c, cl);
-            }
-        }
-        result
-    }
-
     fn write_at(&self, buf: &[u8], at: u64) -> Result<()> {
         self.files[0].write_all_at(buf, at).map_err(|e| self.io_err(e, "copy-on-write write", at))
     }
@@ -287,21 +339,33 @@ impl Qcow2Image {
         }
         let cs = self.cs();
         for c in offset / cs..(offset + len).div_ceil(cs) {
+            let mut stripe = self.stripe(c);
+            if let Some(host) = stripe.whole.remove(&(c, offset, len)) {
+                // All of the cluster is this write's data (or an identical
+                // write's): it replaces whatever the entry names now.
+                let old = self.entry(c)?;
+                let bitmap = if self.header.extended_l2() { (1u64 << self.l2.units()) - 1 } else { 0 };
+                self.l2.set(&self.files[0], &self.path, c, Entry { desc: host | COPIED, bitmap })?;
+                self.release(old, host);
+                continue;
+            }
             if self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)).is_some() {
                 continue;
             }
-            let mut stripe = self.stripe(c);
-            if let Some(cl) = stripe.get_mut(&c) {
-                // Valid now: the units filled, and those this write covered
-                // (the ones other writes in flight cover whole wait for them).
-                let touched = self.touched(c, offset, len);
-                cl.covered &= !touched;
-                cl.units |= touched;
-                let cl = *cl;
-                if cl.covered == 0 {
-                    stripe.remove(&c);
-                }
+            // Every unit of the claim was filled before any write to it was
+            // mapped, so all of them are valid now, whichever write is done first.
+            if let Some(cl) = stripe.shared.remove(&c) {
                 let old = self.entry(c)?;
+                if old != cl.base {
+                    // A write covering the whole cluster, in flight with this
+                    // one, published its own cluster after this claim was made:
+                    // this write is ordered before it, and its data (and the
+                    // old data the claim was filled with) is gone.
+                    if cl.fresh {
+                        self.released.lock().unwrap_or_else(|e| e.into_inner()).push(cl.host);
+                    }
+                    continue;
+                }
                 let bitmap = if self.header.extended_l2() {
                     // Allocation bits of another host cluster mean nothing here; zero bits stay.
                     let kept = if old.host() == cl.host { old.bitmap } else { old.bitmap & (u64::MAX << 32) };
@@ -312,6 +376,11 @@ impl Qcow2Image {
                 self.l2.set(&self.files[0], &self.path, c, Entry { desc: cl.host | COPIED, bitmap })?;
                 self.release(old, cl.host);
             }
+        }
+        if crate::breakage::active(crate::breakage::Breakage::Qcow2L2First) {
+            // Broken on purpose (a test build): the entry goes out now, with no
+            // sync at all, so it waits beside its data for the next one.
+            self.round(false)?;
         }
         Ok(())
     }
@@ -345,7 +414,7 @@ impl Qcow2Image {
     fn zero_cluster(&self, c: u64, give_back: bool) -> Result<()> {
         let mut stripe = self.stripe(c);
         let e = self.entry(c)?;
-        let keep = self.l2.reusable(e).or_else(|| stripe.get(&c).map(|cl| cl.host));
+        let keep = self.l2.reusable(e).or_else(|| stripe.shared.get(&c).map(|cl| cl.host));
         if keep.is_none() && self.backing.is_none() && self.l2.unit(e, 0) == Unit::Backing && !self.header.extended_l2()
         {
             return Ok(()); // already reads as zeros
@@ -358,7 +427,7 @@ impl Qcow2Image {
             punch(&self.files[0], host, self.cs())
                 .map_err(|e| self.io_err(e, "cannot punch the zeroed cluster", host))?;
         }
-        stripe.remove(&c);
+        stripe.shared.remove(&c);
         let next = if self.header.extended_l2() {
             Entry { desc: if host != 0 { host | COPIED } else { 0 }, bitmap: 0xffff_ffff << 32 }
         } else {
@@ -394,6 +463,12 @@ impl Qcow2Image {
     /// changes were made before a round started waits for it instead. True
     /// when it dropped refcounts, which the next round writes.
     pub(super) fn sync_round(&self) -> Result<bool> {
+        self.round(true)
+    }
+
+    /// A metadata round; without `last_sync` (only a test build that breaks
+    /// durability on purpose asks for that) it ends without its last fdatasync.
+    fn round(&self, last_sync: bool) -> Result<bool> {
         if self.read_only {
             return Ok(false);
         }
@@ -408,9 +483,12 @@ impl Qcow2Image {
         let (blocks, table, moved) = {
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             let (b, t) = refs.take_dirty();
+            // This round may name the moved table in the header: it must not
+            // be freed as an intermediate one while the round runs.
+            refs.header_pending = refs.moved;
             (b, t.map(|t| (refs.table_at, t)), refs.moved)
         };
-        let r = self.write_round(&l1, &tables, &blocks, &table, moved);
+        let r = self.write_round(&l1, &tables, &blocks, &table, moved, last_sync);
         if let Err(e) = r {
             self.l2.redirty(l1.is_some(), tables.iter().map(|t| t.0));
             self.l2.written(tables.iter().map(|t| t.0));
@@ -436,13 +514,17 @@ impl Qcow2Image {
             if refs.moved == moved {
                 refs.moved = None;
             }
+            refs.header_pending = None;
             let (old, n) = std::mem::replace(&mut refs.on_disk, now);
             for k in 0..n as u64 {
                 refs.release(&self.files[0], &self.path, old + k * self.cs())?;
             }
             dropped = true;
         }
-        *done = round;
+        if last_sync {
+            // (A round without its last sync covers no caller waiting for one.)
+            *done = round;
+        }
         Ok(dropped)
     }
 
@@ -453,18 +535,38 @@ impl Qcow2Image {
         blocks: &[BlockBytes],
         table: &Option<(u64, Vec<u8>)>,
         moved: Option<(u64, u32)>,
+        last_sync: bool,
     ) -> Result<()> {
         if l1.is_none() && tables.is_empty() && blocks.is_empty() && table.is_none() {
             return Ok(());
         }
         let file = &self.files[0];
-        let sync = |what: &str| file.sync_data().map_err(|e| self.io_err(e, what, 0));
-        let write = |b: &[u8], at: u64, what: &str| file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at));
-        sync("data sync")?;
+        let sync = |what: &str| {
+            #[cfg(test)]
+            trace::note(trace::Step::Sync);
+            file.sync_data().map_err(|e| self.io_err(e, what, 0))
+        };
+        // Broken on purpose (a test build): only the last sync is left.
+        let broken = crate::breakage::active(crate::breakage::Breakage::Qcow2L2First);
+        let ordered = |what: &str| if broken { Ok(()) } else { sync(what) };
+        let write = |b: &[u8], at: u64, what: &str| {
+            #[cfg(test)]
+            trace::note(trace::Step::Write(at, b.len() as u64));
+            file.write_all_at(b, at).map_err(|e| self.io_err(e, what, at))
+        };
+        ordered("data sync")?;
         for (_, at, bytes) in blocks {
             write(bytes, *at, "refcount block write")?;
         }
         if let Some((at, bytes)) = table {
+            if moved.is_none() && !blocks.is_empty() {
+                // The table in place names new refcount blocks: they must be
+                // durable first, or a crash can leave an entry naming a block
+                // that reads as zeros (its own refcount, and every one it
+                // holds, 0 while in use). A moved table is named by nothing
+                // until the header, which waits for the sync below.
+                ordered("refcount block sync")?;
+            }
             write(bytes, *at, "refcount table write")?;
             if let Some((at, clusters)) = moved {
                 sync("refcount table sync")?;
@@ -475,14 +577,17 @@ impl Qcow2Image {
             }
         }
         if !blocks.is_empty() || table.is_some() {
-            sync("refcount sync")?;
+            ordered("refcount sync")?;
         }
         for (_, at, bytes) in tables {
             write(bytes, *at, "L2 table write")?;
         }
         if let Some(bytes) = l1 {
-            sync("L2 table sync")?;
+            ordered("L2 table sync")?;
             write(bytes, self.header.l1_table_offset, "L1 table write")?;
+        }
+        if !last_sync {
+            return Ok(());
         }
         sync("metadata sync")
     }
@@ -525,4 +630,40 @@ fn copy_range(from: &std::fs::File, at: u64, to: &std::fs::File, dest: u64, len:
         }
     }
     Ok(())
+}
+
+/// What the metadata rounds of this thread wrote and synced, in order, when
+/// a test asks (`start`/`take`): the ordering rules checked step by step.
+#[cfg(test)]
+pub(super) mod trace {
+    use std::cell::RefCell;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Step {
+        /// `len` bytes written at `at`.
+        Write(u64, u64),
+        Sync,
+        /// A claim filled `len` bytes at `at` with what the guest read there.
+        Fill(u64, u64),
+    }
+
+    thread_local! {
+        static STEPS: RefCell<Option<Vec<Step>>> = const { RefCell::new(None) };
+    }
+
+    pub fn note(s: Step) {
+        STEPS.with(|t| {
+            if let Some(v) = t.borrow_mut().as_mut() {
+                v.push(s);
+            }
+        });
+    }
+
+    pub fn start() {
+        STEPS.with(|t| *t.borrow_mut() = Some(Vec::new()));
+    }
+
+    pub fn take() -> Vec<Step> {
+        STEPS.with(|t| t.borrow_mut().take().unwrap_or_default())
+    }
 }

@@ -30,9 +30,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::check::{self, BlockLog};
-use super::client::{Cmd, Conn, FUA};
 use super::server::Served;
 use super::Rng;
+use vdisk_nbd::client::{Client as Conn, Cmd, FUA};
 
 /// Blocks are 1000 bytes: not sector-aligned, so neighbours share sectors.
 const BS: usize = 1000;
@@ -308,9 +308,16 @@ fn setup(
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
             // qcow2 with --sync gets 512-byte clusters: many L2 tables and refcount
             // blocks, and a refcount table that has to move as the file grows.
+            // With --direct, 4 KiB clusters: every (4 KiB) block is a whole
+            // cluster, written into a cluster of its own without a fill, and
+            // new clusters keep coming for many rounds (with the default 64 KiB
+            // the 4 MiB disk is all allocated after a round or two, and the
+            // order of data and L2 entries is no longer put to the test).
             let mut args = vec!["create", "--format", fmt];
             if format == Format::Qcow2 && sync {
                 args.extend(["--cluster-size", "512"]);
+            } else if format == Format::Qcow2 && direct {
+                args.extend(["--cluster-size", "4096"]);
             }
             let out = std::process::Command::new(exe)
                 .args(args)
@@ -432,7 +439,11 @@ fn end_round(c: &Combo, server: &Served, partial: bool, rng: &mut Rng, report: &
         if partial { vdisk_powercut::Survival::Random(rng.next()) } else { vdisk_powercut::Survival::Nothing };
     let probe = c.storage.as_ref().map(|s| s.probe());
     if let Some(s) = c.storage.as_ref().filter(|_| rng.below(2) == 0) {
-        s.cut_at_fsync(1 + rng.below(8), survival);
+        // A qcow2 metadata round syncs up to four times (data, refcounts, L2
+        // tables, the rest): its cut waits for one of more FSYNCs, or the
+        // round would end before a FLUSH or FUA write had a chance to be acknowledged.
+        let span = if c.format == Format::Qcow2 { 32 } else { 8 };
+        s.cut_at_fsync(1 + rng.below(span), survival);
     }
     let wait = Duration::from_micros(3_000 + rng.below(197_000));
     let started = Instant::now();
@@ -470,11 +481,10 @@ fn read_back(c: &Combo, salt: u64, logs: &[BlockLog]) -> Result<Vec<u8>, String>
 /// `qemu-img check` on a qcow2 image just after a crash: exit 0 (clean) or 3
 /// (leaked clusters only) pass; corruption or a failed check is the round's error.
 fn qemu_img_check(image: &Path) -> Result<(), String> {
-    let out = std::process::Command::new("qemu-img")
-        .args(["check", "-f", "qcow2"])
-        .arg(image)
-        .output()
-        .map_err(|e| format!("cannot run qemu-img check (install qemu-utils): {e}"))?;
+    let out =
+        std::process::Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(image).output().map_err(|e| {
+            format!("cannot run qemu-img check (install qemu-utils, or leave qcow2 out: --format raw,cow): {e}")
+        })?;
     match out.status.code() {
         Some(0) | Some(3) => Ok(()),
         _ => Err(format!(

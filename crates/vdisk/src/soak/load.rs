@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use super::check;
-use super::client::{Cmd, Conn, Reply, FUA};
 use super::server::Served;
 use super::Rng;
+use vdisk_nbd::client::{Client as Conn, Cmd, Reply, FUA};
 
 const BLOCK: usize = 4096;
 const DEPTH: usize = 4;

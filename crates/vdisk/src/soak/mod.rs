@@ -7,7 +7,6 @@
 //! the server runs.
 
 mod check;
-mod client;
 mod crash;
 mod load;
 mod server;
@@ -51,8 +50,9 @@ pub enum PowerLoss {
 generation-tagged 1000-byte blocks with FLUSH, FUA, WRITE_ZEROES and TRIM mixed in,
 kills the server with SIGKILL 3-200 ms in, restarts it and reads the whole disk: every
 write acknowledged before a completed FLUSH (or with FUA, or under --sync) must be there,
-and no sector may hold data never written to it. Rounds cycle through raw and COW
-images, each engine, with and without --sync.
+and no sector may hold data never written to it. Rounds cycle through raw images, COW
+and qcow2 overlays (checked with qemu-img check after each round), each engine, with
+and without --sync.
 
 With --power-loss the images live on a FUSE file system this process mounts (needs
 /dev/fuse and root) that keeps only what was fsynced: each round cuts its power at a
@@ -94,7 +94,7 @@ pub struct SoakArgs {
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["uring", "threads"])]
     pub engine: Vec<EngineArg>,
     /// Image formats for the crash rounds, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw", "cow"])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw", "cow", "qcow2"])]
     pub format: Vec<SoakFormat>,
     /// End crash rounds with a power cut of the images' storage instead of a SIGKILL alone.
     #[arg(long, value_enum, default_value = "off")]

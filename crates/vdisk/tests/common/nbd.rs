@@ -1,23 +1,20 @@
-//! A deliberately small raw NBD client (big-endian, per NetworkBlockDevice/nbd
-//! `doc/proto.md`) for tests that must control every byte: the wire
-//! constants, the client, reply checking and a fixture serving fresh images.
-//! Shared by protocol.rs and abuse.rs.
+//! The tests' side of the one NBD client (`vdisk_nbd::client`, shared with the
+//! soak), for tests that must control every byte: that client wrapped so a
+//! broken reply panics, checks of option and reply contents, and a fixture
+//! serving fresh images. Shared by protocol.rs and abuse.rs.
 
 use super::{create_image, Server, TempDir};
-use std::collections::HashMap;
-use std::io::{self, ErrorKind, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{self, ErrorKind, Read};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 // ---------------------------------------------------------------------------
 // Wire constants: the server's own table (vdisk_nbd::proto, doc/proto.md
-// "Values"), shared with the soak client, plus the few the server never sends.
+// "Values"), shared with the client.
 // ---------------------------------------------------------------------------
 
+pub use vdisk_nbd::client::{Chunk, OptReply, Reply};
 pub use vdisk_nbd::proto::*;
-pub const REP_FLAG_ERROR: u32 = 1 << 31;
-pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) + 2;
 
 pub const BASE_ALLOCATION: &str = META_BASE_ALLOCATION;
 pub const KIB: u64 = 1 << 10;
@@ -69,13 +66,6 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// One reply to an option during the handshake.
-#[derive(Debug)]
-pub struct OptReply {
-    pub typ: u32,
-    pub data: Vec<u8>,
-}
-
 /// What NBD_OPT_INFO / NBD_OPT_GO (or NBD_OPT_EXPORT_NAME) told us about an export.
 #[derive(Debug, Default)]
 pub struct ExportInfo {
@@ -87,48 +77,25 @@ pub struct ExportInfo {
     pub block_size: Option<[u32; 3]>,
 }
 
-/// A request whose reply has not arrived yet; enough to decode that reply.
-#[derive(Debug, Clone, Copy)]
-pub struct Pending {
-    pub typ: u16,
-    pub offset: u64,
-    pub len: u32,
+/// Checks of a reply's contents.
+pub trait ReplyExt {
+    fn assert_ok(&self, what: &str);
+    /// The payload chunks (not NONE, not errors).
+    fn content_chunks(&self) -> Vec<&Chunk>;
+    /// The single BLOCK_STATUS chunk: context id and (length, flags) descriptors.
+    fn block_status(&self) -> (u32, Vec<(u32, u32)>);
 }
 
-/// One structured reply chunk.
-#[derive(Debug)]
-pub struct Chunk {
-    pub flags: u16,
-    pub typ: u16,
-    pub payload: Vec<u8>,
-}
-
-/// A complete reply: one simple reply, or every chunk up to the one flagged DONE.
-#[derive(Debug)]
-pub struct Reply {
-    pub cookie: u64,
-    /// The first nonzero error of the reply, or 0.
-    pub error: u32,
-    /// Whether it came as a simple reply.
-    pub simple: bool,
-    /// For a successful READ: the data, reassembled from its chunks.
-    pub data: Vec<u8>,
-    /// For a structured reply: every chunk, in arrival order.
-    pub chunks: Vec<Chunk>,
-}
-
-impl Reply {
-    pub fn assert_ok(&self, what: &str) {
+impl ReplyExt for Reply {
+    fn assert_ok(&self, what: &str) {
         assert_eq!(self.error, 0, "{what} failed with error {}: {self:?}", self.error);
     }
 
-    /// The payload chunks (not NONE, not errors).
-    pub fn content_chunks(&self) -> Vec<&Chunk> {
+    fn content_chunks(&self) -> Vec<&Chunk> {
         self.chunks.iter().filter(|c| c.typ == REPLY_TYPE_OFFSET_DATA || c.typ == REPLY_TYPE_OFFSET_HOLE).collect()
     }
 
-    /// The single BLOCK_STATUS chunk: context id and (length, flags) descriptors.
-    pub fn block_status(&self) -> (u32, Vec<(u32, u32)>) {
+    fn block_status(&self) -> (u32, Vec<(u32, u32)>) {
         assert!(!self.simple, "BLOCK_STATUS answered with a simple reply");
         let chunks: Vec<&Chunk> = self.chunks.iter().filter(|c| c.typ == REPLY_TYPE_BLOCK_STATUS).collect();
         assert_eq!(chunks.len(), 1, "want exactly one BLOCK_STATUS chunk (one context): {:?}", self.chunks);
@@ -151,13 +118,22 @@ impl Reply {
     }
 }
 
-/// A raw NBD client over a Unix socket.
-pub struct Client {
-    pub sock: UnixStream,
-    pub structured: bool,
-    pub next_cookie: u64,
-    pub pending: HashMap<u64, Pending>,
-    pub partial: HashMap<u64, Vec<Chunk>>,
+/// The shared client (`vdisk_nbd::client::Client`, reached through `Deref`)
+/// with the tests' conveniences: a broken reply or a failed send panics.
+pub struct Client(pub vdisk_nbd::client::Client);
+
+impl std::ops::Deref for Client {
+    type Target = vdisk_nbd::client::Client;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Client {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
 }
 
 impl Client {
@@ -165,23 +141,12 @@ impl Client {
 
     /// Connects and reads the server's greeting; sends nothing yet.
     pub fn connect(path: &Path) -> Client {
-        let sock = UnixStream::connect(path).unwrap_or_else(|e| panic!("connect {}: {e}", path.display()));
-        sock.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
-        sock.set_write_timeout(Some(IO_TIMEOUT)).unwrap();
-        let mut c = Client {
-            sock,
-            structured: false,
-            // High bits set so a server that truncates cookies is caught.
-            next_cookie: 0xc0c0_0000_0000_0001,
-            pending: HashMap::new(),
-            partial: HashMap::new(),
-        };
-        let greeting = c.bytes(18).expect("read greeting");
-        let mut cur = Cursor(&greeting);
-        assert_eq!(cur.u64(), NBDMAGIC, "greeting magic");
-        assert_eq!(cur.u64(), IHAVEOPT, "greeting IHAVEOPT");
-        assert_eq!(cur.u16(), FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES, "handshake flags");
-        c
+        let mut c = vdisk_nbd::client::Client::greet(path, IO_TIMEOUT)
+            .unwrap_or_else(|e| panic!("connect {} and read the greeting: {e}", path.display()));
+        assert_eq!(c.handshake_flags, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES, "handshake flags");
+        // High bits set so a server that truncates cookies is caught.
+        c.next_cookie = 0xc0c0_0000_0000_0001;
+        Client(c)
     }
 
     /// Connects and sends client flags FIXED_NEWSTYLE | NO_ZEROES: ready for options.
@@ -209,13 +174,7 @@ impl Client {
     }
 
     pub fn send(&mut self, bytes: &[u8]) {
-        self.sock.write_all(bytes).expect("send to server");
-    }
-
-    pub fn bytes(&mut self, n: usize) -> io::Result<Vec<u8>> {
-        let mut buf = vec![0; n];
-        self.sock.read_exact(&mut buf)?;
-        Ok(buf)
+        self.0.send_raw(bytes).expect("send to server");
     }
 
     pub fn send_client_flags(&mut self, flags: u32) {
@@ -223,71 +182,37 @@ impl Client {
     }
 
     pub fn send_option(&mut self, opt: u32, data: &[u8]) {
-        let mut msg = Vec::with_capacity(16 + data.len());
-        msg.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        msg.extend_from_slice(&opt.to_be_bytes());
-        msg.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        msg.extend_from_slice(data);
-        self.send(&msg);
+        self.0.send_option(opt, data).expect("send an option");
     }
 
     /// Reads one option reply and checks that it answers `opt`.
     pub fn recv_option_reply(&mut self, opt: u32) -> OptReply {
-        let head = self.bytes(20).unwrap_or_else(|e| panic!("reading reply to option {opt}: {e}"));
-        let mut cur = Cursor(&head);
-        assert_eq!(cur.u64(), OPT_REPLY_MAGIC, "option reply magic");
-        assert_eq!(cur.u32(), opt, "option reply names the wrong option");
-        let typ = cur.u32();
-        let len = cur.u32() as usize;
-        let data = self.bytes(len).expect("read option reply data");
-        OptReply { typ, data }
+        self.0.recv_option_reply(opt).unwrap_or_else(|e| panic!("reading reply to option {opt}: {e}"))
     }
 
     /// Sends an option and collects every reply up to the final ACK or error.
     pub fn option(&mut self, opt: u32, data: &[u8]) -> Vec<OptReply> {
-        self.send_option(opt, data);
-        let mut replies = Vec::new();
-        loop {
-            let r = self.recv_option_reply(opt);
-            let last = r.typ == REP_ACK || r.typ & REP_FLAG_ERROR != 0;
-            replies.push(r);
-            if last {
-                return replies;
-            }
-        }
+        self.0.option(opt, data).unwrap_or_else(|e| panic!("option {opt}: {e}"))
     }
 
     /// NBD_OPT_INFO or NBD_OPT_GO; `Err` carries the error reply type.
     pub fn info_or_go(&mut self, opt: u32, export: &str, requests: &[u16]) -> Result<ExportInfo, u32> {
-        let mut data = Vec::new();
-        data.extend_from_slice(&(export.len() as u32).to_be_bytes());
-        data.extend_from_slice(export.as_bytes());
-        data.extend_from_slice(&(requests.len() as u16).to_be_bytes());
-        for r in requests {
-            data.extend_from_slice(&r.to_be_bytes());
-        }
-        let replies = self.option(opt, &data);
-        let (last, infos) = replies.split_last().unwrap();
-        if last.typ != REP_ACK {
-            return Err(last.typ);
-        }
-        assert!(last.data.is_empty(), "ACK with data");
+        let infos = self.0.info_or_go(opt, export, requests).unwrap_or_else(|e| panic!("option {opt}: {e}"))?;
         let mut info = ExportInfo::default();
         let mut saw_export = false;
-        for r in infos {
-            assert_eq!(r.typ, REP_INFO, "unexpected reply {:#x} before ACK", r.typ);
-            let mut cur = Cursor(&r.data);
+        for data in infos {
+            let mut cur = Cursor(&data);
             match cur.u16() {
                 INFO_EXPORT => {
-                    assert_eq!(r.data.len(), 12, "NBD_INFO_EXPORT length");
+                    assert_eq!(data.len(), 12, "NBD_INFO_EXPORT length");
                     info.size = cur.u64();
                     info.flags = cur.u16();
                     saw_export = true;
                 }
-                INFO_NAME => info.name = Some(cur.string(r.data.len() - 2)),
-                INFO_DESCRIPTION => info.description = Some(cur.string(r.data.len() - 2)),
+                INFO_NAME => info.name = Some(cur.string(data.len() - 2)),
+                INFO_DESCRIPTION => info.description = Some(cur.string(data.len() - 2)),
                 INFO_BLOCK_SIZE => {
-                    assert_eq!(r.data.len(), 14, "NBD_INFO_BLOCK_SIZE length");
+                    assert_eq!(data.len(), 14, "NBD_INFO_BLOCK_SIZE length");
                     info.block_size = Some([cur.u32(), cur.u32(), cur.u32()]);
                 }
                 _ => {} // Unknown information: clients must ignore it.
@@ -352,72 +277,17 @@ impl Client {
 
     // --- transmission -----------------------------------------------------
 
-    /// Encodes a request header followed by `payload` (which may be shorter
-    /// than `len`, to cut a WRITE short) and registers it as awaiting its
-    /// reply, without sending it; returns its cookie and its bytes.
-    pub fn encode_request(&mut self, flags: u16, typ: u16, offset: u64, len: u32, payload: &[u8]) -> (u64, Vec<u8>) {
-        let cookie = self.next_cookie;
-        self.next_cookie += 1;
-        let mut msg = Vec::with_capacity(28 + payload.len());
-        msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
-        msg.extend_from_slice(&flags.to_be_bytes());
-        msg.extend_from_slice(&typ.to_be_bytes());
-        msg.extend_from_slice(&cookie.to_be_bytes());
-        msg.extend_from_slice(&offset.to_be_bytes());
-        msg.extend_from_slice(&len.to_be_bytes());
-        msg.extend_from_slice(payload);
-        if typ != CMD_DISC {
-            self.pending.insert(cookie, Pending { typ, offset, len });
-        }
-        (cookie, msg)
-    }
-
-    /// Sends one request (see [`Client::encode_request`]); returns its cookie.
+    /// Sends one request (see `vdisk_nbd::client::Client::encode_request`); returns its cookie.
     pub fn send_request(&mut self, flags: u16, typ: u16, offset: u64, len: u32, payload: &[u8]) -> u64 {
-        let (cookie, msg) = self.encode_request(flags, typ, offset, len, payload);
-        self.send(&msg);
-        cookie
+        self.0.send_request(flags, typ, offset, len, payload).expect("send to server")
     }
 
     /// Reads replies until one request is complete; `Err` if the stream ends.
     /// Protocol violations panic.
     pub fn try_recv(&mut self) -> io::Result<Reply> {
-        loop {
-            let magic = u32::from_be_bytes(self.bytes(4)?.try_into().unwrap());
-            match magic {
-                SIMPLE_REPLY_MAGIC => {
-                    let head = self.bytes(12)?;
-                    let mut cur = Cursor(&head);
-                    let error = cur.u32();
-                    let cookie = cur.u64();
-                    let req = self
-                        .pending
-                        .remove(&cookie)
-                        .unwrap_or_else(|| panic!("simple reply for unknown cookie {cookie:#x}"));
-                    assert!(!self.partial.contains_key(&cookie), "simple reply after chunks for cookie {cookie:#x}");
-                    let data =
-                        if error == 0 && req.typ == CMD_READ { self.bytes(req.len as usize)? } else { Vec::new() };
-                    return Ok(Reply { cookie, error, simple: true, data, chunks: Vec::new() });
-                }
-                STRUCTURED_REPLY_MAGIC => {
-                    assert!(self.structured, "structured reply chunk without NBD_OPT_STRUCTURED_REPLY");
-                    let head = self.bytes(16)?;
-                    let mut cur = Cursor(&head);
-                    let flags = cur.u16();
-                    let typ = cur.u16();
-                    let cookie = cur.u64();
-                    let len = cur.u32() as usize;
-                    let payload = self.bytes(len)?;
-                    assert!(self.pending.contains_key(&cookie), "chunk for unknown cookie {cookie:#x}");
-                    self.partial.entry(cookie).or_default().push(Chunk { flags, typ, payload });
-                    if flags & REPLY_FLAG_DONE != 0 {
-                        let req = self.pending.remove(&cookie).unwrap();
-                        let chunks = self.partial.remove(&cookie).unwrap();
-                        return Ok(assemble(cookie, req, chunks));
-                    }
-                }
-                other => panic!("bad reply magic {other:#010x}"),
-            }
+        match self.0.recv() {
+            Err(e) if e.kind() == ErrorKind::InvalidData => panic!("{e}"),
+            r => r,
         }
     }
 
@@ -479,79 +349,6 @@ impl Client {
             }
         }
     }
-}
-
-/// Builds a [`Reply`] from the chunks of one structured reply, checking them
-/// against the request as the spec demands.
-pub fn assemble(cookie: u64, req: Pending, chunks: Vec<Chunk>) -> Reply {
-    let mut error = 0;
-    let mut covered = vec![false; if req.typ == CMD_READ { req.len as usize } else { 0 }];
-    let mut data = vec![0u8; covered.len()];
-    let end = req.offset + req.len as u64;
-    let mut claim = |off: u64, n: u64, bytes: Option<&[u8]>| {
-        assert!(req.typ == CMD_READ, "content chunk in reply to command {}", req.typ);
-        assert!(off >= req.offset && off + n <= end, "chunk [{off}, +{n}) outside request [{}, {end})", req.offset);
-        let start = (off - req.offset) as usize;
-        for (i, c) in covered[start..start + n as usize].iter_mut().enumerate() {
-            assert!(!*c, "byte {} covered by two chunks", off + i as u64);
-            *c = true;
-        }
-        if let Some(bytes) = bytes {
-            data[start..start + bytes.len()].copy_from_slice(bytes);
-        }
-    };
-    for (i, chunk) in chunks.iter().enumerate() {
-        let last = i + 1 == chunks.len();
-        assert_eq!(chunk.flags & REPLY_FLAG_DONE != 0, last, "DONE must be on the last chunk only");
-        assert_eq!(chunk.flags & !REPLY_FLAG_DONE, 0, "unknown chunk flags {:#x}", chunk.flags);
-        let mut cur = Cursor(&chunk.payload);
-        match chunk.typ {
-            REPLY_TYPE_NONE => {
-                assert!(last, "NONE chunk before the last one");
-                assert!(chunk.payload.is_empty(), "NONE chunk with payload");
-            }
-            REPLY_TYPE_OFFSET_DATA => {
-                assert!(chunk.payload.len() > 8, "OFFSET_DATA chunk of length {}", chunk.payload.len());
-                let off = cur.u64();
-                let bytes = cur.rest();
-                claim(off, bytes.len() as u64, Some(bytes));
-            }
-            REPLY_TYPE_OFFSET_HOLE => {
-                assert_eq!(chunk.payload.len(), 12, "OFFSET_HOLE chunk length");
-                let off = cur.u64();
-                let n = cur.u32();
-                assert_ne!(n, 0, "empty hole chunk");
-                claim(off, n as u64, None);
-            }
-            REPLY_TYPE_BLOCK_STATUS => {
-                assert_eq!(req.typ, CMD_BLOCK_STATUS, "BLOCK_STATUS chunk for command {}", req.typ)
-            }
-            REPLY_TYPE_ERROR | REPLY_TYPE_ERROR_OFFSET => {
-                let e = cur.u32();
-                assert_ne!(e, 0, "error chunk with error 0");
-                let msg_len = cur.u16() as usize;
-                let _msg = cur.string(msg_len);
-                if chunk.typ == REPLY_TYPE_ERROR_OFFSET {
-                    let off = cur.u64();
-                    assert!(off >= req.offset && off < end.max(req.offset + 1), "ERROR_OFFSET {off} outside request");
-                }
-                assert!(cur.is_empty(), "trailing bytes in error chunk");
-                if error == 0 {
-                    error = e;
-                }
-            }
-            other => panic!("unknown chunk type {other}"),
-        }
-    }
-    if error == 0 && req.typ == CMD_READ {
-        if let Some(hole) = covered.iter().position(|c| !c) {
-            panic!("successful READ reply left byte {} uncovered", req.offset + hole as u64);
-        }
-    }
-    if error != 0 {
-        data.clear();
-    }
-    Reply { cookie, error, simple: false, data, chunks }
 }
 
 // ---------------------------------------------------------------------------
