@@ -405,10 +405,13 @@ impl L2Cache {
                 self.cached.fetch_add(1 << self.cluster_bits, Ordering::AcqRel);
             }
             *g = Some((0..words).map(|_| AtomicU64::new(0)).collect());
+            // The L1 entry before the dirty mark: a round that takes the
+            // table must find where it goes (with the mark first, a round in
+            // between wrote the new table at offset 0, over the header).
+            self.l1[i].store(at | COPIED, Ordering::Release);
+            self.l1_dirty.store(true, Ordering::Release);
             self.mark(i);
         }
-        self.l1[i].store(at | COPIED, Ordering::Release);
-        self.l1_dirty.store(true, Ordering::Release);
         self.evict(i);
     }
 
@@ -428,8 +431,14 @@ impl L2Cache {
                 log::error!("L2 table {i} was dirty but not in memory");
                 continue;
             };
+            let at = self.l1_entry(i) & OFFSET_MASK;
+            if at == 0 {
+                // Never written over the header; `install` names the table before marking it.
+                log::error!("L2 table {i} was dirty but has no place in the image");
+                continue;
+            }
             let bytes = t.iter().flat_map(|w| w.load(Ordering::Acquire).to_be_bytes()).collect();
-            out.push((i, self.l1_entry(i) & OFFSET_MASK, bytes));
+            out.push((i, at, bytes));
         }
         (l1, out)
     }

@@ -318,3 +318,60 @@ fn a_write_covering_a_new_cluster_copies_nothing_and_wins_over_a_stale_claim() {
     assert!(code == 0 || code == 3, "qemu-img check:\n{text}");
     assert!(!text.contains("ERROR"), "{text}");
 }
+
+/// Threads writing (many new L2 tables, many writes sharing a new cluster)
+/// while another runs metadata rounds, as the threads engine does. Before
+/// the fixes this raced two ways: a round could take a new L2 table before
+/// its L1 entry named a place for it (and write it at offset 0, over the
+/// header), and a write could find its cluster neither claimed nor
+/// published while another write published the claim between the looks.
+#[test]
+fn writes_racing_metadata_rounds_keep_the_header_and_every_write() {
+    let p = tmp("race");
+    // 512-byte clusters: an L2 table covers 32 KiB, so new tables are frequent.
+    Qcow2Image::create(&p, &CreateOptions { size: 128 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let img = Qcow2Image::open(&p, false).unwrap();
+    let header = std::fs::read(&p).unwrap()[..72].to_vec();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    const WRITERS: u64 = 4;
+    const PIECES: u64 = 2000;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                if let Err(e) = img.sync_metadata() {
+                    stop.store(true, Ordering::Release);
+                    panic!("metadata round: {e}");
+                }
+            }
+        });
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let img = &img;
+                s.spawn(move || {
+                    for i in 0..PIECES {
+                        // Each round of pieces in a new L2 table (32 KiB each), the
+                        // writers' 100-byte pieces side by side in one new cluster.
+                        let at = i * 40_000 + w * 100;
+                        write(img, at, &[(w + 1) as u8; 100]);
+                    }
+                })
+            })
+            .collect();
+        let panicked = writers.into_iter().map(|t| t.join()).filter(Result::is_err).count();
+        stop.store(true, Ordering::Release);
+        assert_eq!(panicked, 0, "a writer failed");
+    });
+    img.sync_metadata().unwrap();
+    assert_eq!(std::fs::read(&p).unwrap()[..72], header[..], "the header was overwritten");
+    drop(img);
+    let img = Qcow2Image::open(&p, true).unwrap();
+    for w in 0..WRITERS {
+        for i in 0..PIECES {
+            let at = i * 40_000 + w * 100;
+            assert_eq!(read(&img, at, 100), vec![(w + 1) as u8; 100], "writer {w} piece {i} at {at}");
+        }
+    }
+    if let Some((code, out)) = qemu_img_check(&p) {
+        assert!(code == 0 || code == 3, "qemu-img check: {out}");
+    }
+}

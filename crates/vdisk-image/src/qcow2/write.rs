@@ -176,10 +176,18 @@ impl Qcow2Image {
         if let Some(h) = PREPARED.with(|p| p.borrow().iter().find(|w| w.0 == c).map(|w| w.1)) {
             return Ok(h);
         }
-        if let Some(h) = self.l2.in_place(self.entry(c)?, self.touched(c, offset, len)) {
+        let units = self.touched(c, offset, len);
+        if let Some(h) = self.l2.in_place(self.entry(c)?, units) {
             return Ok(h);
         }
-        if let Some(cl) = self.stripe(c).shared.get(&c) {
+        // Under the stripe lock, which every publish holds: the entry and the
+        // claims are seen together (unlocked, a claim published between the
+        // two looks was in neither).
+        let stripe = self.stripe(c);
+        if let Some(h) = self.l2.in_place(self.entry(c)?, units) {
+            return Ok(h);
+        }
+        if let Some(cl) = stripe.shared.get(&c) {
             return Ok(cl.host);
         }
         Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
