@@ -18,39 +18,21 @@
 
 mod common;
 
-use common::{json, text, vdisk_bin, TempDir};
-use std::process::Command;
+use common::{crash_rounds, soak, text, TempDir};
 use std::time::Instant;
-
-fn soak(dir: &TempDir, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-    Command::new(vdisk_bin())
-        .args(["soak", "--seconds", "0", "--json", "--dir"])
-        .arg(&dir.0)
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .expect("run vdisk soak")
-}
 
 #[test]
 fn power_cuts_keep_every_flushed_write_on_every_configuration() {
     const ROUNDS: u64 = 36;
-    let dir = TempDir::new("powerloss");
     let started = Instant::now();
-    let out = soak(&dir, &["--rounds", &ROUNDS.to_string(), "--format", "raw,cow", "--power-loss", "mixed"], &[]);
-    assert!(out.status.success(), "power-loss rounds failed:\n{}", text(&out));
-    let report = json(&String::from_utf8_lossy(&out.stdout));
-    let crash = &report["crash"];
-    assert_eq!(crash["rounds"].as_u64(), Some(ROUNDS), "{report}");
-    let acked = crash["writes_acked"].as_u64().unwrap();
-    let flushes = crash["flushes"].as_u64().unwrap();
-    let pinned = crash["pinned_blocks"].as_u64().unwrap();
-    let at_fsync = crash["cuts_at_fsync"].as_u64().unwrap();
-    assert!(acked > ROUNDS * 20 && flushes > ROUNDS && pinned > ROUNDS * 10, "too little happened: {report}");
-    assert!(at_fsync > 0, "no cut came with an FSYNC: {report}");
+    let r = crash_rounds("powerloss", ROUNDS, &["--format", "raw,cow", "--power-loss", "mixed"]);
+    let at_fsync = r.report["crash"]["cuts_at_fsync"].as_u64().unwrap();
+    assert!(at_fsync > 0, "no cut came with an FSYNC: {}", r.report);
     eprintln!(
-        "{ROUNDS} power cuts ({at_fsync} at an FSYNC): {acked} writes acknowledged, {flushes} flushes, {pinned} pinned \
-         blocks, {:?}",
+        "{ROUNDS} power cuts ({at_fsync} at an FSYNC): {} writes acknowledged, {} flushes, {} pinned blocks, {:?}",
+        r.acked,
+        r.flushes,
+        r.pinned,
         started.elapsed()
     );
 }
@@ -61,27 +43,19 @@ fn power_cuts_keep_every_flushed_write_on_qcow2_overlays() {
     // (512-byte clusters: the refcount table moves), --direct}), 3 cuts each:
     // 2 dropping every unsynced write, 1 keeping a random part of them.
     // `qemu-img check` runs after every cut (leaks allowed, no corruption).
-    const ROUNDS: u64 = 18;
-    let dir = TempDir::new("powerloss-qcow2");
-    let started = Instant::now();
-    let args = ["--rounds", &ROUNDS.to_string(), "--format", "qcow2", "--power-loss", "mixed"];
-    let out = soak(&dir, &args, &[]);
-    assert!(out.status.success(), "power-loss rounds on qcow2 failed:\n{}", text(&out));
-    let report = json(&String::from_utf8_lossy(&out.stdout));
-    let crash = &report["crash"];
-    assert_eq!(crash["rounds"].as_u64(), Some(ROUNDS), "{report}");
-    let acked = crash["writes_acked"].as_u64().unwrap();
-    let flushes = crash["flushes"].as_u64().unwrap();
-    let pinned = crash["pinned_blocks"].as_u64().unwrap();
     // A qcow2 image syncs often, so a cut that waits for an FSYNC waits for one
     // of the first 32 here, not 8 (with 8, a run on a busy machine saw 202
     // writes acknowledged, 1 flush and 7 pinned blocks in all); about 2000
     // writes are acknowledged and 1500 blocks pinned on a quiet one.
-    assert!(acked > ROUNDS * 20 && flushes > ROUNDS && pinned > ROUNDS * 10, "too little happened: {report}");
+    const ROUNDS: u64 = 18;
+    let started = Instant::now();
+    let r = crash_rounds("powerloss-qcow2", ROUNDS, &["--format", "qcow2", "--power-loss", "mixed"]);
     eprintln!(
-        "{ROUNDS} power cuts on qcow2 ({} at an FSYNC): {acked} writes acknowledged, {flushes} flushes, {pinned} \
-         pinned blocks, {:?}",
-        crash["cuts_at_fsync"],
+        "{ROUNDS} power cuts on qcow2 ({} at an FSYNC): {} writes acknowledged, {} flushes, {} pinned blocks, {:?}",
+        r.report["crash"]["cuts_at_fsync"],
+        r.acked,
+        r.flushes,
+        r.pinned,
         started.elapsed()
     );
 }

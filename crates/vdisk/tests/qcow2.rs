@@ -10,11 +10,10 @@
 mod common;
 
 use common::{
-    assert_same, json, nbdsh, output, qemu_io, read_file, run, s, text, vdisk, vdisk_bin, vdisk_bounded, Server,
+    assert_same, crash_rounds, json, nbdsh, output, qemu_io, read_file, run, s, text, vdisk, vdisk_bounded, Server,
     TempDir, KIB, MIB,
 };
 use std::path::Path;
-use std::process::Command;
 
 /// Pseudo-random data with zero stretches (every fifth 64 KiB chunk).
 fn base_data(len: usize, seed: u64) -> Vec<u8> {
@@ -401,15 +400,5 @@ fn a_dirty_image_with_lazy_refcounts_is_repaired_when_opened_for_writing() {
 
 #[test]
 fn sigkill_crash_rounds_on_qcow2_overlays_pass_qemu_img_check() {
-    const ROUNDS: u64 = 24;
-    let dir = TempDir::new("qcow2-crash");
-    let out = Command::new(vdisk_bin())
-        .args(["soak", "--rounds", &ROUNDS.to_string(), "--seconds", "0", "--format", "qcow2", "--json", "--dir"])
-        .arg(&dir.0)
-        .output()
-        .expect("run vdisk soak");
-    assert!(out.status.success(), "vdisk soak --format qcow2 failed:\n{}", text(&out));
-    let report = json(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(report["crash"]["rounds"].as_u64(), Some(ROUNDS), "{report}");
-    assert!(report["crash"]["flushes"].as_u64().unwrap() > ROUNDS, "{report}");
+    crash_rounds("qcow2-crash", 24, &["--format", "qcow2"]);
 }
