@@ -433,8 +433,10 @@ impl L2Cache {
             };
             let at = self.l1_entry(i) & OFFSET_MASK;
             if at == 0 {
-                // Never written over the header; `install` names the table before marking it.
-                log::error!("L2 table {i} was dirty but has no place in the image");
+                // Never written over the header; `install` names the table before
+                // marking it. Marked again, so a later round still writes it.
+                log::error!("L2 table {i} was dirty but has no place in the image yet");
+                self.mark(i);
                 continue;
             }
             let bytes = t.iter().flat_map(|w| w.load(Ordering::Acquire).to_be_bytes()).collect();
