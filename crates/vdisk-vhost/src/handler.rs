@@ -23,7 +23,8 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap, GuestRegionMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
+
+use vdisk_engine::wake::EventFd;
 
 use crate::config::{self, CONFIG_LEN, MAX_QUEUE_SIZE, WCE_OFFSET};
 use crate::inflight::InflightBuf;
@@ -49,7 +50,7 @@ struct Worker {
 impl Worker {
     fn stop(self) {
         self.exit.store(true, Ordering::SeqCst);
-        let _ = self.wake.write(1);
+        self.wake.wake();
         let _ = self.thread.join();
     }
 }
@@ -125,7 +126,7 @@ impl BlkHandler {
 
     fn wake(&self, index: usize) {
         if let Some(Some(w)) = self.workers.get(index) {
-            let _ = w.wake.write(1);
+            w.wake.wake();
         }
     }
 
@@ -174,7 +175,7 @@ impl BlkHandler {
             // a guest with nothing else in flight would wait forever.
             let _ = state.signal();
         }
-        let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(io_err)?);
+        let wake = Arc::new(EventFd::new().map_err(io_err)?);
         let exit = Arc::new(AtomicBool::new(false));
         let thread = {
             let (wake, exit, ctx) = (wake.clone(), exit.clone(), ctx.clone());
@@ -195,7 +196,7 @@ fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &Atomic
     const WAKE: u64 = 1;
     let Ok(epoll) = Epoll::new() else { return };
     let add = |fd: i32, data: u64| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, data));
-    if add(kick.as_raw_fd(), KICK).is_err() || add(wake.as_raw_fd(), WAKE).is_err() {
+    if add(kick.as_raw_fd(), KICK).is_err() || add(wake.fd(), WAKE).is_err() {
         log::error!("vhost-user-blk: cannot wait for the ring's kicks");
         return;
     }
@@ -214,7 +215,7 @@ fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &Atomic
                 let mut b = [0u8; 8];
                 let _ = kick.read(&mut b);
             } else {
-                let _ = wake.read();
+                wake.drain();
             }
         }
         if exit.load(Ordering::SeqCst) {
