@@ -335,10 +335,16 @@ impl Device {
             Inline::All => {
                 // Large transfers go to the engine: copying them inline would stall
                 // the caller (a connection's reader) while it could be receiving.
-                let (small, large): (Vec<Request>, Vec<Request>) =
-                    batch.into_iter().partition(|r| !r.op().is_data() || r.len <= INLINE_MAX);
                 let first = done.len();
-                done.extend(small);
+                done.reserve(batch.len());
+                let mut large = Vec::new();
+                for r in batch {
+                    if !r.op().is_data() || r.len <= INLINE_MAX {
+                        done.push(r);
+                    } else {
+                        large.push(r);
+                    }
+                }
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
                 threads::execute(&mut planner, &mut reqs);
                 submit(large);

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use vdisk_image::{Error, ErrorKind, Extent, Image, Result};
 
-use crate::sys::{self, Segment, IOV_MAX};
+use smallvec::{smallvec, SmallVec};
+
+use crate::sys::{self, Segment, Segments, IOV_MAX};
 use crate::ALIGN;
 use crate::{Command, Data, Op, Request};
 
@@ -38,6 +40,9 @@ struct Io {
 /// Its segments point into the buffers (or lent memory) of the requests it
 /// was planned from: performing it is `unsafe`, and sound only while those
 /// requests are alive and nothing else touches their data.
+/// The jobs of a run's segments, in order (a job may repeat).
+pub(crate) type Jobs = SmallVec<[usize; 2]>;
+
 pub(crate) struct Run {
     pub write: bool,
     pub dsync: bool,
@@ -45,9 +50,9 @@ pub(crate) struct Run {
     pub direct: bool,
     pub file: usize,
     pub offset: u64,
-    pub segs: Vec<Segment>,
+    pub segs: Segments,
     /// The job each segment belongs to.
-    pub jobs: Vec<usize>,
+    pub jobs: Jobs,
 }
 
 impl Run {
@@ -80,7 +85,7 @@ impl Planner {
     /// buffers: the caller must keep those requests alive and untouched until
     /// every run is done.
     pub fn plan<'a>(&mut self, jobs: impl Iterator<Item = (usize, &'a mut Request)>) -> Vec<Run> {
-        let mut pieces = Vec::new();
+        let mut pieces = Vec::with_capacity(jobs.size_hint().0);
         for (key, req) in jobs {
             let Request { cmd, offset, len, error, .. } = req;
             let (write, fua, data) = match cmd {
@@ -149,7 +154,7 @@ impl Planner {
         if self.coalesce {
             pieces.sort_by_key(|p| (p.write, p.dsync, p.direct, p.file, p.offset));
         }
-        let mut runs: Vec<Run> = Vec::new();
+        let mut runs: Vec<Run> = Vec::with_capacity(pieces.len());
         for p in pieces {
             if let Some(r) = runs.last_mut() {
                 let next = r.offset + r.len() as u64;
@@ -168,8 +173,8 @@ impl Planner {
                 direct: p.direct,
                 file: p.file,
                 offset: p.offset,
-                segs: vec![p.seg],
-                jobs: vec![p.job],
+                segs: smallvec![p.seg],
+                jobs: smallvec![p.job],
             });
         }
         runs

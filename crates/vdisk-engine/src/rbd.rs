@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use vdisk_image::{Error, ErrorKind, Extent, RbdImage};
 
-use crate::plan::{Planner, Run};
+use crate::plan::{Jobs, Planner, Run};
 use crate::queue::{Job, Queue, Waker};
 use crate::slab::Slab;
 use crate::wake::EventFd;
@@ -46,7 +46,7 @@ struct JobSlot {
 enum OpKind {
     /// A vectored read or write; `iov` (read by librbd during submission) and
     /// the requests in `jobs` (whose buffers it points at) stay until collected.
-    Data { run: Run, _iov: Vec<libc::iovec>, jobs: Vec<usize> },
+    Data { run: Run, _iov: Vec<libc::iovec>, jobs: Jobs },
     /// A flush for a FLUSH request or after a FUA write.
     Flush { job: usize },
     /// A discard, zeroing or zero write of part of a request.

@@ -8,6 +8,8 @@ use std::fs::File;
 use std::io;
 use std::os::unix::io::AsRawFd;
 
+use smallvec::SmallVec;
+
 /// The most iovecs one vectored call takes (Linux's UIO_MAXIOV).
 pub const IOV_MAX: usize = 1024;
 
@@ -20,13 +22,17 @@ pub struct Segment {
     pub len: usize,
 }
 
-fn iovecs(segs: &[Segment]) -> Vec<libc::iovec> {
+/// The iovecs of `segs`; up to 8 need no allocation (a call of one request's data).
+fn iovecs(segs: &[Segment]) -> SmallVec<[libc::iovec; 8]> {
     segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect()
 }
 
+/// A run's segments: one or a few without allocation, more on the heap.
+pub type Segments = SmallVec<[Segment; 2]>;
+
 /// The segments left after the first `n` bytes of `segs` (after a short transfer).
-pub fn skip(segs: &[Segment], mut n: usize) -> Vec<Segment> {
-    let mut out = Vec::with_capacity(segs.len());
+pub fn skip(segs: &[Segment], mut n: usize) -> Segments {
+    let mut out = Segments::with_capacity(segs.len());
     for s in segs {
         if n >= s.len {
             n -= s.len;

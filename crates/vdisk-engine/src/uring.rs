@@ -23,7 +23,7 @@ use std::sync::Arc;
 use io_uring::{opcode, squeue, types, IoUring};
 use vdisk_image::{Error, Result};
 
-use crate::plan::{Planner, Run};
+use crate::plan::{Jobs, Planner, Run};
 use crate::queue::{Job, Queue, Waker};
 use crate::slab::Slab;
 use crate::wake::EventFd;
@@ -70,13 +70,13 @@ enum OpKind {
         run: Run,
         #[allow(dead_code)]
         iov: Vec<libc::iovec>,
-        jobs: Vec<usize>,
+        jobs: Jobs,
     },
     /// The fsync of one file for a FLUSH.
     Fsync { job: usize },
     /// The fdatasync linked after a durable O_DIRECT write where RWF_DSYNC
     /// is not carried; each job of the write waits for it too.
-    WriteSync { run: Run, jobs: Vec<usize> },
+    WriteSync { run: Run, jobs: Jobs },
 }
 
 struct Ring {
@@ -248,7 +248,7 @@ impl RingWorker {
         let (fd, direct) = (run.file, run.direct);
         let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
         // The linked fdatasync keeps its own copy of the run's place, for error messages.
-        let sync_run = Run { segs: Vec::new(), jobs: Vec::new(), ..run };
+        let sync_run = Run { segs: Default::default(), jobs: Jobs::new(), ..run };
         let link_jobs = jobs.clone();
         let op = self.ops.insert(OpKind::Data { run, iov, jobs });
         let entry = if write {

@@ -122,11 +122,13 @@ impl Reader<'_> {
             return;
         }
         let sink: Arc<dyn Sink> = self.outbox.clone();
-        let batch = std::mem::take(&mut self.batch);
+        // The next batch is likely as long as this one: no growing it request by request.
+        let next = Vec::with_capacity(self.batch.len());
+        let batch = std::mem::replace(&mut self.batch, next);
         if self.batching {
-            let mut done = Vec::new();
+            let mut done = Vec::with_capacity(batch.len());
             self.device.submit_inline(batch, &sink, &mut done);
-            self.outbox.deliver(done.into_iter().map(|r| self.outbox.encode(r)).collect());
+            self.outbox.complete(done);
         } else {
             self.device.submit(batch, &sink);
         }

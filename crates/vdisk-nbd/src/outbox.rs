@@ -15,6 +15,7 @@ use std::net::Shutdown;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
+use smallvec::SmallVec;
 use vdisk_engine::inflight::Counts;
 use vdisk_engine::{Op, Request, Sink};
 
@@ -60,7 +61,8 @@ struct State {
 
 impl Sink for Outbox {
     fn complete(&self, done: Vec<Request>) {
-        let msgs = done.into_iter().map(|r| self.encode(r)).collect();
+        let mut msgs = Vec::with_capacity(done.len());
+        msgs.extend(done.into_iter().map(|r| self.encode(r)));
         self.deliver(msgs);
     }
 }
@@ -256,8 +258,9 @@ enum Sent {
 /// Sends `msgs` (skipping `skip` bytes of the first) with vectored `sendmsg`.
 /// Blocking: until all is sent. Non-blocking: until the socket is full.
 fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool) -> io::Result<Sent> {
-    let mut slices: Vec<&[u8]> = Vec::with_capacity(msgs.len() * 2);
-    let mut ends = Vec::with_capacity(msgs.len());
+    // A batch of replies to a queue of 32 fits on the stack.
+    let mut slices: SmallVec<[&[u8]; 64]> = SmallVec::with_capacity(msgs.len() * 2);
+    let mut ends: SmallVec<[usize; 32]> = SmallVec::with_capacity(msgs.len());
     let mut total = 0usize;
     for m in msgs {
         for s in m.slices() {

@@ -141,14 +141,18 @@ impl RequestHeader {
     }
 }
 
-pub fn simple_reply(out: &mut Vec<u8>, error: u32, cookie: u64) {
+/// The header bytes of one reply: a simple reply (16 bytes) or a read's chunk
+/// header (28) fits inline; block status and error messages spill to the heap.
+pub type Head = smallvec::SmallVec<[u8; 32]>;
+
+pub fn simple_reply(out: &mut Head, error: u32, cookie: u64) {
     out.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
     out.extend_from_slice(&error.to_be_bytes());
     out.extend_from_slice(&cookie.to_be_bytes());
 }
 
 /// The 20-byte header of a structured reply chunk whose payload is `len` bytes.
-pub fn chunk_header(out: &mut Vec<u8>, flags: u16, kind: u16, cookie: u64, len: u32) {
+pub fn chunk_header(out: &mut Head, flags: u16, kind: u16, cookie: u64, len: u32) {
     out.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
     out.extend_from_slice(&flags.to_be_bytes());
     out.extend_from_slice(&kind.to_be_bytes());
@@ -157,7 +161,7 @@ pub fn chunk_header(out: &mut Vec<u8>, flags: u16, kind: u16, cookie: u64, len: 
 }
 
 /// A complete NBD_REPLY_TYPE_ERROR chunk, flagged DONE.
-pub fn error_chunk(out: &mut Vec<u8>, cookie: u64, error: u32, message: &str) {
+pub fn error_chunk(out: &mut Head, cookie: u64, error: u32, message: &str) {
     let msg = &message.as_bytes()[..message.len().min(4096)];
     chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6 + msg.len() as u32);
     out.extend_from_slice(&error.to_be_bytes());
@@ -185,7 +189,7 @@ mod tests {
 
     #[test]
     fn error_chunk_layout() {
-        let mut v = Vec::new();
+        let mut v = Head::new();
         error_chunk(&mut v, 9, EINVAL, "bad");
         assert_eq!(v.len(), 20 + 6 + 3);
         assert_eq!(u16::from_be_bytes([v[4], v[5]]), REPLY_FLAG_DONE);

@@ -1,6 +1,7 @@
 //! Reply encoding: a completed request becomes the bytes of its NBD reply, as
 //! header bytes plus slices of the request's own buffer (no copy of the data).
 
+use smallvec::{smallvec, SmallVec};
 use vdisk_engine::{Buf, Op, Request};
 use vdisk_image::{Allocation, Error, ErrorKind};
 
@@ -13,11 +14,12 @@ const HOLE_GRANULE: usize = 64 << 10;
 /// Most block-status descriptors in one reply.
 pub const MAX_EXTENTS: usize = 2048;
 
-/// One reply: header bytes and payload bytes, sent as `parts` in order.
+/// One reply: header bytes and payload bytes, sent as `parts` in order. A
+/// simple reply, or a read's reply in one chunk, allocates nothing of its own.
 pub struct OutMsg {
-    pub head: Vec<u8>,
+    pub head: Head,
     pub data: Buf,
-    pub parts: Vec<Part>,
+    pub parts: SmallVec<[Part; 2]>,
     /// What was charged against the connection's in-flight bound.
     pub cost: usize,
 }
@@ -29,9 +31,9 @@ pub enum Part {
 }
 
 impl OutMsg {
-    pub fn header_only(head: Vec<u8>, cost: usize) -> OutMsg {
+    pub fn header_only(head: Head, cost: usize) -> OutMsg {
         let n = head.len();
-        OutMsg { head, data: Buf::new(), parts: vec![Part::Head(0, n)], cost }
+        OutMsg { head, data: Buf::new(), parts: smallvec![Part::Head(0, n)], cost }
     }
 
     pub fn slices(&self) -> impl Iterator<Item = &[u8]> {
@@ -66,7 +68,7 @@ pub struct Encoder {
 
 /// An error reply for a request refused at the edge.
 pub fn refusal(structured: bool, kind: u16, cookie: u64, errno: u32) -> OutMsg {
-    let mut head = Vec::with_capacity(40);
+    let mut head = Head::new();
     if structured && matches!(kind, CMD_READ | CMD_BLOCK_STATUS) {
         error_chunk(&mut head, cookie, errno, "invalid request");
     } else {
@@ -82,7 +84,7 @@ impl Encoder {
         let op = req.op();
         let cost = cost(op, req.len);
         let cookie = req.tag;
-        let mut head = Vec::with_capacity(32);
+        let mut head = Head::new();
         if let Some(e) = &req.error {
             if e.kind() != ErrorKind::Unsupported {
                 log::warn!("{} of {} bytes at {} failed: {e}", op.name(), req.len, req.offset);
@@ -99,7 +101,7 @@ impl Encoder {
             Op::Read => {
                 simple_reply(&mut head, 0, cookie);
                 let data = req.take_buf();
-                OutMsg { parts: vec![Part::Head(0, head.len()), Part::Data(0, data.len())], head, data, cost }
+                OutMsg { parts: smallvec![Part::Head(0, head.len()), Part::Data(0, data.len())], head, data, cost }
             }
             Op::BlockStatus { max } => {
                 // REQ_ONE is the only way a request asks for one run.
@@ -124,7 +126,7 @@ fn is_zero(b: &[u8]) -> bool {
 /// OFFSET_DATA and OFFSET_HOLE chunks: all-zero granules travel as holes.
 fn encode_structured_read(mut req: Request, cost: usize, dont_fragment: bool) -> OutMsg {
     let (cookie, offset, buf) = (req.tag, req.offset, req.take_buf());
-    let mut runs: Vec<(bool, usize, usize)> = Vec::new();
+    let mut runs: SmallVec<[(bool, usize, usize); 1]> = SmallVec::new();
     if dont_fragment {
         runs.push((false, 0, buf.len()));
     } else {
@@ -139,8 +141,8 @@ fn encode_structured_read(mut req: Request, cost: usize, dont_fragment: bool) ->
             at = end;
         }
     }
-    let mut head = Vec::with_capacity(32 * runs.len());
-    let mut parts = Vec::with_capacity(2 * runs.len());
+    let mut head = Head::with_capacity(28 * runs.len());
+    let mut parts = SmallVec::with_capacity(2 * runs.len());
     let last = runs.len() - 1;
     for (i, &(zero, start, end)) in runs.iter().enumerate() {
         let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
@@ -161,7 +163,7 @@ fn encode_structured_read(mut req: Request, cost: usize, dont_fragment: bool) ->
     OutMsg { head, data: buf, parts, cost }
 }
 
-fn encode_block_status(out: &mut Vec<u8>, cookie: u64, context: u32, len: u64, runs: &[Allocation], one: bool) {
+fn encode_block_status(out: &mut Head, cookie: u64, context: u32, len: u64, runs: &[Allocation], one: bool) {
     let mut descs: Vec<(u32, u32)> = Vec::new();
     let mut left = len;
     for r in runs {

@@ -7,6 +7,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
+use smallvec::SmallVec;
+
 use crate::handshake::Transport;
 use crate::tls::{Tls, TlsStream};
 
@@ -50,7 +52,7 @@ impl Stream {
         if let Stream::Tls(t) = self {
             return t.send_from(slices, skip, blocking);
         }
-        let mut iov: Vec<libc::iovec> = Vec::with_capacity(slices.len().min(IOV_MAX));
+        let mut iov: SmallVec<[libc::iovec; 64]> = SmallVec::with_capacity(slices.len().min(IOV_MAX));
         for s in slices {
             if skip >= s.len() {
                 skip -= s.len();
