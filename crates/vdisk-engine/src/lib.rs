@@ -210,58 +210,34 @@ impl Device {
             qos: qos::Qos::default(),
         };
         for i in 0..consumers {
-            let mut planner = plan::Planner::new(image.clone(), config.sync, config.coalesce);
-            planner.faults = dev.faults.clone();
-            planner.dsync_unreliable = dev.dsync_unreliable;
-            let queue = dev.queue.clone();
+            let (planner, queue) = (dev.planner(), dev.queue.clone());
+            let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
             let handle = match kind {
                 EngineKind::Threads => {
                     let w = threads::Worker::new(planner, queue, config.batch);
                     std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?
                 }
                 EngineKind::Rbd => {
-                    let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
-                    // Its in-flight table holds raw pointers, so it is built on its own thread.
-                    let (tx, rx) = std::sync::mpsc::channel();
-                    let h =
-                        std::thread::Builder::new().name(format!("{name}-rbd")).spawn(
-                            move || match rbd::RbdWorker::new(planner, queue, batch) {
-                                Ok(w) => {
-                                    let _ = tx.send(Ok(()));
-                                    w.run()
-                                }
-                                Err(e) => {
-                                    let _ = tx.send(Err(e));
-                                }
-                            },
-                        )?;
-                    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("RBD loop thread died")))?;
-                    h
+                    spawn_built(format!("{name}-rbd"), move || rbd::RbdWorker::new(planner, queue, batch), |w| w.run())?
                 }
                 EngineKind::Uring => {
-                    // A ring holds raw pointers while it runs, so it is built on its own thread.
                     let rc = uring::RingConfig { entries: config.ring_entries, sqpoll: config.sqpoll };
-                    let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
-                    let (tx, rx) = std::sync::mpsc::channel();
-                    let h = std::thread::Builder::new().name(format!("{name}-ring{i}")).spawn(move || {
-                        match uring::RingWorker::new(planner, queue, batch, rc) {
-                            Ok(w) => {
-                                let _ = tx.send(Ok(()));
-                                w.run()
-                            }
-                            Err(e) => {
-                                let _ = tx.send(Err(e));
-                            }
-                        }
-                    })?;
                     // On error `dev` drops here, which stops the rings already started.
-                    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("ring thread died")))?;
-                    h
+                    let ring = move || uring::RingWorker::new(planner, queue, batch, rc);
+                    spawn_built(format!("{name}-ring{i}"), ring, |w| w.run())?
                 }
             };
             dev.workers.lock().unwrap().push(handle);
         }
         Ok(dev)
+    }
+
+    /// A planner for this device's requests.
+    fn planner(&self) -> plan::Planner {
+        let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
+        planner.faults = self.faults.clone();
+        planner.dsync_unreliable = self.dsync_unreliable;
+        planner
     }
 
     /// The engine actually running (after any fallback).
@@ -327,9 +303,7 @@ impl Device {
         started: std::time::Instant,
     ) {
         let submit = |batch: Vec<Request>| self.queue.push_counted(batch, sink, started);
-        let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
-        planner.faults = self.faults.clone();
-        planner.dsync_unreliable = self.dsync_unreliable;
+        let mut planner = self.planner();
         match self.inline {
             Inline::Never => submit(batch),
             Inline::All => {
@@ -410,6 +384,28 @@ impl Drop for Device {
     fn drop(&mut self) {
         self.stop_workers();
     }
+}
+
+/// Starts a consumer whose state is built on its own thread (a ring or an RBD
+/// loop holds raw pointers into that state while it runs), once it is built.
+fn spawn_built<W: 'static>(
+    thread: String,
+    build: impl FnOnce() -> std::io::Result<W> + Send + 'static,
+    run: fn(W),
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let what = format!("{thread} thread died");
+    let h = std::thread::Builder::new().name(thread).spawn(move || match build() {
+        Ok(w) => {
+            let _ = tx.send(Ok(()));
+            run(w)
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e));
+        }
+    })?;
+    rx.recv().unwrap_or_else(|_| Err(std::io::Error::other(what)))?;
+    Ok(h)
 }
 
 #[cfg(test)]
