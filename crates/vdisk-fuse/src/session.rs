@@ -126,30 +126,8 @@ impl Session {
                 };
                 ok(st.bytes().to_vec())
             }
-            proto::READ => {
-                let Some(r) = proto::RwIn::read(op) else { return fail(libc::EINVAL) };
-                // A read past the end is short, as on any file.
-                let len = (r.size as u64).min(self.size().saturating_sub(r.offset));
-                if len == 0 {
-                    return ok(Vec::new());
-                }
-                Action::Submit(Request::new(Op::Read, r.offset, len, h.unique))
-            }
-            proto::WRITE => {
-                let Some(w) = proto::RwIn::read(op) else { return fail(libc::EINVAL) };
-                if self.read_only {
-                    return fail(libc::EROFS);
-                }
-                if w.offset.checked_add(w.size as u64).is_none_or(|end| end > self.size()) {
-                    return fail(libc::ENOSPC);
-                }
-                // With FOPEN_DIRECT_IO the kernel sends no FSYNC after an O_DSYNC or
-                // O_SYNC write (nor one with RWF_DSYNC/RWF_SYNC): the flag is only
-                // here, in the WRITE's flags (O_SYNC includes the O_DSYNC bit). Such a
-                // write is durable before its reply.
-                let fua = w.flags as i32 & libc::O_DSYNC != 0;
-                Action::Submit(Request::new(Op::Write { fua }, w.offset, w.size as u64, h.unique))
-            }
+            proto::READ => proto::RwIn::read(op).map_or(fail(libc::EINVAL), |r| self.read(h, &r)),
+            proto::WRITE => proto::RwIn::read(op).map_or(fail(libc::EINVAL), |w| self.write(h, &w)),
             proto::FLUSH | proto::FSYNC if self.read_only => ok(Vec::new()),
             // FSYNC with or without FUSE_FSYNC_FDATASYNC: the engine's flush makes the
             // data and the image's metadata (a COW bitmap) durable, which is all a
@@ -161,21 +139,46 @@ impl Session {
                 let Some(f) = proto::FallocateIn::read(op) else { return fail(libc::EINVAL) };
                 self.fallocate(h, &f)
             }
-            proto::LSEEK => {
-                let Some(l) = proto::LseekIn::read(op) else { return fail(libc::EINVAL) };
-                match l.whence as i32 {
-                    libc::SEEK_DATA | libc::SEEK_HOLE if l.offset >= self.size() => fail(libc::ENXIO),
-                    libc::SEEK_DATA | libc::SEEK_HOLE => {
-                        self.seeks.lock().unwrap().insert(h.unique, l.whence as i32 == libc::SEEK_HOLE);
-                        let op = Op::BlockStatus { max: 256 };
-                        Action::Submit(Request::new(op, l.offset, self.size() - l.offset, h.unique))
-                    }
-                    // SEEK_SET/CUR/END never reach the file system.
-                    _ => fail(libc::EINVAL),
-                }
-            }
+            proto::LSEEK => proto::LseekIn::read(op).map_or(fail(libc::EINVAL), |l| self.lseek(h, &l)),
             proto::DESTROY => ok(Vec::new()),
             _ => fail(libc::ENOSYS),
+        }
+    }
+
+    fn read(&self, h: &proto::InHeader, r: &proto::RwIn) -> Action {
+        // A read past the end is short, as on any file.
+        let len = (r.size as u64).min(self.size().saturating_sub(r.offset));
+        if len == 0 {
+            return Action::Reply(0, Vec::new());
+        }
+        Action::Submit(Request::new(Op::Read, r.offset, len, h.unique))
+    }
+
+    fn write(&self, h: &proto::InHeader, w: &proto::RwIn) -> Action {
+        if self.read_only {
+            return Action::Reply(libc::EROFS, Vec::new());
+        }
+        if w.offset.checked_add(w.size as u64).is_none_or(|end| end > self.size()) {
+            return Action::Reply(libc::ENOSPC, Vec::new());
+        }
+        // With FOPEN_DIRECT_IO the kernel sends no FSYNC after an O_DSYNC or
+        // O_SYNC write (nor one with RWF_DSYNC/RWF_SYNC): the flag is only
+        // here, in the WRITE's flags (O_SYNC includes the O_DSYNC bit). Such a
+        // write is durable before its reply.
+        let fua = w.flags as i32 & libc::O_DSYNC != 0;
+        Action::Submit(Request::new(Op::Write { fua }, w.offset, w.size as u64, h.unique))
+    }
+
+    fn lseek(&self, h: &proto::InHeader, l: &proto::LseekIn) -> Action {
+        match l.whence as i32 {
+            libc::SEEK_DATA | libc::SEEK_HOLE if l.offset >= self.size() => Action::Reply(libc::ENXIO, Vec::new()),
+            libc::SEEK_DATA | libc::SEEK_HOLE => {
+                self.seeks.lock().unwrap().insert(h.unique, l.whence as i32 == libc::SEEK_HOLE);
+                let op = Op::BlockStatus { max: 256 };
+                Action::Submit(Request::new(op, l.offset, self.size() - l.offset, h.unique))
+            }
+            // SEEK_SET/CUR/END never reach the file system.
+            _ => Action::Reply(libc::EINVAL, Vec::new()),
         }
     }
 
