@@ -12,7 +12,8 @@ against every configuration in turn on a fresh server over a 2 GiB tmpfs image (
 drift in the machine's load hits all of them alike); the table gives each
 configuration's median throughput and its ratio to the first, and the median server CPU
 per request (user+system µs of the server from the end of fio's ramp to fio's exit over the
-requests fio completed; lower is better). For comparing builds (a refactor
+requests fio completed; lower is better), and the lowest and highest same-round ratio, which
+with the same binary given twice (A/A) shows how far noise alone moves a ratio. For comparing builds (a refactor
 that must not cost speed) or a switch (metrics on and off); the full suite is run.py.
 """
 
@@ -109,10 +110,15 @@ def main():
             v = statistics.median(got[(row, n)])
             c = statistics.median(cpu[(row, n)]) if cpu[(row, n)] else None
             cs = "" if c is None else f"; {c:.2f} µs/req" + (f" ({c / cbase:.2f}×)" if cbase else "")
-            cells.append(f"{v:,.0f} {unit} ({v / base:.2f}×){cs}")
+            spread = ""
+            if n != first:  # the same-round ratios: how far one round strays from the median
+                per = sorted(a / b for a, b in zip(got[(row, n)], got[(row, first)]))
+                spread = f", rounds {per[0]:.2f}–{per[-1]:.2f}×"
+            cells.append(f"{v:,.0f} {unit} ({v / base:.2f}×{spread}){cs}")
         print(f"| {JOB[row][1]} | " + " | ".join(cells) + " |")
     print(f"\nmedians of {a.rounds} rounds of {a.runtime} s each, configurations alternating within each round; "
-          "µs/req = server CPU (user+system) per request")
+          "rounds = lowest and highest ratio to the first configuration within one round; "
+          "µs/req = server CPU (user+system) per request. Give the first binary twice (A/A) to see the noise.")
 
 
 if __name__ == "__main__":
