@@ -308,17 +308,9 @@ impl Image for Stalled {
     fn format(&self) -> &'static str {
         "stalled"
     }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn read_only(&self) -> bool {
-        false
-    }
-    fn files(&self) -> &[std::fs::File] {
-        self.inner.files()
-    }
-    fn file_path(&self, file: usize) -> &std::path::Path {
-        self.inner.file_path(file)
+    /// The raw image's, opened read-write.
+    fn base(&self) -> &vdisk_image::ImageBase {
+        self.inner.base()
     }
     fn map_read(&self, offset: u64, len: u64, out: &mut Vec<vdisk_image::Extent>) -> vdisk_image::Result<()> {
         let (open, cv) = &*self.gate;

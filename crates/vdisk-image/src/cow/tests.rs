@@ -1,6 +1,7 @@
 //! Overlays end to end at the image level: the tests play the engine's part
 //! (prepare_write → map_write → pwrite → write_done; map_read → pread).
 
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
