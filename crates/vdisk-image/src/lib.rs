@@ -12,6 +12,8 @@ mod error;
 pub mod qcow2;
 pub mod raw;
 pub mod rbd;
+#[cfg(test)]
+mod testing;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -56,16 +58,17 @@ pub struct Allocation {
 /// What every open image holds of itself, whatever its format: the format
 /// embeds one and hands it out through [`Image::base`], and [`Image`]'s
 /// default methods answer from it.
+/// Other crates make one with [`ImageBase::new`] and read it through those methods.
 pub struct ImageBase {
     /// The image's own name: the path of file 0 (for RBD, `rbd:pool/image[@snap]`).
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     /// The size of the virtual disk in bytes.
-    pub size: u64,
-    pub read_only: bool,
+    pub(crate) size: u64,
+    pub(crate) read_only: bool,
     /// The files that [`Extent::Data`] refers to (see [`Image::files`]).
-    pub files: Vec<File>,
+    pub(crate) files: Vec<File>,
     /// Their O_DIRECT twins, index for index, or empty (see [`Image::direct_files`]).
-    pub direct: Vec<File>,
+    pub(crate) direct: Vec<File>,
 }
 
 impl ImageBase {
