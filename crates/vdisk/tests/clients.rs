@@ -4,7 +4,7 @@
 mod common;
 
 use common::{
-    assert_same, create_image, free_port, json, nbdsh, output, qemu_io, read_file, run, text, xorshift, Server,
+    assert_same, chunked_data, create_image, free_port, json, nbdsh, output, qemu_io, read_file, run, text, Server,
     TempDir, ENGINES, KIB, MIB,
 };
 use std::fs::OpenOptions;
@@ -15,20 +15,14 @@ use std::process::{Command, Stdio};
 /// Deterministic test data: pseudo-random 64 KiB chunks, with every fifth
 /// chunk zero, some chunks one repeated byte, and the last MiB zero.
 fn test_data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut v = vec![0u8; len];
-    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
-        if i % 5 == 0 {
-            continue;
-        }
-        if i % 7 == 3 {
+    let mut v = chunked_data(len, seed, |i, chunk| match (i % 5, i % 7) {
+        (0, _) => true,
+        (_, 3) => {
             chunk.fill(i as u8 | 0x80);
-            continue;
+            true
         }
-        for b in chunk.iter_mut() {
-            *b = (xorshift(&mut x) >> 24) as u8;
-        }
-    }
+        _ => false,
+    });
     let tail = len.saturating_sub(MIB);
     v[tail..].fill(0);
     v

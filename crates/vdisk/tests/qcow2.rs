@@ -10,38 +10,10 @@
 mod common;
 
 use common::{
-    assert_same, crash_rounds, json, nbdsh, output, qemu_io, read_file, run, s, text, vdisk, vdisk_bounded, Server,
-    TempDir, KIB, MIB,
+    assert_same, base_data, crash_rounds, json, nbdsh, output, qemu_io, read_export, read_file, run, s, text, vdisk,
+    vdisk_bounded, Server, TempDir, KIB, MIB,
 };
 use std::path::Path;
-
-/// Pseudo-random data with zero stretches (every fifth 64 KiB chunk).
-fn base_data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut v = vec![0u8; len];
-    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
-        if i % 5 == 2 {
-            continue;
-        }
-        for b in chunk.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = (x >> 24) as u8;
-        }
-    }
-    v
-}
-
-/// Reads a whole export with nbdcopy (4 connections).
-fn read_export(dir: &TempDir, uri: &str) -> Vec<u8> {
-    let out = dir.path("export.raw");
-    let _ = std::fs::remove_file(&out);
-    run("nbdcopy", &["--connections=4", uri, s(&out)]);
-    let data = read_file(&out);
-    std::fs::remove_file(&out).unwrap();
-    data
-}
 
 /// `qemu-img check`: no corruption and no leaks.
 fn check_clean(img: &Path) {
@@ -155,12 +127,12 @@ fn qemu_images_of_every_shape_written_through_vdisk_check_clean_and_match() {
         let server = Server::start(&dir, &args);
         assert!(server.stdout.iter().any(|l| l.contains("qcow2")), "{:?}", server.stdout);
         let uri = server.uri("top");
-        assert_same(&format!("{} as qemu left it", shape.name), &read_export(&dir, &uri), &model);
+        assert_same(&format!("{} as qemu left it", shape.name), &read_export(&dir, &uri, "export.raw"), &model);
         qemu_io(&uri, &client_ops(&mut model));
         nbdsh(&uri, "h.trim(1000, 5 * 1024 * 1024 + 7)\nh.zero(100, 7 * 1024 * 1024 + 300)\nh.flush()");
         model[5 * MIB + 7..5 * MIB + 1007].fill(0);
         model[7 * MIB + 300..7 * MIB + 400].fill(0);
-        assert_same(&format!("{} written through vdisk", shape.name), &read_export(&dir, &uri), &model);
+        assert_same(&format!("{} written through vdisk", shape.name), &read_export(&dir, &uri, "export.raw"), &model);
         server.stop();
         check_clean(&top);
         compare(&dir, &top, &model);
@@ -229,10 +201,10 @@ fn compressed_images_zlib_and_zstd_read_and_rewrite() {
         run("qemu-img", &["convert", "-q", "-c", "-O", "qcow2", "-o", opts, s(&raw), s(&img)]);
         let server = Server::start(&dir, &[s(&img)]);
         let uri = server.uri(name);
-        assert_same(&format!("{name}: compressed clusters read"), &read_export(&dir, &uri), &model);
+        assert_same(&format!("{name}: compressed clusters read"), &read_export(&dir, &uri, "export.raw"), &model);
         let mut want = model.clone();
         qemu_io(&uri, &client_ops(&mut want));
-        assert_same(&format!("{name}: rewritten"), &read_export(&dir, &uri), &want);
+        assert_same(&format!("{name}: rewritten"), &read_export(&dir, &uri, "export.raw"), &want);
         server.stop();
         check_clean(&img);
         compare(&dir, &img, &want);
@@ -285,11 +257,11 @@ fn backing_chains_qcow2_over_qcow2_over_cow_and_raw() {
     run("qemu-img", &["create", "-q", "-u", "-f", "qcow2", "-b", "mid.qcow2", "-F", "qcow2", s(&top), "6M"]);
     let server = Server::start(&dir, &[s(&top), "--engine", "threads"]);
     let uri = server.uri("top");
-    assert_same("the chain as built", &read_export(&dir, &uri), &model);
+    assert_same("the chain as built", &read_export(&dir, &uri, "export.raw"), &model);
     qemu_io(&uri, &["write -P 0x41 200k 64k", "write -P 0x42 5000 10", "flush"]);
     model[200 * KIB..264 * KIB].fill(0x41);
     model[5000..5010].fill(0x42);
-    assert_same("the chain after writes", &read_export(&dir, &uri), &model);
+    assert_same("the chain after writes", &read_export(&dir, &uri, "export.raw"), &model);
     // Block status: the written clusters are data, an untouched zero stretch of the base a hole.
     let map = run("nbdinfo", &["--map", &uri]);
     assert!(map.contains("data"), "{map}");

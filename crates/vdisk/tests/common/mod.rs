@@ -33,6 +33,39 @@ pub fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
+/// Pseudo-random data from `seed`, 64 KiB chunk by chunk. `special(i, chunk)`
+/// may fill chunk `i` itself (it starts as zeros) and return true: the random
+/// bytes then pass over it.
+pub fn chunked_data(len: usize, seed: u64, special: impl Fn(usize, &mut [u8]) -> bool) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = vec![0u8; len];
+    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
+        if special(i, chunk) {
+            continue;
+        }
+        for b in chunk.iter_mut() {
+            *b = (xorshift(&mut x) >> 24) as u8;
+        }
+    }
+    v
+}
+
+/// Backing or image data: pseudo-random, with zero stretches (every fifth 64 KiB chunk).
+pub fn base_data(len: usize, seed: u64) -> Vec<u8> {
+    chunked_data(len, seed, |i, _| i % 5 == 2)
+}
+
+/// Reads a whole export into memory with nbdcopy (4 connections), through
+/// the file `name` in `dir`, removed again.
+pub fn read_export(dir: &TempDir, uri: &str, name: &str) -> Vec<u8> {
+    let out = dir.path(name);
+    let _ = std::fs::remove_file(&out);
+    run("nbdcopy", &["--connections=4", uri, s(&out)]);
+    let data = read_file(&out);
+    std::fs::remove_file(&out).unwrap();
+    data
+}
+
 /// A fresh directory for one test, removed when dropped.
 pub struct TempDir(pub PathBuf);
 
