@@ -119,6 +119,25 @@ pub fn create_image(path: &Path, size: &str) {
     assert!(out.status.success(), "vdisk create: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// A sparse image of `size` in `dir`, named `name` (export name: its stem),
+/// as the path a command line takes.
+pub fn image(dir: &TempDir, name: &str, size: &str) -> String {
+    let p = dir.path(name);
+    create_image(&p, size);
+    p.to_str().unwrap().to_owned()
+}
+
+/// A new test directory with a sparse raw `disk.img` of `size` in it, served
+/// by `vdisk serve IMAGE EXTRA...` (export `disk`): (dir, image, server).
+pub fn serve_new_disk(tag: &str, size: &str, extra: &[&str]) -> (TempDir, String, Server) {
+    let dir = TempDir::new(tag);
+    let img = image(&dir, "disk.img", size);
+    let mut args = vec![img.as_str()];
+    args.extend_from_slice(extra);
+    let server = Server::start(&dir, &args);
+    (dir, img, server)
+}
+
 /// A running `vdisk serve`.
 pub struct Server {
     pub child: Child,
