@@ -8,11 +8,10 @@
 mod common;
 
 use common::{
-    assert_same, base_data, nbdsh, qemu_io, read_export, read_file, run, s, text, vdisk, vdisk_bounded, Server,
-    TempDir, ENGINES, KIB, MIB,
+    assert_same, base_data, make_base, nbdsh, qemu_io, read_export, read_file, run, s, text, vdisk, vdisk_bounded,
+    Server, TempDir, ENGINES, KIB, MIB,
 };
 use std::io::Read;
-use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// What a list of client operations does, applied to the model and turned
@@ -72,13 +71,6 @@ fn client_ops() -> Vec<Op> {
         Op::Write(7 * MIB + 7, 3 * MIB, 0x77),
         Op::ZeroUnmap(8 * MIB + 1, 511),
     ]
-}
-
-/// Writes a base image and returns its data.
-fn make_base(path: &Path, len: usize, seed: u64) -> Vec<u8> {
-    let data = base_data(len, seed);
-    std::fs::write(path, &data).unwrap();
-    data
 }
 
 #[test]

@@ -10,8 +10,8 @@
 mod common;
 
 use common::{
-    assert_same, base_data, crash_rounds, json, nbdsh, output, qemu_io, read_export, read_file, run, s, text, vdisk,
-    vdisk_bounded, Server, TempDir, KIB, MIB,
+    assert_same, base_data, crash_rounds, json, make_base, nbdsh, output, qemu_io, read_export, read_file, run, s,
+    text, vdisk, vdisk_bounded, Server, TempDir, KIB, MIB,
 };
 use std::path::Path;
 
@@ -103,8 +103,7 @@ fn qemu_images_of_every_shape_written_through_vdisk_check_clean_and_match() {
         let mut create = vec!["create", "-q", "-f", "qcow2", "-o", shape.options];
         let base = dir.path("base.raw");
         if shape.backing {
-            model = base_data(SIZE, 0x9e37_79b9 + i as u64);
-            std::fs::write(&base, &model).unwrap();
+            model = make_base(&base, SIZE, 0x9e37_79b9 + i as u64);
             create.extend_from_slice(&["-b", s(&base), "-F", "raw"]);
         }
         let size = SIZE.to_string();
@@ -151,8 +150,7 @@ fn vdisk_created_images_read_the_same_in_qemu() {
         let mut model = vec![0u8; 12 * MIB];
         let mut args = vec!["create", "--format", "qcow2", "--cluster-size", cluster, s(&img)];
         if backing {
-            model = base_data(12 * MIB, 7);
-            std::fs::write(&base, &model).unwrap();
+            model = make_base(&base, 12 * MIB, 7);
             args.extend_from_slice(&["--backing", s(&base)]);
         } else {
             args.extend_from_slice(&["--size", "12M"]);
@@ -167,8 +165,7 @@ fn vdisk_created_images_read_the_same_in_qemu() {
         qemu_io(&uri, &client_ops(&mut model));
         // A whole-disk copy in 256 KiB requests over 4 connections.
         let src = dir.path("src.raw");
-        let data = base_data(4 * MIB, 99);
-        std::fs::write(&src, &data).unwrap();
+        let data = make_base(&src, 4 * MIB, 99);
         let dst = format!("nbd+unix:///disk?socket={}", server.socket.display());
         run("nbdcopy", &["--connections=4", "--destination-is-zero", s(&src), &dst]);
         model[..4 * MIB].copy_from_slice(&data);
@@ -215,8 +212,7 @@ fn compressed_images_zlib_and_zstd_read_and_rewrite() {
 fn commit_of_a_qcow2_overlay_into_raw_and_into_a_new_image() {
     let dir = TempDir::new("qcow2-commit");
     let base = dir.path("base.raw");
-    let mut model = base_data(8 * MIB, 5);
-    std::fs::write(&base, &model).unwrap();
+    let mut model = make_base(&base, 8 * MIB, 5);
     let top = dir.path("top.qcow2");
     run(
         "qemu-img",
@@ -239,8 +235,7 @@ fn commit_of_a_qcow2_overlay_into_raw_and_into_a_new_image() {
 fn backing_chains_qcow2_over_qcow2_over_cow_and_raw() {
     let dir = TempDir::new("qcow2-chain");
     let raw = dir.path("base.raw");
-    let mut model = base_data(6 * MIB, 3);
-    std::fs::write(&raw, &model).unwrap();
+    let mut model = make_base(&raw, 6 * MIB, 3);
     // UML COW over raw, qcow2 (made by qemu-img, relative backing name) over it, vdisk's qcow2 on top.
     let cow = dir.path("mid.cow");
     let out = vdisk(&["create", "--backing", s(&raw), s(&cow)]);

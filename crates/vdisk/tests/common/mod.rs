@@ -56,6 +56,13 @@ pub fn base_data(len: usize, seed: u64) -> Vec<u8> {
     chunked_data(len, seed, |i, _| i % 5 == 2)
 }
 
+/// Writes [`base_data`] to `path` as a base image and returns its data.
+pub fn make_base(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let data = base_data(len, seed);
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
 /// Reads a whole export into memory with nbdcopy (4 connections), through
 /// the file `name` in `dir`, removed again.
 pub fn read_export(dir: &TempDir, uri: &str, name: &str) -> Vec<u8> {
