@@ -70,6 +70,24 @@ impl Rig {
         Rig { dev: Arc::new(dev), sink: Arc::new(Collect(Mutex::new(tx))), rx, dir }
     }
 
+    /// A 1 MiB raw image, read-write, opened for direct I/O (the temp dir must
+    /// support O_DIRECT), served as device `name` under `config`.
+    fn new_direct(tag: &str, name: &str, config: &EngineConfig) -> Rig {
+        let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("disk.img");
+        let _ = std::fs::remove_file(&path);
+        RawImage::create(&path, 1 << 20, None).unwrap();
+        let image = match RawImage::open(&path, false).unwrap().with_direct_io() {
+            Ok(i) => i,
+            Err(e) => panic!("the temp dir must support O_DIRECT for this test: {e}"),
+        };
+        assert_eq!(image.direct_files().len(), 1);
+        let dev = Arc::new(Device::start(name, Arc::new(image), config).unwrap());
+        let (tx, rx) = mpsc::channel();
+        Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, dir }
+    }
+
     /// Submits a batch through `submit_inline` and returns all completions in tag order.
     fn run_inline(&self, batch: Vec<Request>) -> Vec<Request> {
         let n = batch.len();
@@ -272,19 +290,7 @@ fn inline_submission_matches_queued_submission() {
 #[test]
 fn direct_io_serves_aligned_and_unaligned_requests() {
     for (name, cfg) in configs() {
-        let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-direct-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("disk.img");
-        let _ = std::fs::remove_file(&path);
-        RawImage::create(&path, 1 << 20, None).unwrap();
-        let image = match RawImage::open(&path, false).unwrap().with_direct_io() {
-            Ok(i) => i,
-            Err(e) => panic!("the temp dir must support O_DIRECT for this test: {e}"),
-        };
-        assert_eq!(image.direct_files().len(), 1);
-        let dev = Arc::new(Device::start(name, Arc::new(image), &cfg).unwrap());
-        let (tx, rx) = mpsc::channel();
-        let rig = Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, dir };
+        let rig = Rig::new_direct(&format!("direct-{name}"), name, &cfg);
         // Aligned (direct) and unaligned (through the cache) writes, then reads of both kinds.
         let done = rig.run(vec![write(0, pattern(1, 65536), 0), write(65536 + 100, pattern(2, 5000), 1)]);
         assert!(done.iter().all(|r| r.error.is_none()), "{name}");
@@ -308,17 +314,9 @@ impl Image for Stalled {
     fn format(&self) -> &'static str {
         "stalled"
     }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn read_only(&self) -> bool {
-        false
-    }
-    fn files(&self) -> &[std::fs::File] {
-        self.inner.files()
-    }
-    fn file_path(&self, file: usize) -> &std::path::Path {
-        self.inner.file_path(file)
+    /// The raw image's, opened read-write.
+    fn base(&self) -> &vdisk_image::ImageBase {
+        self.inner.base()
     }
     fn map_read(&self, offset: u64, len: u64, out: &mut Vec<vdisk_image::Extent>) -> vdisk_image::Result<()> {
         let (open, cv) = &*self.gate;
@@ -436,15 +434,7 @@ fn borrowed_buffers_are_read_into_and_written_from_in_place() {
         check(&name, &rig);
     }
     for (name, cfg) in configs() {
-        let dir = std::env::temp_dir().join(format!("vdisk-engine-{}-lent-direct-{name}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("disk.img");
-        let _ = std::fs::remove_file(&path);
-        RawImage::create(&path, 1 << 20, None).unwrap();
-        let image = RawImage::open(&path, false).unwrap().with_direct_io().expect("O_DIRECT in the temp dir");
-        let dev = Arc::new(Device::start(name, Arc::new(image), &cfg).unwrap());
-        let (tx, rx) = mpsc::channel();
-        let rig = Rig { dev, sink: Arc::new(Collect(Mutex::new(tx))), rx, dir };
+        let rig = Rig::new_direct(&format!("lent-direct-{name}"), name, &cfg);
         check(&format!("direct-{name}"), &rig);
     }
 }

@@ -12,9 +12,11 @@ mod error;
 pub mod qcow2;
 pub mod raw;
 pub mod rbd;
+#[cfg(test)]
+mod testing;
 
 use std::fs::File;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use cow::CowImage;
 pub use error::{Advice, Error, ErrorKind, Result};
@@ -53,26 +55,59 @@ pub struct Allocation {
     pub zero: bool,
 }
 
+/// What every open image holds of itself, whatever its format: the format
+/// embeds one and hands it out through [`Image::base`], and [`Image`]'s
+/// default methods answer from it.
+/// Other crates make one with [`ImageBase::new`] and read it through those methods.
+pub struct ImageBase {
+    /// The image's own name: the path of file 0 (for RBD, `rbd:pool/image[@snap]`).
+    pub(crate) path: PathBuf,
+    /// The size of the virtual disk in bytes.
+    pub(crate) size: u64,
+    pub(crate) read_only: bool,
+    /// The files that [`Extent::Data`] refers to (see [`Image::files`]).
+    pub(crate) files: Vec<File>,
+    /// Their O_DIRECT twins, index for index, or empty (see [`Image::direct_files`]).
+    pub(crate) direct: Vec<File>,
+}
+
+impl ImageBase {
+    /// The base of an image with these files, not (yet) opened for direct I/O.
+    pub fn new(path: PathBuf, size: u64, read_only: bool, files: Vec<File>) -> Self {
+        ImageBase { path, size, read_only, files, direct: Vec::new() }
+    }
+}
+
 /// A virtual disk's storage. Implementations must be cheap to call from many
 /// threads at once: mapping happens on the request path.
 pub trait Image: Send + Sync {
     /// A short name of the format, as `vdisk info` prints it ("raw", "cow").
     fn format(&self) -> &'static str;
 
+    /// The path, size, read-only flag and files of the image, which the
+    /// default methods below read.
+    fn base(&self) -> &ImageBase;
+
     /// The size of the virtual disk in bytes.
-    fn size(&self) -> u64;
+    fn size(&self) -> u64 {
+        self.base().size
+    }
 
     /// True when the image was opened read-only; writes are then refused at the edge.
-    fn read_only(&self) -> bool;
+    fn read_only(&self) -> bool {
+        self.base().read_only
+    }
 
     /// The files that [`Extent::Data`] refers to. File 0 receives all writes.
-    fn files(&self) -> &[File];
+    fn files(&self) -> &[File] {
+        &self.base().files
+    }
 
     /// The same files opened with O_DIRECT, index for index, when the image was
     /// opened for direct I/O; empty otherwise. The engine uses them for requests
     /// whose offset, length and memory are aligned, and `files()` for the rest.
     fn direct_files(&self) -> &[File] {
-        &[]
+        &self.base().direct
     }
 
     /// The RBD image that file number `file` is, when it is one rather than a
@@ -81,8 +116,11 @@ pub trait Image: Send + Sync {
         None
     }
 
-    /// The path of file number `file`, for messages.
-    fn file_path(&self, file: usize) -> &Path;
+    /// The path of file number `file`, for messages. By default the image's
+    /// own path, for every file: an image of several files says which is which.
+    fn file_path(&self, _file: usize) -> &Path {
+        &self.base().path
+    }
 
     /// Appends to `out` the extents that a read of `len` bytes at `offset` covers,
     /// in order, adding up to exactly `len`. The range is already validated.
@@ -137,6 +175,15 @@ pub trait Image: Send + Sync {
     fn sync_metadata(&self) -> Result<()> {
         Ok(())
     }
+}
+
+/// The mapping of an image whose disk is file 0 byte for byte (raw, RBD), for
+/// reads and writes alike: one extent, at the same offset. Each such format
+/// calls it from its own `map_read` and `map_write` on purpose; there is no
+/// trait default that a new format could inherit by forgetting to map.
+pub(crate) fn map_one_to_one(offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+    out.push(Extent::Data { file: 0, offset, len });
+    Ok(())
 }
 
 /// Creates the new file `path` (which must not exist), lets `fill` write it,

@@ -4,18 +4,14 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::{io, io::Seek};
 
-use crate::{Advice, Allocation, Error, ErrorKind, Extent, Image, Result};
+use crate::{map_one_to_one, Advice, Allocation, Error, ErrorKind, Extent, Image, ImageBase, Result};
 
 pub struct RawImage {
-    path: PathBuf,
-    files: [File; 1],
-    /// The O_DIRECT twin of `files`, when opened for direct I/O.
-    direct: Vec<File>,
-    size: u64,
-    read_only: bool,
+    /// One file, the image itself (and its O_DIRECT twin when opened for direct I/O).
+    base: ImageBase,
 }
 
 impl RawImage {
@@ -44,7 +40,7 @@ impl RawImage {
         let size = file
             .seek(io::SeekFrom::End(0))
             .map_err(|e| Error::io(e, format!("cannot find the size of {}", path.display())))?;
-        Ok(RawImage { path: path.to_owned(), files: [file], direct: Vec::new(), size, read_only })
+        Ok(RawImage { base: ImageBase::new(path.to_owned(), size, read_only, vec![file]) })
     }
 
     /// Creates a new sparse raw image of `size` bytes. Refuses to replace an
@@ -80,16 +76,16 @@ impl RawImage {
     pub fn with_direct_io(mut self) -> Result<Self> {
         let file = OpenOptions::new()
             .read(true)
-            .write(!self.read_only)
+            .write(!self.base.read_only)
             .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
-            .open(&self.path)
-            .map_err(|e| direct_io_error(&self.path, e))?;
-        self.direct = vec![file];
+            .open(&self.base.path)
+            .map_err(|e| direct_io_error(&self.base.path, e))?;
+        self.base.direct = vec![file];
         Ok(self)
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.base.path
     }
 }
 
@@ -123,38 +119,21 @@ impl Image for RawImage {
         "raw"
     }
 
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn files(&self) -> &[File] {
-        &self.files
-    }
-
-    fn direct_files(&self) -> &[File] {
-        &self.direct
-    }
-
-    fn file_path(&self, _file: usize) -> &Path {
-        &self.path
+    fn base(&self) -> &ImageBase {
+        &self.base
     }
 
     fn map_read(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
-        out.push(Extent::Data { file: 0, offset, len });
-        Ok(())
+        map_one_to_one(offset, len, out)
     }
 
     fn map_write(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
-        self.map_read(offset, len, out)
+        map_one_to_one(offset, len, out)
     }
 
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()> {
-        seek_allocation(&self.files[0], offset, len, max, out)
-            .map_err(|e| Error::io(e, format!("cannot map {} at {offset}", self.path.display())))
+        seek_allocation(&self.base.files[0], offset, len, max, out)
+            .map_err(|e| Error::io(e, format!("cannot map {} at {offset}", self.base.path.display())))
     }
 }
 
@@ -223,6 +202,7 @@ pub(crate) fn direct_io_error(path: &Path, e: io::Error) -> Error {
 mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
+    use std::path::PathBuf;
 
     fn tmp(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("vdisk-image-test-{}", std::process::id()));

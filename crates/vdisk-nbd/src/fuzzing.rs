@@ -6,38 +6,28 @@
 //! a few invariants of the results are asserted on top of that.
 
 use std::io::{self, Read, Write};
-use std::path::Path;
 use std::sync::Arc;
 
 use vdisk_engine::{Device, EngineConfig, EngineKind, Op};
-use vdisk_image::{Allocation, Extent, Image};
+use vdisk_image::{Allocation, Extent, Image, ImageBase};
 
 use crate::handshake::{handshake, Negotiated};
 use crate::proto::*;
 use crate::reply::refusal;
 use crate::Export;
 
-/// An image that only has a size: the handshake asks nothing else of a device.
+/// An image that only has a size (and no files): the handshake asks nothing
+/// else of a device.
 struct SizeOnly {
-    size: u64,
-    read_only: bool,
+    base: ImageBase,
 }
 
 impl Image for SizeOnly {
     fn format(&self) -> &'static str {
         "fuzz"
     }
-    fn size(&self) -> u64 {
-        self.size
-    }
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-    fn files(&self) -> &[std::fs::File] {
-        &[]
-    }
-    fn file_path(&self, _file: usize) -> &Path {
-        Path::new("fuzz")
+    fn base(&self) -> &ImageBase {
+        &self.base
     }
     fn map_read(&self, _offset: u64, _len: u64, _out: &mut Vec<Extent>) -> vdisk_image::Result<()> {
         Err(vdisk_image::Error::invalid("the fuzzing image holds no data"))
@@ -56,7 +46,8 @@ pub fn exports(list: &[(&str, u64, bool)]) -> Vec<Export> {
     let config = EngineConfig { kind: EngineKind::Threads, workers: 1, ..EngineConfig::default() };
     list.iter()
         .map(|&(name, size, read_only)| {
-            let image: Arc<dyn Image> = Arc::new(SizeOnly { size, read_only });
+            let image: Arc<dyn Image> =
+                Arc::new(SizeOnly { base: ImageBase::new("fuzz".into(), size, read_only, Vec::new()) });
             let device = Device::start(name, image, &config).expect("start a fuzzing device");
             Export { name: name.to_owned(), description: format!("fuzz export {name}"), device: Arc::new(device) }
         })

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{create_image, json, run, vdisk, vdisk_bin, vdisk_bounded, Server, TempDir};
+use common::{create_image, image, json, run, serve_new_disk, vdisk, vdisk_bin, vdisk_bounded, Server, TempDir};
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -161,10 +161,7 @@ fn serve_refuses_bad_images() {
 
 #[test]
 fn sigint_stops_cleanly() {
-    let dir = TempDir::new("sigint");
-    let img = dir.path("disk.img");
-    create_image(&img, "16M");
-    let server = Server::start(&dir, &[img.to_str().unwrap()]);
+    let (_dir, _img, server) = serve_new_disk("sigint", "16M", &[]);
     run("nbdinfo", &[&server.uri("disk")]);
     let socket = server.socket.clone();
     let st = server.stop_with(libc::SIGINT);
@@ -174,10 +171,7 @@ fn sigint_stops_cleanly() {
 
 #[test]
 fn sigterm_with_a_client_connected() {
-    let dir = TempDir::new("sigterm-busy");
-    let img = dir.path("disk.img");
-    create_image(&img, "16M");
-    let server = Server::start(&dir, &[img.to_str().unwrap()]);
+    let (_dir, _img, server) = serve_new_disk("sigterm-busy", "16M", &[]);
     // A client that connects, finishes the handshake, says so and then idles.
     // nbdsh needs the system Python, which has the libnbd bindings.
     let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
@@ -200,16 +194,15 @@ fn sigterm_with_a_client_connected() {
 fn unix_socket_is_private_unless_asked() {
     use std::os::unix::fs::PermissionsExt;
     let dir = TempDir::new("socket-mode");
-    let img = dir.path("d.img");
-    create_image(&img, "1M");
+    let img = image(&dir, "d.img", "1M");
     let mode = |server: &Server| std::fs::metadata(&server.socket).unwrap().permissions().mode() & 0o777;
-    let server = Server::start(&dir, &[img.to_str().unwrap()]);
+    let server = Server::start(&dir, &[&img]);
     assert_eq!(mode(&server), 0o600, "the default socket is the owner's only");
     server.stop();
-    let server = Server::start(&dir, &[img.to_str().unwrap(), "--socket-mode", "0660"]);
+    let server = Server::start(&dir, &[&img, "--socket-mode", "0660"]);
     assert_eq!(mode(&server), 0o660);
     server.stop();
-    let args = ["serve", img.to_str().unwrap(), "--socket-mode", "999"];
+    let args = ["serve", &img, "--socket-mode", "999"];
     let line = assert_usage_error(&args, &vdisk(&args));
     assert!(line.contains("999"), "{line}");
 }
@@ -218,9 +211,8 @@ fn unix_socket_is_private_unless_asked() {
 fn max_connections_turns_extra_clients_away() {
     use std::os::unix::net::UnixStream;
     let dir = TempDir::new("max-conn");
-    let img = dir.path("d.img");
-    create_image(&img, "1M");
-    let server = Server::start(&dir, &[img.to_str().unwrap(), "--max-connections", "1"]);
+    let img = image(&dir, "d.img", "1M");
+    let server = Server::start(&dir, &[&img, "--max-connections", "1"]);
     let greeting = |s: &mut UnixStream| {
         let mut b = [0u8; 18];
         s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();

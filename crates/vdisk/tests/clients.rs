@@ -4,8 +4,8 @@
 mod common;
 
 use common::{
-    assert_same, create_image, free_port, json, nbdsh, output, qemu_io, read_file, run, text, xorshift, Server,
-    TempDir, ENGINES, KIB, MIB,
+    assert_same, chunked_data, free_port, image, json, nbdsh, output, qemu_io, read_file, run, serve_new_disk, text,
+    Server, TempDir, ENGINES, KIB, MIB,
 };
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -15,20 +15,14 @@ use std::process::{Command, Stdio};
 /// Deterministic test data: pseudo-random 64 KiB chunks, with every fifth
 /// chunk zero, some chunks one repeated byte, and the last MiB zero.
 fn test_data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut v = vec![0u8; len];
-    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
-        if i % 5 == 0 {
-            continue;
-        }
-        if i % 7 == 3 {
+    let mut v = chunked_data(len, seed, |i, chunk| match (i % 5, i % 7) {
+        (0, _) => true,
+        (_, 3) => {
             chunk.fill(i as u8 | 0x80);
-            continue;
+            true
         }
-        for b in chunk.iter_mut() {
-            *b = (xorshift(&mut x) >> 24) as u8;
-        }
-    }
+        _ => false,
+    });
     let tail = len.saturating_sub(MIB);
     v[tail..].fill(0);
     v
@@ -46,13 +40,6 @@ fn assert_filled(data: &[u8], start: usize, len: usize, byte: u8) {
     if let Some(i) = data[start..start + len].iter().position(|&b| b != byte) {
         panic!("offset {}: got {:#04x}, want {byte:#04x} for [{start}, +{len})", start + i, data[start + i]);
     }
-}
-
-/// A sparse image of `size` in `dir`, named `name` (export name: its stem).
-fn image(dir: &TempDir, name: &str, size: &str) -> String {
-    let p = dir.path(name);
-    create_image(&p, size);
-    p.to_str().unwrap().to_owned()
 }
 
 #[test]
@@ -83,9 +70,7 @@ fn qemu_img_convert_in_and_out() {
 #[test]
 fn qemu_io_write_read_zero_discard() {
     for engine in ENGINES {
-        let dir = TempDir::new(&format!("qemu-io-{engine}"));
-        let img = image(&dir, "disk.img", "16M");
-        let server = Server::start(&dir, &[&img, "--engine", engine]);
+        let (_dir, img, server) = serve_new_disk(&format!("qemu-io-{engine}"), "16M", &["--engine", engine]);
         let uri = server.uri("disk");
         qemu_io(
             &uri,
@@ -285,9 +270,7 @@ fn fio_verify(dir: &TempDir, uri: &str, offset: &str, size: &str) -> String {
 #[test]
 fn fio_randwrite_verify() {
     for engine in ENGINES {
-        let dir = TempDir::new(&format!("fio-{engine}"));
-        let img = image(&dir, "disk.img", "16M");
-        let server = Server::start(&dir, &[&img, "--engine", engine]);
+        let (dir, _img, server) = serve_new_disk(&format!("fio-{engine}"), "16M", &["--engine", engine]);
         fio_verify(&dir, &server.uri("disk"), "0", "16M");
         server.stop();
     }
@@ -366,11 +349,7 @@ fn two_exports_unix_and_tcp() {
 
 /// A pattern write/read (plus FUA and flush) on a server started with `extra`.
 fn pattern_roundtrip(tag: &str, extra: &[&str]) {
-    let dir = TempDir::new(tag);
-    let img = image(&dir, "disk.img", "16M");
-    let mut args = vec![img.as_str()];
-    args.extend_from_slice(extra);
-    let server = Server::start(&dir, &args);
+    let (dir, img, server) = serve_new_disk(tag, "16M", extra);
     let uri = server.uri("disk");
     qemu_io(
         &uri,
@@ -413,9 +392,7 @@ fn serve_unbatched_and_sqpoll() {
 
 #[test]
 fn nbdsh_flush_then_second_connection() {
-    let dir = TempDir::new("nbdsh");
-    let img = image(&dir, "disk.img", "16M");
-    let server = Server::start(&dir, &[&img]);
+    let (_dir, img, server) = serve_new_disk("nbdsh", "16M", &[]);
     let uri = server.uri("disk");
     let script = format!(
         r#"
@@ -459,9 +436,7 @@ print("ok")
 
 #[test]
 fn qemu_io_large_unaligned_requests() {
-    let dir = TempDir::new("large");
-    let img = image(&dir, "disk.img", "64M");
-    let server = Server::start(&dir, &[&img]);
+    let (_dir, img, server) = serve_new_disk("large", "64M", &[]);
     let uri = server.uri("disk");
     // 40 MiB at an odd offset: more than the 32 MiB maximum block size, so
     // qemu splits it at the limit the server advertised.
@@ -488,9 +463,7 @@ print("ok")
 
 #[test]
 fn sigterm_under_load_exits_cleanly() {
-    let dir = TempDir::new("load");
-    let img = image(&dir, "disk.img", "32M");
-    let server = Server::start(&dir, &[&img]);
+    let (dir, _img, server) = serve_new_disk("load", "32M", &[]);
     let uri = format!("--uri={}", server.uri("disk"));
     let mut fio = Command::new("fio")
         .args([

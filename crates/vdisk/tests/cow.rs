@@ -8,37 +8,11 @@
 mod common;
 
 use common::{
-    assert_same, nbdsh, qemu_io, read_file, run, s, text, vdisk, vdisk_bounded, xorshift, Server, TempDir, ENGINES,
-    KIB, MIB,
+    assert_same, base_data, make_base, nbdsh, qemu_io, read_export, read_file, run, s, text, vdisk, vdisk_bounded,
+    Server, TempDir, ENGINES, KIB, MIB,
 };
 use std::io::Read;
-use std::path::Path;
 use std::process::{Command, Stdio};
-
-/// Backing data: pseudo-random, with zero stretches (every fifth 64 KiB chunk).
-fn base_data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut v = vec![0u8; len];
-    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
-        if i % 5 == 2 {
-            continue;
-        }
-        for b in chunk.iter_mut() {
-            *b = (xorshift(&mut x) >> 24) as u8;
-        }
-    }
-    v
-}
-
-/// Reads a whole export into memory with nbdcopy.
-fn read_export(dir: &TempDir, uri: &str, name: &str) -> Vec<u8> {
-    let out = dir.path(name);
-    let _ = std::fs::remove_file(&out);
-    run("nbdcopy", &["--connections=4", uri, s(&out)]);
-    let data = read_file(&out);
-    std::fs::remove_file(&out).unwrap();
-    data
-}
 
 /// What a list of client operations does, applied to the model and turned
 /// into qemu-io commands.
@@ -97,13 +71,6 @@ fn client_ops() -> Vec<Op> {
         Op::Write(7 * MIB + 7, 3 * MIB, 0x77),
         Op::ZeroUnmap(8 * MIB + 1, 511),
     ]
-}
-
-/// Writes a base image and returns its data.
-fn make_base(path: &Path, len: usize, seed: u64) -> Vec<u8> {
-    let data = base_data(len, seed);
-    std::fs::write(path, &data).unwrap();
-    data
 }
 
 #[test]

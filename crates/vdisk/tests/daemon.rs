@@ -70,10 +70,13 @@ impl Daemon {
     }
 }
 
-fn image(dir: &TempDir, name: &str, size: &str) -> String {
-    let p = dir.path(name);
-    create_image(&p, size);
-    p.to_str().unwrap().to_owned()
+/// A daemon with no exports in a new directory, and a new image `NAME.img`
+/// of `size` beside it, not added yet: (dir, daemon, image).
+fn daemon_and_image(tag: &str, name: &str, size: &str) -> (TempDir, Daemon, String) {
+    let dir = TempDir::new(tag);
+    let d = Daemon::start(&dir, &[]);
+    let img = image(&dir, &format!("{name}.img"), size);
+    (dir, d, img)
 }
 
 /// One JSON-RPC exchange on an open control connection.
@@ -146,9 +149,7 @@ fn ctl_adds_lists_and_removes_exports() {
 
 #[test]
 fn hostile_control_input_changes_nothing() {
-    let dir = TempDir::new("daemon-hostile");
-    let d = Daemon::start(&dir, &[]);
-    let a = image(&dir, "a.img", "8M");
+    let (_dir, d, a) = daemon_and_image("daemon-hostile", "a", "8M");
     d.ok(&["add", &a]);
     let mut c = connect(&d.control);
     let code = |v: &Value| v["error"]["code"].as_i64().unwrap_or_else(|| panic!("not an error: {v}"));
@@ -196,9 +197,7 @@ fn hostile_control_input_changes_nothing() {
 
 #[test]
 fn stats_count_what_nbdcopy_wrote() {
-    let dir = TempDir::new("daemon-stats");
-    let d = Daemon::start(&dir, &[]);
-    let img = image(&dir, "s.img", "32M");
+    let (dir, d, img) = daemon_and_image("daemon-stats", "s", "32M");
     d.ok(&["add", &img]);
     // Data nbdcopy cannot skip: no zero block in it.
     let src = dir.path("src.img");
@@ -347,9 +346,7 @@ fn fio_randread_iops(dir: &Path, uri: &str, ramp: u32, runtime: u32) -> f64 {
 
 #[test]
 fn qos_limits_iops_live_and_only_its_own_export() {
-    let dir = TempDir::new("daemon-qos");
-    let d = Daemon::start(&dir, &[]);
-    let q = image(&dir, "q.img", "32M");
+    let (dir, d, q) = daemon_and_image("daemon-qos", "q", "32M");
     d.ok(&["add", &q, "--iops", "2000"]);
     assert_eq!(d.json(&["list"])[0]["qos"]["iops"], 2000);
     let other = image(&dir, "other.img", "32M");
@@ -412,14 +409,19 @@ fn mounted(path: &Path) -> bool {
     mounts.lines().any(|l| l.split(' ').nth(4) == Some(path.to_str().unwrap()))
 }
 
-#[test]
-fn remove_hard_unmounts_the_fuse_file_even_under_a_loop_device() {
+/// For a test that mounts FUSE (it needs root): [`daemon_and_image`] and the
+/// path `NAME.disk` for the image's FUSE file: (dir, daemon, image, file).
+fn fuse_daemon(tag: &str, name: &str, size: &str) -> (TempDir, Daemon, String, PathBuf) {
     // SAFETY: geteuid only returns a number.
     assert_eq!(unsafe { libc::geteuid() }, 0, "mounting FUSE needs root (CI runs as root)");
-    let dir = TempDir::new("daemon-fuse");
-    let d = Daemon::start(&dir, &[]);
-    let img = image(&dir, "f.img", "16M");
-    let file = dir.path("f.disk");
+    let (dir, d, img) = daemon_and_image(tag, name, size);
+    let file = dir.path(&format!("{name}.disk"));
+    (dir, d, img, file)
+}
+
+#[test]
+fn remove_hard_unmounts_the_fuse_file_even_under_a_loop_device() {
+    let (dir, d, img, file) = fuse_daemon("daemon-fuse", "f", "16M");
     d.ok(&["add", &img, "--fuse", file.to_str().unwrap()]);
     assert!(mounted(&file), "{} is a FUSE mount", file.display());
     assert_eq!(d.json(&["list"])[0]["transports"][1]["type"], "fuse");
@@ -445,12 +447,7 @@ fn remove_hard_unmounts_the_fuse_file_even_under_a_loop_device() {
 
 #[test]
 fn a_failed_add_leaves_nothing_started() {
-    // SAFETY: geteuid only returns a number.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "mounting FUSE needs root (CI runs as root)");
-    let dir = TempDir::new("daemon-failed-add");
-    let d = Daemon::start(&dir, &[]);
-    let img = image(&dir, "g.img", "8M");
-    let file = dir.path("g.disk");
+    let (dir, d, img, file) = fuse_daemon("daemon-failed-add", "g", "8M");
     let not_a_socket = dir.path("plain");
     std::fs::write(&not_a_socket, b"x").unwrap();
     // The FUSE file is mounted before the vhost-user socket fails: it must go again.
@@ -480,9 +477,7 @@ fn a_failed_add_leaves_nothing_started() {
 
 #[test]
 fn requests_waiting_for_qos_tokens_do_not_hold_up_remove_or_stop() {
-    let dir = TempDir::new("daemon-qos-stop");
-    let d = Daemon::start(&dir, &[]);
-    let img = image(&dir, "w.img", "8M");
+    let (_dir, d, img) = daemon_and_image("daemon-qos-stop", "w", "8M");
     for round in 0..2 {
         // One byte a second: a 64 KiB write would wait 18 hours for its tokens.
         d.ok(&["add", &img, "--write-bps", "1"]);
@@ -510,9 +505,7 @@ fn requests_waiting_for_qos_tokens_do_not_hold_up_remove_or_stop() {
 
 #[test]
 fn remove_hard_disconnects_the_vhost_user_frontend() {
-    let dir = TempDir::new("daemon-vhost");
-    let d = Daemon::start(&dir, &[]);
-    let img = image(&dir, "v.img", "8M");
+    let (dir, d, img) = daemon_and_image("daemon-vhost", "v", "8M");
     let sock = dir.path("v.vhost");
     d.ok(&["add", &img, "--vhost-user-blk", sock.to_str().unwrap(), "--num-queues", "1"]);
     assert_eq!(d.json(&["list"])[0]["transports"][1]["type"], "vhost-user-blk");

@@ -14,23 +14,9 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard};
 
-use common::{
-    assert_same, create_image, output, qemu_io, read_file, run, text, vdisk_bounded, xorshift, Server, TempDir, KIB,
-    MIB,
-};
-
-const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
-
-/// One mounting test at a time.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    // SAFETY: geteuid only returns a number.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "the FUSE tests mount file systems and need root (CI runs as root)");
-    assert!(Path::new("/dev/fuse").exists(), "/dev/fuse is missing: load the fuse module (modprobe fuse)");
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use common::fuse::{fuse_args, fuse_disk, on_transport, serial, UringSwitch};
+use common::{assert_same, output, qemu_io, read_file, run, text, vdisk_bounded, xorshift, Server, KIB, MIB};
 
 /// A loop device over a file, detached when dropped.
 struct Loop(String);
@@ -77,25 +63,6 @@ impl Drop for Mounted {
     }
 }
 
-/// Turns FUSE-over-io_uring on, and back to what it was when dropped.
-struct UringSwitch(String);
-
-impl UringSwitch {
-    fn set(value: &str) -> UringSwitch {
-        let old = std::fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| {
-            panic!("{ENABLE_URING}: {e}: this kernel has no FUSE-over-io_uring (needs 6.14+ with CONFIG_FUSE_IO_URING)")
-        });
-        std::fs::write(ENABLE_URING, value).unwrap_or_else(|e| panic!("cannot write {value} to {ENABLE_URING}: {e}"));
-        UringSwitch(old.trim().to_owned())
-    }
-}
-
-impl Drop for UringSwitch {
-    fn drop(&mut self) {
-        let _ = std::fs::write(ENABLE_URING, &self.0);
-    }
-}
-
 /// Deterministic bytes.
 fn noise(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -129,15 +96,8 @@ fn make_tree(root: &Path) -> Vec<PathBuf> {
 /// loop device, copies a tree in, checks it with fsck, mounts it again and
 /// compares every file.
 fn ext4_roundtrip(ring: bool) {
-    let dir = TempDir::new(if ring { "fuse-ring-ext4" } else { "fuse-ext4" });
-    let img = dir.path("disk.img");
-    create_image(&img, "256M");
-    let file = dir.path("disk");
-    let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
-    if ring {
-        args.push("--fuse-uring");
-    }
-    let server = Server::start(&dir, &args);
+    let (dir, img, file) = fuse_disk(if ring { "fuse-ring-ext4" } else { "fuse-ext4" }, "disk.img", "256M");
+    let server = Server::start(&dir, &fuse_args(&img, &file, ring));
     let banner = server.stdout.join("\n");
     let transport = if ring { "FUSE-over-io_uring" } else { "/dev/fuse" };
     assert!(banner.contains(transport), "banner does not name {transport}:\n{banner}");
@@ -172,17 +132,13 @@ fn ext4_roundtrip(ring: bool) {
 
 #[test]
 fn fuse_ext4_through_loop_device() {
-    let _s = serial();
-    ext4_roundtrip(false);
+    on_transport(false, ext4_roundtrip);
 }
 
 #[test]
 fn fuse_uring_ext4_through_loop_device() {
     let _s = serial();
-    let dir = TempDir::new("fuse-ring-off");
-    let img = dir.path("d.img");
-    create_image(&img, "16M");
-    let file = dir.path("disk");
+    let (_dir, img, file) = fuse_disk("fuse-ring-off", "d.img", "16M");
     {
         let _off = UringSwitch::set("N");
         let out = vdisk_bounded(&["serve", img.to_str().unwrap(), "--fuse", file.to_str().unwrap(), "--fuse-uring"]);
@@ -191,7 +147,7 @@ fn fuse_uring_ext4_through_loop_device() {
         assert!(err.contains("echo Y > /sys/module/fuse/parameters/enable_uring (as root)"), "unclear error: {err}");
         assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
     }
-    let _on = UringSwitch::set("Y");
+    let _on = UringSwitch::on();
     ext4_roundtrip(true);
 }
 
@@ -200,22 +156,13 @@ fn fuse_uring_ext4_through_loop_device() {
 /// itself; over /dev/fuse and over the ring.
 #[test]
 fn fuse_file_io_matches_the_image() {
-    let _s = serial();
-    file_io(false);
-    let _on = UringSwitch::set("Y");
-    file_io(true);
+    on_transport(false, file_io);
+    on_transport(true, file_io);
 }
 
 fn file_io(ring: bool) {
-    let dir = TempDir::new(if ring { "fuse-ring-io" } else { "fuse-io" });
-    let img = dir.path("d.img");
-    create_image(&img, "32M");
-    let file = dir.path("disk");
-    let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
-    if ring {
-        args.push("--fuse-uring");
-    }
-    let server = Server::start(&dir, &args);
+    let (dir, img, file) = fuse_disk(if ring { "fuse-ring-io" } else { "fuse-io" }, "d.img", "32M");
+    let server = Server::start(&dir, &fuse_args(&img, &file, ring));
     let f = OpenOptions::new().read(true).write(true).open(&file).unwrap();
     let pieces = [(1u64, 1usize), (4095, 2), (12_345, 70_001), (MIB as u64 - 7, 2 * MIB + 11), (31 * MIB as u64, MIB)];
     for (i, &(off, len)) in pieces.iter().enumerate() {
@@ -279,11 +226,8 @@ fn seek(f: &std::fs::File, off: u64, whence: i32) -> Result<i64, i32> {
 #[test]
 fn fuse_readonly_refuses_writes() {
     let _s = serial();
-    let dir = TempDir::new("fuse-ro");
-    let img = dir.path("d.img");
-    create_image(&img, "8M");
+    let (dir, img, file) = fuse_disk("fuse-ro", "d.img", "8M");
     std::fs::OpenOptions::new().write(true).open(&img).unwrap().write_all_at(b"hello", 4096).unwrap();
-    let file = dir.path("disk");
     let server = Server::start(&dir, &[img.to_str().unwrap(), "--fuse", file.to_str().unwrap(), "--readonly"]);
     let err = OpenOptions::new().write(true).open(&file).expect_err("opening a read-only export for writing");
     assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
@@ -299,11 +243,8 @@ fn fuse_readonly_refuses_writes() {
 #[test]
 fn fuse_and_nbd_share_one_device() {
     let _s = serial();
-    let dir = TempDir::new("fuse-nbd");
-    let img = dir.path("shared.img");
-    create_image(&img, "16M");
-    let file = dir.path("disk");
-    let server = Server::start(&dir, &[img.to_str().unwrap(), "--fuse", file.to_str().unwrap()]);
+    let (dir, img, file) = fuse_disk("fuse-nbd", "shared.img", "16M");
+    let server = Server::start(&dir, &fuse_args(&img, &file, false));
     let uri = server.uri("shared");
     qemu_io(&uri, &["write -P 0x5a 1000000 300000", "flush"]);
     let f = OpenOptions::new().read(true).write(true).open(&file).unwrap();
@@ -322,11 +263,8 @@ fn fuse_and_nbd_share_one_device() {
 #[test]
 fn fuse_stale_mount_is_cleared_at_start() {
     let _s = serial();
-    let dir = TempDir::new("fuse-stale");
-    let img = dir.path("d.img");
-    create_image(&img, "8M");
-    let file = dir.path("disk");
-    let args = [img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
+    let (dir, img, file) = fuse_disk("fuse-stale", "d.img", "8M");
+    let args = fuse_args(&img, &file, false);
     let first = Server::start(&dir, &args);
     let st = first.stop_with(libc::SIGKILL);
     assert!(!st.success());
@@ -355,11 +293,8 @@ fn fuse_stale_mount_is_cleared_at_start() {
 #[test]
 fn fuse_stop_with_loop_device_attached() {
     let _s = serial();
-    let dir = TempDir::new("fuse-busy");
-    let img = dir.path("d.img");
-    create_image(&img, "16M");
-    let file = dir.path("disk");
-    let server = Server::start(&dir, &[img.to_str().unwrap(), "--fuse", file.to_str().unwrap()]);
+    let (dir, img, file) = fuse_disk("fuse-busy", "d.img", "16M");
+    let server = Server::start(&dir, &fuse_args(&img, &file, false));
     let lo = Loop::attach(&file);
     let st = server.stop_with(libc::SIGTERM);
     assert!(st.success(), "vdisk exited with {st} when stopped with a loop device attached");

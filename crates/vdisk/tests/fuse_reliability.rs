@@ -17,38 +17,13 @@ use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 
+use common::fuse::{fuse_args, fuse_disk, on_transport};
 use common::{Server, TempDir, MIB};
 use vdisk_powercut::{Storage, Survival};
 
-const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
 const DISK: usize = 16 * MIB;
 const PIECE: usize = 64 << 10;
-
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    // SAFETY: geteuid only returns a number.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "these tests mount file systems and need root (CI runs as root)");
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Turns FUSE-over-io_uring on, and back to what it was when dropped.
-struct UringSwitch(String);
-
-impl UringSwitch {
-    fn on() -> UringSwitch {
-        let old = std::fs::read_to_string(ENABLE_URING).unwrap_or_else(|e| panic!("{ENABLE_URING}: {e}"));
-        std::fs::write(ENABLE_URING, "Y").unwrap_or_else(|e| panic!("cannot write Y to {ENABLE_URING}: {e}"));
-        UringSwitch(old.trim().to_owned())
-    }
-}
-
-impl Drop for UringSwitch {
-    fn drop(&mut self) {
-        let _ = std::fs::write(ENABLE_URING, &self.0);
-    }
-}
 
 fn pattern(round: u64, piece: u64) -> Vec<u8> {
     let mut x = (round << 32 ^ piece).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -174,10 +149,7 @@ fn sync_writes_survive(ring: bool) {
     for (round, way) in (0..WAYS.len()).chain(0..WAYS.len()).enumerate() {
         let round = round as u64;
         let extra = configs[round as usize % configs.len()];
-        let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
-        if ring {
-            args.push("--fuse-uring");
-        }
+        let mut args = fuse_args(&img, &file, ring);
         args.extend_from_slice(extra);
         let server = Server::start(&dir, &args);
         let offset = (way * MIB) as u64;
@@ -204,15 +176,12 @@ fn sync_writes_survive(ring: bool) {
 
 #[test]
 fn fuse_sync_writes_survive_a_power_cut() {
-    let _s = serial();
-    sync_writes_survive(false);
+    on_transport(false, sync_writes_survive);
 }
 
 #[test]
 fn fuse_uring_sync_writes_survive_a_power_cut() {
-    let _s = serial();
-    let _on = UringSwitch::on();
-    sync_writes_survive(true);
+    on_transport(true, sync_writes_survive);
 }
 
 /// Starts vdisk with a FUSE export, `stat`s the file from another thread
@@ -220,16 +189,11 @@ fn fuse_uring_sync_writes_survive_a_power_cut() {
 /// (so a stat lands while the transport comes up), stops it with SIGTERM,
 /// and again, `rounds` times. A stat that never returns fails the test.
 fn start_stop_loop(ring: bool, rounds: usize) {
-    let dir = TempDir::new(if ring { "fuse-loop-ring" } else { "fuse-loop" });
-    let img = dir.path("d.img");
-    common::create_image(&img, "16M");
-    let file = dir.path("disk");
+    let (dir, img, file) = fuse_disk(if ring { "fuse-loop-ring" } else { "fuse-loop" }, "d.img", "16M");
     let sock = dir.path("nbd.sock");
     for i in 0..rounds {
-        let mut args = vec!["serve", img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
-        if ring {
-            args.push("--fuse-uring");
-        }
+        let mut args = vec!["serve"];
+        args.extend(fuse_args(&img, &file, ring));
         args.extend_from_slice(&["--socket", sock.to_str().unwrap()]);
         let mut child = std::process::Command::new(common::vdisk_bin())
             .args(&args)
@@ -269,30 +233,20 @@ fn start_stop_loop(ring: bool, rounds: usize) {
 
 #[test]
 fn fuse_start_stat_stop_in_a_loop() {
-    let _s = serial();
-    start_stop_loop(false, 15);
+    on_transport(false, |ring| start_stop_loop(ring, 15));
 }
 
 #[test]
 fn fuse_uring_start_stat_stop_in_a_loop() {
-    let _s = serial();
-    let _on = UringSwitch::on();
-    start_stop_loop(true, 30);
+    on_transport(true, |ring| start_stop_loop(ring, 30));
 }
 
 /// Shared mmap of the FUSE file (FUSE_DIRECT_IO_ALLOW_MMAP): stores through
 /// the mapping reach the image with msync, and a write(2) through another
 /// descriptor shows in the mapping.
 fn shared_mmap(ring: bool) {
-    let dir = TempDir::new(if ring { "fuse-mmap-ring" } else { "fuse-mmap" });
-    let img = dir.path("d.img");
-    common::create_image(&img, "16M");
-    let file = dir.path("disk");
-    let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
-    if ring {
-        args.push("--fuse-uring");
-    }
-    let server = Server::start(&dir, &args);
+    let (dir, img, file) = fuse_disk(if ring { "fuse-mmap-ring" } else { "fuse-mmap" }, "d.img", "16M");
+    let server = Server::start(&dir, &fuse_args(&img, &file, ring));
     let f = OpenOptions::new().read(true).write(true).open(&file).unwrap();
     let len = MIB;
     // SAFETY: a fresh shared mapping of len bytes of an open file; unmapped below.
@@ -318,10 +272,8 @@ fn shared_mmap(ring: bool) {
 
 #[test]
 fn fuse_shared_mmap_is_coherent() {
-    let _s = serial();
-    shared_mmap(false);
-    let _on = UringSwitch::on();
-    shared_mmap(true);
+    on_transport(false, shared_mmap);
+    on_transport(true, shared_mmap);
 }
 
 /// Runs a command; its output if it succeeded, else the panic names it.
@@ -350,10 +302,7 @@ fn ext4_power_cut(ring: bool, rounds: u64) {
     let file = dir.path("disk");
     let mnt = dir.path("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
-    let mut args = vec![img.to_str().unwrap(), "--fuse", file.to_str().unwrap()];
-    if ring {
-        args.push("--fuse-uring");
-    }
+    let args = fuse_args(&img, &file, ring);
     let attach = || sh("losetup", &["--find", "--show", "--direct-io=on", file.to_str().unwrap()]).trim().to_owned();
     // Whatever happens, the mount, the loop devices on the file and the FUSE mount go at the end.
     struct Cleanup(PathBuf, PathBuf);
@@ -424,8 +373,6 @@ fn ext4_power_cut(ring: bool, rounds: u64) {
 
 #[test]
 fn fuse_ext4_keeps_fsynced_files_through_power_cuts() {
-    let _s = serial();
-    ext4_power_cut(false, 2);
-    let _on = UringSwitch::on();
-    ext4_power_cut(true, 1);
+    on_transport(false, |ring| ext4_power_cut(ring, 2));
+    on_transport(true, |ring| ext4_power_cut(ring, 1));
 }

@@ -10,38 +10,10 @@
 mod common;
 
 use common::{
-    assert_same, crash_rounds, json, nbdsh, output, qemu_io, read_file, run, s, text, vdisk, vdisk_bounded, Server,
-    TempDir, KIB, MIB,
+    assert_same, base_data, crash_rounds, json, make_base, nbdsh, output, qemu_io, read_export, read_file, run, s,
+    text, vdisk, vdisk_bounded, Server, TempDir, KIB, MIB,
 };
 use std::path::Path;
-
-/// Pseudo-random data with zero stretches (every fifth 64 KiB chunk).
-fn base_data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut v = vec![0u8; len];
-    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
-        if i % 5 == 2 {
-            continue;
-        }
-        for b in chunk.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = (x >> 24) as u8;
-        }
-    }
-    v
-}
-
-/// Reads a whole export with nbdcopy (4 connections).
-fn read_export(dir: &TempDir, uri: &str) -> Vec<u8> {
-    let out = dir.path("export.raw");
-    let _ = std::fs::remove_file(&out);
-    run("nbdcopy", &["--connections=4", uri, s(&out)]);
-    let data = read_file(&out);
-    std::fs::remove_file(&out).unwrap();
-    data
-}
 
 /// `qemu-img check`: no corruption and no leaks.
 fn check_clean(img: &Path) {
@@ -131,8 +103,7 @@ fn qemu_images_of_every_shape_written_through_vdisk_check_clean_and_match() {
         let mut create = vec!["create", "-q", "-f", "qcow2", "-o", shape.options];
         let base = dir.path("base.raw");
         if shape.backing {
-            model = base_data(SIZE, 0x9e37_79b9 + i as u64);
-            std::fs::write(&base, &model).unwrap();
+            model = make_base(&base, SIZE, 0x9e37_79b9 + i as u64);
             create.extend_from_slice(&["-b", s(&base), "-F", "raw"]);
         }
         let size = SIZE.to_string();
@@ -155,12 +126,12 @@ fn qemu_images_of_every_shape_written_through_vdisk_check_clean_and_match() {
         let server = Server::start(&dir, &args);
         assert!(server.stdout.iter().any(|l| l.contains("qcow2")), "{:?}", server.stdout);
         let uri = server.uri("top");
-        assert_same(&format!("{} as qemu left it", shape.name), &read_export(&dir, &uri), &model);
+        assert_same(&format!("{} as qemu left it", shape.name), &read_export(&dir, &uri, "export.raw"), &model);
         qemu_io(&uri, &client_ops(&mut model));
         nbdsh(&uri, "h.trim(1000, 5 * 1024 * 1024 + 7)\nh.zero(100, 7 * 1024 * 1024 + 300)\nh.flush()");
         model[5 * MIB + 7..5 * MIB + 1007].fill(0);
         model[7 * MIB + 300..7 * MIB + 400].fill(0);
-        assert_same(&format!("{} written through vdisk", shape.name), &read_export(&dir, &uri), &model);
+        assert_same(&format!("{} written through vdisk", shape.name), &read_export(&dir, &uri, "export.raw"), &model);
         server.stop();
         check_clean(&top);
         compare(&dir, &top, &model);
@@ -179,8 +150,7 @@ fn vdisk_created_images_read_the_same_in_qemu() {
         let mut model = vec![0u8; 12 * MIB];
         let mut args = vec!["create", "--format", "qcow2", "--cluster-size", cluster, s(&img)];
         if backing {
-            model = base_data(12 * MIB, 7);
-            std::fs::write(&base, &model).unwrap();
+            model = make_base(&base, 12 * MIB, 7);
             args.extend_from_slice(&["--backing", s(&base)]);
         } else {
             args.extend_from_slice(&["--size", "12M"]);
@@ -195,8 +165,7 @@ fn vdisk_created_images_read_the_same_in_qemu() {
         qemu_io(&uri, &client_ops(&mut model));
         // A whole-disk copy in 256 KiB requests over 4 connections.
         let src = dir.path("src.raw");
-        let data = base_data(4 * MIB, 99);
-        std::fs::write(&src, &data).unwrap();
+        let data = make_base(&src, 4 * MIB, 99);
         let dst = format!("nbd+unix:///disk?socket={}", server.socket.display());
         run("nbdcopy", &["--connections=4", "--destination-is-zero", s(&src), &dst]);
         model[..4 * MIB].copy_from_slice(&data);
@@ -229,10 +198,10 @@ fn compressed_images_zlib_and_zstd_read_and_rewrite() {
         run("qemu-img", &["convert", "-q", "-c", "-O", "qcow2", "-o", opts, s(&raw), s(&img)]);
         let server = Server::start(&dir, &[s(&img)]);
         let uri = server.uri(name);
-        assert_same(&format!("{name}: compressed clusters read"), &read_export(&dir, &uri), &model);
+        assert_same(&format!("{name}: compressed clusters read"), &read_export(&dir, &uri, "export.raw"), &model);
         let mut want = model.clone();
         qemu_io(&uri, &client_ops(&mut want));
-        assert_same(&format!("{name}: rewritten"), &read_export(&dir, &uri), &want);
+        assert_same(&format!("{name}: rewritten"), &read_export(&dir, &uri, "export.raw"), &want);
         server.stop();
         check_clean(&img);
         compare(&dir, &img, &want);
@@ -243,8 +212,7 @@ fn compressed_images_zlib_and_zstd_read_and_rewrite() {
 fn commit_of_a_qcow2_overlay_into_raw_and_into_a_new_image() {
     let dir = TempDir::new("qcow2-commit");
     let base = dir.path("base.raw");
-    let mut model = base_data(8 * MIB, 5);
-    std::fs::write(&base, &model).unwrap();
+    let mut model = make_base(&base, 8 * MIB, 5);
     let top = dir.path("top.qcow2");
     run(
         "qemu-img",
@@ -267,8 +235,7 @@ fn commit_of_a_qcow2_overlay_into_raw_and_into_a_new_image() {
 fn backing_chains_qcow2_over_qcow2_over_cow_and_raw() {
     let dir = TempDir::new("qcow2-chain");
     let raw = dir.path("base.raw");
-    let mut model = base_data(6 * MIB, 3);
-    std::fs::write(&raw, &model).unwrap();
+    let mut model = make_base(&raw, 6 * MIB, 3);
     // UML COW over raw, qcow2 (made by qemu-img, relative backing name) over it, vdisk's qcow2 on top.
     let cow = dir.path("mid.cow");
     let out = vdisk(&["create", "--backing", s(&raw), s(&cow)]);
@@ -285,11 +252,11 @@ fn backing_chains_qcow2_over_qcow2_over_cow_and_raw() {
     run("qemu-img", &["create", "-q", "-u", "-f", "qcow2", "-b", "mid.qcow2", "-F", "qcow2", s(&top), "6M"]);
     let server = Server::start(&dir, &[s(&top), "--engine", "threads"]);
     let uri = server.uri("top");
-    assert_same("the chain as built", &read_export(&dir, &uri), &model);
+    assert_same("the chain as built", &read_export(&dir, &uri, "export.raw"), &model);
     qemu_io(&uri, &["write -P 0x41 200k 64k", "write -P 0x42 5000 10", "flush"]);
     model[200 * KIB..264 * KIB].fill(0x41);
     model[5000..5010].fill(0x42);
-    assert_same("the chain after writes", &read_export(&dir, &uri), &model);
+    assert_same("the chain after writes", &read_export(&dir, &uri, "export.raw"), &model);
     // Block status: the written clusters are data, an untouched zero stretch of the base a hole.
     let map = run("nbdinfo", &["--map", &uri]);
     assert!(map.contains("data"), "{map}");

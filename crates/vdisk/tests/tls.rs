@@ -142,12 +142,19 @@ fn go_data(export: &str) -> Vec<u8> {
     d
 }
 
-#[test]
-fn require_serves_tls_clients_and_gives_plain_ones_nothing() {
-    let dir = TempDir::new("tls-require");
+/// A new test directory with the PKI `a` and a sparse `disk.img` of `size`
+/// in it: (dir, pki, image).
+fn pki_and_disk(tag: &str, size: &str) -> (TempDir, Pki, PathBuf) {
+    let dir = TempDir::new(tag);
     let pki = Pki::new(&dir, "a");
     let img = dir.path("disk.img");
-    create_image(&img, "16M");
+    create_image(&img, size);
+    (dir, pki, img)
+}
+
+#[test]
+fn require_serves_tls_clients_and_gives_plain_ones_nothing() {
+    let (dir, pki, img) = pki_and_disk("tls-require", "16M");
     let server = Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server)]);
     assert!(server.stdout.iter().any(|l| l.contains("TLS required")), "banner: {:#?}", server.stdout);
 
@@ -210,10 +217,7 @@ fn require_serves_tls_clients_and_gives_plain_ones_nothing() {
 
 #[test]
 fn on_serves_plain_and_tls_clients() {
-    let dir = TempDir::new("tls-on");
-    let pki = Pki::new(&dir, "a");
-    let img = dir.path("disk.img");
-    create_image(&img, "8M");
+    let (dir, pki, img) = pki_and_disk("tls-on", "8M");
     let server = Server::start(&dir, &[s(&img), "--tls=on", "--tls-certificates", s(&pki.server)]);
     qemu_io(&server.uri("disk"), &["write -P 0x11 0 64k"]);
     assert_io_ok(&qemu_io_tls(&server, "disk", &pki.client, &["read -P 0x11 0 64k", "write -P 0x22 1M 4k"]), "TLS");
@@ -227,11 +231,8 @@ fn on_serves_plain_and_tls_clients() {
 
 #[test]
 fn a_client_trusting_another_ca_is_refused() {
-    let dir = TempDir::new("tls-wrong-ca");
-    let pki = Pki::new(&dir, "a");
+    let (dir, pki, img) = pki_and_disk("tls-wrong-ca", "8M");
     let other = Pki::new(&dir, "b");
-    let img = dir.path("disk.img");
-    create_image(&img, "8M");
     let listen = format!("127.0.0.1:{}", free_port());
     let server =
         Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server), "--listen", &listen]);
@@ -251,11 +252,8 @@ fn a_client_trusting_another_ca_is_refused() {
 
 #[test]
 fn verify_peer_wants_a_client_certificate_from_the_ca() {
-    let dir = TempDir::new("tls-verify-peer");
-    let pki = Pki::new(&dir, "a");
+    let (dir, pki, img) = pki_and_disk("tls-verify-peer", "8M");
     let other = Pki::new(&dir, "b");
-    let img = dir.path("disk.img");
-    create_image(&img, "8M");
     let server =
         Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server), "--tls-verify-peer"]);
     assert_io_ok(&qemu_io_tls(&server, "disk", &pki.client, &["read 0 4k"]), "client with its certificate");
@@ -364,10 +362,7 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
 /// nbdcopy (4 connections) writes a file in and reads it back unchanged.
 #[test]
 fn nbdcopy_over_tls_round_trips_the_data() {
-    let dir = TempDir::new("tls-nbdcopy");
-    let pki = Pki::new(&dir, "a");
-    let img = dir.path("disk.img");
-    create_image(&img, "48M");
+    let (dir, pki, img) = pki_and_disk("tls-nbdcopy", "48M");
     let server = Server::start(&dir, &[s(&img), "--tls-certificates", s(&pki.server)]);
     let src = dir.path("src.bin");
     let data = pattern(48 * MIB, 0x9e37_79b9_7f4a_7c15);

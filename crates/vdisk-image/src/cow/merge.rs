@@ -90,9 +90,9 @@ impl CowImage {
                 let (mut pos, stop) = (s * self.sector, (end * self.sector).min(self.header.size));
                 while pos < stop {
                     let n = CHUNK.min(stop - pos) as usize;
-                    read_full(&self.files[0], &mut buf[..n], self.data_offset + pos)
-                        .map_err(|e| at(&self.overlay, e, &format!("cannot read offset {pos} of overlay")))?;
-                    self.files[1]
+                    read_full(&self.base.files[0], &mut buf[..n], self.data_offset + pos)
+                        .map_err(|e| at(&self.base.path, e, &format!("cannot read offset {pos} of overlay")))?;
+                    self.base.files[1]
                         .write_all_at(&buf[..n], pos)
                         .map_err(|e| at(&self.backing, e, &format!("cannot write offset {pos} of")))?;
                     pos += n as u64;
@@ -102,7 +102,7 @@ impl CowImage {
             }
             s = end;
         }
-        self.files[1].sync_all().map_err(|e| at(&self.backing, e, "cannot sync"))?;
+        self.base.files[1].sync_all().map_err(|e| at(&self.backing, e, "cannot sync"))?;
         Ok(done)
     }
 

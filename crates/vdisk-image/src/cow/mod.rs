@@ -21,7 +21,6 @@ mod open;
 #[cfg(test)]
 mod tests;
 
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,7 +28,7 @@ use std::sync::Mutex;
 
 use crate::raw::seek_allocation;
 use crate::rbd::{ConnectOptions, RbdImage};
-use crate::{Allocation, Error, Extent, Image, Result};
+use crate::{Allocation, Error, Extent, Image, ImageBase, Result};
 
 pub use bitmap::CowMap;
 pub use header::{has_magic, parse_header, Header, Layout, HEADER_LEN, MAGIC, MAX_HEADER_LEN};
@@ -57,15 +56,13 @@ pub struct OverlayOptions {
 }
 
 pub struct CowImage {
-    overlay: PathBuf,
+    /// The overlay's path; files [overlay, backing], or [overlay] when the
+    /// backing is an RBD snapshot.
+    base: ImageBase,
     backing: PathBuf,
     header: Header,
-    /// [overlay, backing], or [overlay] when the backing is an RBD snapshot.
-    files: Vec<File>,
     /// The backing when it is an RBD snapshot (file number 1 to the engine).
     rbd_backing: Option<RbdImage>,
-    direct: Vec<File>,
-    read_only: bool,
     /// The backing file is open for writing (a commit in place).
     backing_writable: bool,
     map: CowMap,
@@ -88,7 +85,7 @@ impl CowImage {
     }
 
     pub fn overlay_path(&self) -> &Path {
-        &self.overlay
+        &self.base.path
     }
 
     /// Sectors whose data is in the overlay.
@@ -114,9 +111,9 @@ impl CowImage {
         self.read_backing(&mut buf, start).map_err(|e| {
             Error::io(e, format!("copy-up read of sector {s} from backing file {}", self.backing.display()))
         })?;
-        self.files[0]
-            .write_all_at(&buf, self.data_offset + start)
-            .map_err(|e| Error::io(e, format!("copy-up write of sector {s} to overlay {}", self.overlay.display())))?;
+        self.base.files[0].write_all_at(&buf, self.data_offset + start).map_err(|e| {
+            Error::io(e, format!("copy-up write of sector {s} to overlay {}", self.base.path.display()))
+        })?;
         self.map.set(s, s + 1);
         Ok(())
     }
@@ -125,14 +122,14 @@ impl CowImage {
     fn read_backing(&self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         match &self.rbd_backing {
             Some(rbd) => rbd.read_at(buf, offset).map(|()| buf.len()),
-            None => read_full(&self.files[1], buf, offset),
+            None => read_full(&self.base.files[1], buf, offset),
         }
     }
 
     /// Reads from file number `file` (0: overlay, 1: backing).
     pub(crate) fn read_file(&self, file: usize, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
         if file == 0 {
-            read_full(&self.files[0], buf, offset)
+            read_full(&self.base.files[0], buf, offset)
         } else {
             self.read_backing(buf, offset)
         }
@@ -189,14 +186,14 @@ impl CowImage {
     fn write_bits_now(&self, first: u64, end: u64) {
         for b in first / 8 / bitmap::BLOCK..=(end - 1) / 8 / bitmap::BLOCK {
             let (at, bytes) = self.map.block_bytes(b);
-            let _ = self.files[0].write_all_at(&bytes, self.header.bitmap_offset() + at);
+            let _ = self.base.files[0].write_all_at(&bytes, self.header.bitmap_offset() + at);
         }
     }
 
     fn write_blocks(&self, copies: &[(u64, u64, Vec<u8>)]) -> Result<()> {
-        let overlay = &self.files[0];
+        let overlay = &self.base.files[0];
         let sync = |what: &str| {
-            overlay.sync_data().map_err(|e| Error::io(e, format!("{what} of overlay {}", self.overlay.display())))
+            overlay.sync_data().map_err(|e| Error::io(e, format!("{what} of overlay {}", self.base.path.display())))
         };
         if !crate::breakage::active(crate::breakage::Breakage::BitmapFirst) {
             sync("data sync")?;
@@ -211,7 +208,7 @@ impl CowImage {
             }
             let bytes: Vec<u8> = copies[i..j].iter().flat_map(|c| c.2.iter().copied()).collect();
             overlay.write_all_at(&bytes, base + copies[i].1).map_err(|e| {
-                Error::io(e, format!("bitmap write at {} of overlay {}", base + copies[i].1, self.overlay.display()))
+                Error::io(e, format!("bitmap write at {} of overlay {}", base + copies[i].1, self.base.path.display()))
             })?;
             i = j;
         }
@@ -224,20 +221,8 @@ impl Image for CowImage {
         "cow"
     }
 
-    fn size(&self) -> u64 {
-        self.header.size
-    }
-
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn files(&self) -> &[File] {
-        &self.files
-    }
-
-    fn direct_files(&self) -> &[File] {
-        &self.direct
+    fn base(&self) -> &ImageBase {
+        &self.base
     }
 
     fn rbd(&self, file: usize) -> Option<&RbdImage> {
@@ -250,7 +235,7 @@ impl Image for CowImage {
 
     fn file_path(&self, file: usize) -> &Path {
         if file == 0 {
-            &self.overlay
+            &self.base.path
         } else {
             &self.backing
         }
@@ -319,12 +304,12 @@ impl Image for CowImage {
             found.clear();
             let left = max - (out.len() - start_len);
             let r = if set {
-                seek_allocation(&self.files[0], self.data_offset + pos, stop - pos, left, &mut found)
+                seek_allocation(&self.base.files[0], self.data_offset + pos, stop - pos, left, &mut found)
             } else if let Some(rbd) = &self.rbd_backing {
                 rbd.allocation(pos, stop - pos, left, &mut found)?;
                 Ok(())
             } else {
-                seek_allocation(&self.files[1], pos, stop - pos, left, &mut found)
+                seek_allocation(&self.base.files[1], pos, stop - pos, left, &mut found)
             };
             r.map_err(|e| Error::io(e, format!("cannot map {} at {pos}", self.file_path(!set as usize).display())))?;
             for a in &found {

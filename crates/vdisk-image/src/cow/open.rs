@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use super::{parse_header, CowImage, CowMap, Header, OverlayOptions, MAX_HEADER_LEN};
 use crate::rbd::{is_rbd, RbdImage, Spec};
-use crate::{Advice, Error, ErrorKind, Image, Result};
+use crate::{Advice, Error, ErrorKind, Image, ImageBase, Result};
 
 pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
     Error::io(e, format!("{what} {}", path.display()))
@@ -128,16 +128,13 @@ impl CowImage {
         let (bfile, bmeta, backing, canonical) = open_backing(path, &meta, header.backing_path(), o)?;
         check_backing(path, &header, (&bfile, &bmeta), &backing, o.ignore_mtime)?;
         Ok(CowImage {
-            overlay: path.to_owned(),
+            base: ImageBase::new(path.to_owned(), header.size, read_only, vec![overlay, bfile]),
             // The file really opened, symlinks resolved: what `serve` prints and O_DIRECT reopens.
             backing: canonical,
             data_offset: header.data_offset(),
             sector: header.sector_size as u64,
             header,
-            files: vec![overlay, bfile],
             rbd_backing: None,
-            direct: Vec::new(),
-            read_only,
             backing_writable: o.backing_writable,
             map,
             copy_locks: std::array::from_fn(|_| Mutex::new(())),
@@ -184,15 +181,12 @@ impl CowImage {
         }
         log::info!("overlay {}: backing snapshot {spec}", path.display());
         Ok(CowImage {
-            overlay: path.to_owned(),
+            base: ImageBase::new(path.to_owned(), header.size, read_only, vec![overlay]),
             backing: PathBuf::from(spec.to_string()),
             data_offset: header.data_offset(),
             sector: header.sector_size as u64,
             header,
-            files: vec![overlay],
             rbd_backing: Some(rbd),
-            direct: Vec::new(),
-            read_only,
             backing_writable: false,
             map,
             copy_locks: std::array::from_fn(|_| Mutex::new(())),
@@ -256,12 +250,14 @@ impl CowImage {
         if self.rbd_backing.is_some() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("{} is an overlay over an RBD snapshot, which has no direct I/O", self.overlay.display()),
+                format!("{} is an overlay over an RBD snapshot, which has no direct I/O", self.base.path.display()),
             )
             .advise(Advice::NoDirectIo));
         }
-        self.direct =
-            vec![open(&self.overlay, &self.files[0], !self.read_only)?, open(&self.backing, &self.files[1], false)?];
+        self.base.direct = vec![
+            open(&self.base.path, &self.base.files[0], !self.base.read_only)?,
+            open(&self.backing, &self.base.files[1], false)?,
+        ];
         Ok(self)
     }
 }

@@ -1,12 +1,14 @@
 //! Overlays end to end at the image level: the tests play the engine's part
 //! (prepare_write → map_write → pwrite → write_done; map_read → pread).
 
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::*;
+use crate::testing::write;
 
 struct Dir(PathBuf);
 
@@ -45,19 +47,6 @@ fn setup(dir: &Dir, len: usize) -> (PathBuf, PathBuf, Vec<u8>) {
 
 fn open(overlay: &Path) -> CowImage {
     CowImage::open(overlay, false, None, false).unwrap()
-}
-
-fn write(img: &CowImage, offset: u64, data: &[u8]) {
-    img.prepare_write(offset, data.len() as u64).unwrap();
-    let mut ext = Vec::new();
-    img.map_write(offset, data.len() as u64, &mut ext).unwrap();
-    let mut at = 0;
-    for e in ext {
-        let Extent::Data { file, offset, len } = e else { panic!("{e:?}") };
-        img.files()[file].write_all_at(&data[at..at + len as usize], offset).unwrap();
-        at += len as usize;
-    }
-    img.write_done(offset, data.len() as u64, false).unwrap();
 }
 
 fn read(img: &CowImage, offset: u64, len: u64) -> Vec<u8> {
@@ -160,7 +149,7 @@ fn concurrent_partial_writes_to_one_sector_all_land() {
             let img = img.clone();
             std::thread::spawn(move || {
                 for s in 0..64u64 {
-                    write(&img, s * 512 + t * 32, &[t as u8 + 1; 32]);
+                    write(&*img, s * 512 + t * 32, &[t as u8 + 1; 32]);
                 }
             })
         })

@@ -30,7 +30,7 @@ impl Qcow2Image {
         for ext in extents {
             let n = ext.len() as usize;
             match ext {
-                Extent::Data { file, offset, .. } => self.files[file]
+                Extent::Data { file, offset, .. } => self.base.files[file]
                     .read_exact_at(&mut buf[k..k + n], offset)
                     .map_err(|e| at(self.file_path(file), e, &format!("cannot read offset {offset} of")))?,
                 Extent::Zero { .. } => buf[k..k + n].fill(0),
@@ -64,7 +64,7 @@ impl Qcow2Image {
         let (Some(path), Some("raw")) = (self.backing_path(), self.backing_format()) else {
             return Err(Error::invalid(format!(
                 "{} has no raw backing file to commit into; write the merged disk to a new image instead",
-                self.path.display()
+                self.base.path.display()
             )));
         };
         let file = OpenOptions::new().write(true).open(path).map_err(|e| at(path, e, "cannot open for writing"))?;

@@ -36,12 +36,11 @@ mod repair;
 mod tests;
 mod write;
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::{Allocation, Extent, Image, Result};
+use crate::{Allocation, Extent, Image, ImageBase, Result};
 
 pub use create::{CreateOptions, DEFAULT_CLUSTER_BITS};
 pub use header::{has_magic, parse_header, Header};
@@ -56,14 +55,12 @@ const STRIPES: usize = 64;
 pub const MAX_CHAIN: usize = 16;
 
 pub struct Qcow2Image {
-    path: PathBuf,
+    /// This image's path; files [this image, the backing image's files...,
+    /// inflated clusters], and their twins for direct I/O when asked for (see
+    /// `with_direct_io`).
+    base: ImageBase,
     header: Header,
-    /// [this image, the backing image's files..., inflated clusters]
-    files: Vec<File>,
-    /// The same files for direct I/O, when asked for (see `with_direct_io`).
-    direct: Vec<File>,
     inflated: compressed::Inflated,
-    read_only: bool,
     backing: Option<Box<dyn Image>>,
     /// The backing file opened (resolved) and its format, for messages and `info`.
     backing_path: Option<PathBuf>,
@@ -89,7 +86,7 @@ impl Qcow2Image {
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.base.path
     }
 
     /// The backing file opened, if any.
@@ -106,7 +103,7 @@ impl Qcow2Image {
     }
 
     fn entry(&self, cluster: u64) -> Result<l2::Entry> {
-        self.l2.entry(&self.files[0], &self.path, cluster)
+        self.l2.entry(&self.base.files[0], &self.base.path, cluster)
     }
 
     /// What the unit holding `pos` reads as, and where that unit ends.
@@ -158,9 +155,9 @@ impl Qcow2Image {
     /// in the last file.
     fn inflate(&self, pos: u64, at: u64, len: u64) -> Result<u64> {
         let cs = self.cs();
-        let cache = self.files.len() - 1;
-        let image = (&self.files[0], self.path.as_path(), self.file_len.load(Ordering::Acquire));
-        let slot = self.inflated.get(image, &self.files[cache], pos / cs, at, len)?;
+        let cache = self.base.files.len() - 1;
+        let image = (&self.base.files[0], self.base.path.as_path(), self.file_len.load(Ordering::Acquire));
+        let slot = self.inflated.get(image, &self.base.files[cache], pos / cs, at, len)?;
         Ok(slot + pos % cs)
     }
 }
@@ -203,26 +200,14 @@ impl Image for Qcow2Image {
         "qcow2"
     }
 
-    fn size(&self) -> u64 {
-        self.header.size
-    }
-
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn files(&self) -> &[File] {
-        &self.files
-    }
-
-    fn direct_files(&self) -> &[File] {
-        &self.direct
+    fn base(&self) -> &ImageBase {
+        &self.base
     }
 
     fn file_path(&self, file: usize) -> &Path {
         match (&self.backing, file) {
-            (Some(b), f) if f > 0 && f < self.files.len() - 1 => b.file_path(f - 1),
-            _ => &self.path,
+            (Some(b), f) if f > 0 && f < self.base.files.len() - 1 => b.file_path(f - 1),
+            _ => &self.base.path,
         }
     }
 
@@ -247,7 +232,7 @@ impl Image for Qcow2Image {
                 Unit::Zero => push(out, Extent::Zero { len: stop - pos }),
                 Unit::Compressed { at, len } => {
                     let slot = self.inflate(pos, at, len)?;
-                    push(out, Extent::Data { file: self.files.len() - 1, offset: slot, len: stop - pos });
+                    push(out, Extent::Data { file: self.base.files.len() - 1, offset: slot, len: stop - pos });
                 }
                 Unit::Backing => unreachable!("handled above"),
             }

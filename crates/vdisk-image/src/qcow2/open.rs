@@ -27,7 +27,7 @@ use super::header::{self, Header, INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
 use super::l2::{L2Cache, L2_CACHE_CAP, OFFSET_MASK};
 use super::refcount::Refcounts;
 use super::{Qcow2Image, MAX_CHAIN};
-use crate::{cow, Advice, CowImage, Error, ErrorKind, Image, RawImage, Result};
+use crate::{cow, Advice, CowImage, Error, ErrorKind, Image, ImageBase, RawImage, Result};
 
 /// How to open a qcow2 image.
 #[derive(Debug, Clone, Default)]
@@ -135,14 +135,11 @@ impl Qcow2Image {
         let h_bits = h.cluster_bits;
         let l2_cache = o.l2_cache.unwrap_or((h.l1_size as u64 * cs).min(L2_CACHE_CAP));
         let mut image = Qcow2Image {
-            path: path.to_owned(),
+            base: ImageBase::new(path.to_owned(), h.size, o.read_only, files),
             l2: L2Cache::new(&h, l1, file_len, metadata, l2_cache),
             refs: Mutex::new(refs),
             header: h,
-            files,
-            direct: Vec::new(),
             inflated: Inflated::new(h_bits, zstd),
-            read_only: o.read_only,
             backing,
             backing_path,
             backing_format,
@@ -163,19 +160,19 @@ impl Qcow2Image {
     /// /proc/self/fd (the very files already open and checked). The in-memory
     /// file of inflated clusters has no O_DIRECT; its twin is a plain dup.
     pub fn with_direct_io(mut self) -> Result<Self> {
-        let last = self.files.len() - 1;
-        let mut direct = Vec::with_capacity(self.files.len());
-        for (i, f) in self.files.iter().enumerate() {
+        let last = self.base.files.len() - 1;
+        let mut direct = Vec::with_capacity(self.base.files.len());
+        for (i, f) in self.base.files.iter().enumerate() {
             let flags = if i == last { libc::O_CLOEXEC } else { libc::O_CLOEXEC | libc::O_DIRECT };
             let twin = OpenOptions::new()
                 .read(true)
-                .write(i == 0 && !self.read_only)
+                .write(i == 0 && !self.base.read_only)
                 .custom_flags(flags)
                 .open(format!("/proc/self/fd/{}", std::os::unix::io::AsRawFd::as_raw_fd(f)))
                 .map_err(|e| crate::raw::direct_io_error(crate::Image::file_path(&self, i), e))?;
             direct.push(twin);
         }
-        self.direct = direct;
+        self.base.direct = direct;
         Ok(self)
     }
 }
@@ -188,8 +185,8 @@ impl Qcow2Image {
         if self.header.incompatible & INCOMPAT_DIRTY == 0 {
             return Ok(());
         }
-        let p = self.path.display().to_string();
-        if self.read_only {
+        let p = self.base.path.display().to_string();
+        if self.base.read_only {
             log::warn!("{p} was not closed cleanly (lazy refcounts): served read-only as it is");
             return Ok(());
         }

@@ -50,18 +50,18 @@ impl Qcow2Image {
             let mut clusters: Vec<_> = refs.into_iter().collect();
             clusters.sort_unstable();
             for (at, n) in clusters {
-                if counts.get(&self.files[0], &self.path, at)? < n.min(max) {
-                    counts.set_one(&self.files[0], &self.path, at, n.min(max))?;
+                if counts.get(&self.base.files[0], &self.base.path, at)? < n.min(max) {
+                    counts.set_one(&self.base.files[0], &self.base.path, at, n.min(max))?;
                     raised += 1;
                 }
             }
         }
         self.sync_round()?;
         let incompatible = self.header.incompatible & !INCOMPAT_DIRTY;
-        self.files[0]
+        self.base.files[0]
             .write_all_at(&incompatible.to_be_bytes(), INCOMPATIBLE_AT)
-            .and_then(|_| self.files[0].sync_data())
-            .map_err(|e| Error::io(e, format!("cannot clear the dirty bit of {}", self.path.display())))?;
+            .and_then(|_| self.base.files[0].sync_data())
+            .map_err(|e| Error::io(e, format!("cannot clear the dirty bit of {}", self.base.path.display())))?;
         self.header.incompatible = incompatible;
         Ok(raised)
     }

@@ -2,6 +2,7 @@
 
 use super::create::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use super::*;
+use crate::testing::{finish, start, write};
 use std::os::unix::fs::FileExt;
 
 fn tmp(name: &str) -> PathBuf {
@@ -11,18 +12,12 @@ fn tmp(name: &str) -> PathBuf {
     dir.join("img.qcow2")
 }
 
-/// Writes through the image the way the engine does.
-fn write(img: &Qcow2Image, offset: u64, data: &[u8]) {
-    img.prepare_write(offset, data.len() as u64).unwrap();
-    let mut ext = Vec::new();
-    img.map_write(offset, data.len() as u64, &mut ext).unwrap();
-    let mut at = 0;
-    for e in ext {
-        let Extent::Data { file, offset, len } = e else { panic!("a write mapped to zeros") };
-        img.files()[file].write_all_at(&data[at..at + len as usize], offset).unwrap();
-        at += len as usize;
-    }
-    img.write_done(offset, data.len() as u64, false).unwrap();
+/// A new image of `size` bytes with clusters of `2^cluster_bits` bytes, no
+/// backing file, in a fresh directory of its own.
+fn created(name: &str, size: u64, cluster_bits: u32) -> PathBuf {
+    let p = tmp(name);
+    Qcow2Image::create(&p, &CreateOptions { size, cluster_bits, backing: None }).unwrap();
+    p
 }
 
 fn read(img: &Qcow2Image, offset: u64, len: u64) -> Vec<u8> {
@@ -46,8 +41,7 @@ fn read(img: &Qcow2Image, offset: u64, len: u64) -> Vec<u8> {
 #[test]
 fn create_write_reopen_read() {
     for bits in [9, 12, DEFAULT_CLUSTER_BITS, 21] {
-        let p = tmp(&format!("rw{bits}"));
-        Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: bits, backing: None }).unwrap();
+        let p = created(&format!("rw{bits}"), 8 << 20, bits);
         {
             let img = Qcow2Image::open(&p, false).unwrap();
             assert_eq!(read(&img, 0, 4096), vec![0u8; 4096]);
@@ -66,16 +60,7 @@ fn create_write_reopen_read() {
 
 #[test]
 fn overlay_copies_on_write_from_backing() {
-    let base = tmp("base");
-    Qcow2Image::create(&base, &CreateOptions { size: 1 << 20, cluster_bits: 12, backing: None }).unwrap();
-    {
-        let img = Qcow2Image::open(&base, false).unwrap();
-        write(&img, 0, &[1u8; 1 << 20]);
-        img.sync_metadata().unwrap();
-    }
-    let top = base.with_file_name("top.qcow2");
-    let o = CreateOptions { size: 1 << 20, cluster_bits: 16, backing: Some((Path::new("img.qcow2"), "qcow2")) };
-    Qcow2Image::create(&top, &o).unwrap();
+    let top = overlay_over_ones("base");
     let img = Qcow2Image::open(&top, false).unwrap();
     assert_eq!(read(&img, 4096, 10), vec![1u8; 10]);
     write(&img, 100, &[2u8; 10]);
@@ -90,8 +75,7 @@ fn overlay_copies_on_write_from_backing() {
 #[test]
 fn a_small_l2_cache_evicts_clean_tables_and_loses_nothing() {
     // 512-byte clusters: one L2 table per 32 KiB of disk, 256 of them; room for 4.
-    let p = tmp("evict");
-    Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let p = created("evict", 8 << 20, 9);
     let o = Qcow2Options { l2_cache: Some(4 * 512), ..Default::default() };
     let pattern = |k: u64| vec![(k % 251) as u8 + 1; 700];
     {
@@ -114,30 +98,9 @@ fn a_small_l2_cache_evicts_clean_tables_and_loses_nothing() {
     assert_eq!(read(&img, 40_000 * 200 + 13, 700), vec![0u8; 700]);
 }
 
-/// Prepares and maps a write the way the engine does, without writing its
-/// data yet: what is in flight between `plan` and the completion.
-fn start(img: &Qcow2Image, offset: u64, len: u64) -> Vec<Extent> {
-    img.prepare_write(offset, len).unwrap();
-    let mut ext = Vec::new();
-    img.map_write(offset, len, &mut ext).unwrap();
-    ext
-}
-
-/// Lands the data of a write [`start`]ed earlier and reports it done.
-fn finish(img: &Qcow2Image, offset: u64, ext: &[Extent], data: &[u8]) {
-    let mut at = 0;
-    for e in ext {
-        let Extent::Data { file, offset, len } = *e else { panic!("a write mapped to zeros") };
-        img.files()[file].write_all_at(&data[at..at + len as usize], offset).unwrap();
-        at += len as usize;
-    }
-    img.write_done(offset, data.len() as u64, false).unwrap();
-}
-
 /// An overlay (64 KiB clusters) over a 1 MiB base of 1s.
 fn overlay_over_ones(name: &str) -> PathBuf {
-    let base = tmp(name);
-    Qcow2Image::create(&base, &CreateOptions { size: 1 << 20, cluster_bits: 12, backing: None }).unwrap();
+    let base = created(name, 1 << 20, 12);
     {
         let img = Qcow2Image::open(&base, false).unwrap();
         write(&img, 0, &[1u8; 1 << 20]);
@@ -147,6 +110,16 @@ fn overlay_over_ones(name: &str) -> PathBuf {
     let o = CreateOptions { size: 1 << 20, cluster_bits: 16, backing: Some((Path::new("img.qcow2"), "qcow2")) };
     Qcow2Image::create(&top, &o).unwrap();
     top
+}
+
+/// Starts A, a write of the whole 64 KiB cluster at `at`, then starts and
+/// lands B, 10 bytes of `b` at `at + 100`, inside it; returns A's extents,
+/// A still in flight.
+fn a_in_flight_b_landed(img: &Qcow2Image, at: u64, b: u8) -> Vec<Extent> {
+    let a = start(img, at, 65536);
+    let b_ext = start(img, at + 100, 10);
+    finish(img, at + 100, &b_ext, &[b; 10]);
+    a
 }
 
 #[test]
@@ -159,9 +132,7 @@ fn overlapping_writes_into_a_new_cluster_never_expose_unwritten_bytes_after_a_cr
     let top = overlay_over_ones("overlap");
     {
         let img = Qcow2Image::open(&top, false).unwrap();
-        let a = start(&img, 0, 65536);
-        let b = start(&img, 100, 10);
-        finish(&img, 100, &b, &[2u8; 10]);
+        let a = a_in_flight_b_landed(&img, 0, 2);
         img.sync_metadata().unwrap(); // the FLUSH after B: B is durable
         let got = read(&img, 0, 65536);
         assert!(got[..100].iter().all(|&v| v == 1), "before the crash, A's range outside B reads {:?}", &got[..8]);
@@ -179,16 +150,12 @@ fn overlapping_writes_land_both_and_a_failed_whole_write_leaves_old_data() {
     let top = overlay_over_ones("overlap2");
     let img = Qcow2Image::open(&top, false).unwrap();
     // Both land, B first: A's data everywhere but where B's may be.
-    let a = start(&img, 0, 65536);
-    let b = start(&img, 100, 10);
-    finish(&img, 100, &b, &[2u8; 10]);
+    let a = a_in_flight_b_landed(&img, 0, 2);
     finish(&img, 0, &a, &[3u8; 65536]);
     let got = read(&img, 0, 65536);
     assert!(got.iter().enumerate().all(|(i, &v)| v == 3 || ((100..110).contains(&i) && v == 2)));
     // A fails after B was published: A's range reads as before (or B).
-    let a = start(&img, 65536, 65536);
-    let b = start(&img, 65536 + 100, 10);
-    finish(&img, 65536 + 100, &b, &[4u8; 10]);
+    let a = a_in_flight_b_landed(&img, 65536, 4);
     drop(a);
     img.write_failed(65536, 65536);
     let got = read(&img, 65536, 65536);
@@ -207,8 +174,7 @@ fn qemu_img_check(p: &Path) -> Option<(i32, String)> {
 fn a_refcount_table_grown_twice_between_flushes_leaks_nothing() {
     // 512-byte clusters: one refcount table cluster counts 8 MiB of file; 30
     // MiB written without a flush moves the table twice before any round.
-    let p = tmp("grow2");
-    Qcow2Image::create(&p, &CreateOptions { size: 64 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let p = created("grow2", 64 << 20, 9);
     let first = Qcow2Image::open(&p, true).unwrap().header().refcount_table_offset;
     {
         let img = Qcow2Image::open(&p, false).unwrap();
@@ -239,8 +205,7 @@ fn a_new_refcount_block_is_durable_before_the_table_entry_naming_it() {
     use super::write::trace::{self, Step};
     // 512-byte clusters, 16-bit refcounts: a block counts 128 KiB of file;
     // 200 KiB of data needs a second one, named by the table in place.
-    let p = tmp("newblock");
-    Qcow2Image::create(&p, &CreateOptions { size: 8 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let p = created("newblock", 8 << 20, 9);
     let img = Qcow2Image::open(&p, false).unwrap();
     let (table_at, blocks_before) = {
         let refs = img.refs.lock().unwrap();
@@ -327,9 +292,8 @@ fn a_write_covering_a_new_cluster_copies_nothing_and_wins_over_a_stale_claim() {
 /// published while another write published the claim between the looks.
 #[test]
 fn writes_racing_metadata_rounds_keep_the_header_and_every_write() {
-    let p = tmp("race");
     // 512-byte clusters: an L2 table covers 32 KiB, so new tables are frequent.
-    Qcow2Image::create(&p, &CreateOptions { size: 128 << 20, cluster_bits: 9, backing: None }).unwrap();
+    let p = created("race", 128 << 20, 9);
     let img = Qcow2Image::open(&p, false).unwrap();
     let header = std::fs::read(&p).unwrap()[..72].to_vec();
     let stop = std::sync::atomic::AtomicBool::new(false);

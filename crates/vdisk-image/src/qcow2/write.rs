@@ -102,7 +102,7 @@ impl Qcow2Image {
     }
 
     fn io_err(&self, e: std::io::Error, what: &str, at: u64) -> Error {
-        Error::io(e, format!("{what} at {at:#x} of {}", self.path.display()))
+        Error::io(e, format!("{what} at {at:#x} of {}", self.base.path.display()))
     }
 
     /// The units (subclusters with extended L2, else the cluster) of guest
@@ -190,7 +190,7 @@ impl Qcow2Image {
         if let Some(cl) = stripe.shared.get(&c) {
             return Ok(cl.host);
         }
-        Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.path.display())))
+        Err(Error::new(ErrorKind::Io, format!("{}: a write to cluster {c} was not prepared", self.base.path.display())))
     }
 
     /// Claims the units `units` of guest cluster `c` for a write touching
@@ -240,7 +240,7 @@ impl Qcow2Image {
     /// A new host cluster for guest cluster `c`, with an L2 table for it.
     fn allocate_for(&self, c: u64) -> Result<u64> {
         let i = (c / self.header.l2_entries()) as usize;
-        let file = &self.files[0];
+        let file = &self.base.files[0];
         let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
         let l1 = self.l2.l1_entry(i);
         if self.l2.has_table(i) && l1 & COPIED == 0 {
@@ -248,15 +248,15 @@ impl Qcow2Image {
                 ErrorKind::Unsupported,
                 format!(
                     "{}: L2 table {i} is shared with a snapshot; vdisk does not write such images",
-                    self.path.display()
+                    self.base.path.display()
                 ),
             ));
         }
         if !self.l2.has_table(i) {
-            let t = refs.allocate(file, &self.path, 1)?;
+            let t = refs.allocate(file, &self.base.path, 1)?;
             self.l2.install(i, t);
         }
-        let host = refs.allocate(file, &self.path, 1)?;
+        let host = refs.allocate(file, &self.base.path, 1)?;
         self.cover(refs.next_free())?;
         Ok(host)
     }
@@ -272,7 +272,7 @@ impl Qcow2Image {
         }
         let cs = self.cs();
         let len = end + (1u64 << 20).max(cs).div_ceil(cs) * cs - cs;
-        self.files[0].set_len(len).map_err(|e| self.io_err(e, "cannot extend the image", len))?;
+        self.base.files[0].set_len(len).map_err(|e| self.io_err(e, "cannot extend the image", len))?;
         self.file_len.store(len, Ordering::Release);
         self.l2.grown(len);
         Ok(())
@@ -319,12 +319,12 @@ impl Qcow2Image {
                 Extent::Data { file, offset, .. } => {
                     // In the kernel where it can (no copy through user memory; a
                     // reflink on file systems that share extents), else read+write.
-                    if copy_range(&self.files[file], offset, &self.files[0], dest, n).is_ok() {
+                    if copy_range(&self.base.files[file], offset, &self.base.files[0], dest, n).is_ok() {
                         dest += n;
                         continue;
                     }
                     let mut buf = vec![0u8; n as usize];
-                    self.files[file].read_exact_at(&mut buf, offset).map_err(|e| {
+                    self.base.files[file].read_exact_at(&mut buf, offset).map_err(|e| {
                         Error::io(e, format!("copy-on-write read at {offset:#x} of {}", self.file_path(file).display()))
                     })?;
                     self.write_at(&buf, dest)?;
@@ -336,7 +336,7 @@ impl Qcow2Image {
     }
 
     fn write_at(&self, buf: &[u8], at: u64) -> Result<()> {
-        self.files[0].write_all_at(buf, at).map_err(|e| self.io_err(e, "copy-on-write write", at))
+        self.base.files[0].write_all_at(buf, at).map_err(|e| self.io_err(e, "copy-on-write write", at))
     }
 
     /// Points the L2 entries of the clusters claimed for a finished write at
@@ -353,7 +353,7 @@ impl Qcow2Image {
                 // write's): it replaces whatever the entry names now.
                 let old = self.entry(c)?;
                 let bitmap = if self.header.extended_l2() { (1u64 << self.l2.units()) - 1 } else { 0 };
-                self.l2.set(&self.files[0], &self.path, c, Entry { desc: host | COPIED, bitmap })?;
+                self.l2.set(&self.base.files[0], &self.base.path, c, Entry { desc: host | COPIED, bitmap })?;
                 self.release(old, host);
                 continue;
             }
@@ -381,7 +381,7 @@ impl Qcow2Image {
                 } else {
                     0
                 };
-                self.l2.set(&self.files[0], &self.path, c, Entry { desc: cl.host | COPIED, bitmap })?;
+                self.l2.set(&self.base.files[0], &self.base.path, c, Entry { desc: cl.host | COPIED, bitmap })?;
                 self.release(old, cl.host);
             }
         }
@@ -432,7 +432,7 @@ impl Qcow2Image {
         }
         let host = keep.unwrap_or(0);
         if host != 0 && give_back {
-            punch(&self.files[0], host, self.cs())
+            punch(&self.base.files[0], host, self.cs())
                 .map_err(|e| self.io_err(e, "cannot punch the zeroed cluster", host))?;
         }
         stripe.shared.remove(&c);
@@ -441,7 +441,7 @@ impl Qcow2Image {
         } else {
             Entry { desc: if host != 0 { host | COPIED | ZERO } else { ZERO }, bitmap: 0 }
         };
-        self.l2.set(&self.files[0], &self.path, c, next)?;
+        self.l2.set(&self.base.files[0], &self.base.path, c, next)?;
         self.release(e, host);
         Ok(())
     }
@@ -460,7 +460,7 @@ impl Qcow2Image {
         let i = (c / self.header.l2_entries()) as usize;
         let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
         if !self.l2.has_table(i) {
-            let t = refs.allocate(&self.files[0], &self.path, 1)?;
+            let t = refs.allocate(&self.base.files[0], &self.base.path, 1)?;
             self.cover(refs.next_free())?;
             self.l2.install(i, t);
         }
@@ -477,7 +477,7 @@ impl Qcow2Image {
     /// A metadata round; without `last_sync` (only a test build that breaks
     /// durability on purpose asks for that) it ends without its last fdatasync.
     fn round(&self, last_sync: bool) -> Result<bool> {
-        if self.read_only {
+        if self.base.read_only {
             return Ok(false);
         }
         let need = self.rounds_started.load(Ordering::SeqCst) + 1;
@@ -512,7 +512,7 @@ impl Qcow2Image {
         if !released.is_empty() {
             let mut refs = self.refs.lock().unwrap_or_else(|e| e.into_inner());
             for at in released {
-                refs.release(&self.files[0], &self.path, at)?;
+                refs.release(&self.base.files[0], &self.base.path, at)?;
             }
         }
         if let Some(now) = moved {
@@ -525,7 +525,7 @@ impl Qcow2Image {
             refs.header_pending = None;
             let (old, n) = std::mem::replace(&mut refs.on_disk, now);
             for k in 0..n as u64 {
-                refs.release(&self.files[0], &self.path, old + k * self.cs())?;
+                refs.release(&self.base.files[0], &self.base.path, old + k * self.cs())?;
             }
             dropped = true;
         }
@@ -548,7 +548,7 @@ impl Qcow2Image {
         if l1.is_none() && tables.is_empty() && blocks.is_empty() && table.is_none() {
             return Ok(());
         }
-        let file = &self.files[0];
+        let file = &self.base.files[0];
         let sync = |what: &str| {
             #[cfg(test)]
             trace::note(trace::Step::Sync);

@@ -20,7 +20,6 @@ pub mod ffi;
 mod spec;
 
 use std::ffi::{c_int, c_void, CString};
-use std::fs::File;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -28,7 +27,7 @@ use std::time::Duration;
 
 pub use spec::{ConnectOptions, Spec};
 
-use crate::{Advice, Allocation, Error, ErrorKind, Extent, Image, Result};
+use crate::{map_one_to_one, Advice, Allocation, Error, ErrorKind, Extent, Image, ImageBase, Result};
 use ffi::{lib, CompletionT, ImageT, IoctxT, Lib, RadosT};
 
 /// How long opening an image (connect, pool, image) may take before it is
@@ -202,13 +201,12 @@ pub struct RbdInfo {
 /// image are thread-safe).
 pub struct RbdImage {
     spec: Spec,
-    /// `rbd:pool/image[@snap]`, for messages and [`Image::file_path`].
-    path: PathBuf,
+    /// Path `rbd:pool/image[@snap]`, for messages and [`Image::file_path`]; no
+    /// files (the engine reaches the image through [`Image::rbd`]).
+    base: ImageBase,
     conn: Conn,
     /// The open image; null once [`RbdImage::close`]d.
     image: AtomicPtr<c_void>,
-    size: u64,
-    read_only: bool,
     features: u64,
 }
 
@@ -264,16 +262,14 @@ impl RbdImage {
         }
         // From here on a failure closes the image (drop).
         let mut img = RbdImage {
-            path: PathBuf::from(spec.to_string()),
+            base: ImageBase::new(PathBuf::from(spec.to_string()), 0, read_only, Vec::new()),
             spec,
             conn,
             image: AtomicPtr::new(image),
-            size: 0,
-            read_only,
             features: 0,
         };
         // SAFETY: an open image and a valid out-pointer.
-        let rc = unsafe { (lib.rbd_get_size)(image, &mut img.size) };
+        let rc = unsafe { (lib.rbd_get_size)(image, &mut img.base.size) };
         if rc < 0 {
             return Err(Error::io(os_err(rc.into()), format!("cannot read the size of {}", img.spec)));
         }
@@ -344,7 +340,7 @@ impl RbdImage {
         let st = unsafe { st.assume_init() };
         let allocated = if self.features & FEATURE_FAST_DIFF != 0 {
             let mut runs = Vec::new();
-            self.diff(0, self.size, &mut runs).ok().map(|()| runs.iter().map(|(_, l)| l).sum())
+            self.diff(0, self.base.size, &mut runs).ok().map(|()| runs.iter().map(|(_, l)| l).sum())
         } else {
             None
         };
@@ -544,33 +540,20 @@ impl Image for RbdImage {
         "rbd"
     }
 
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn files(&self) -> &[File] {
-        &[]
+    fn base(&self) -> &ImageBase {
+        &self.base
     }
 
     fn rbd(&self, file: usize) -> Option<&RbdImage> {
         (file == 0).then_some(self)
     }
 
-    fn file_path(&self, _file: usize) -> &Path {
-        &self.path
-    }
-
     fn map_read(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
-        out.push(Extent::Data { file: 0, offset, len });
-        Ok(())
+        map_one_to_one(offset, len, out)
     }
 
     fn map_write(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
-        self.map_read(offset, len, out)
+        map_one_to_one(offset, len, out)
     }
 
     /// With fast-diff, the object map says which objects exist (whole objects:

@@ -2,6 +2,7 @@
 //! wait until it is ready, hand out URIs for real clients, stop it cleanly.
 #![allow(dead_code)]
 
+pub mod fuse;
 pub mod nbd;
 
 use std::io::Read;
@@ -31,6 +32,46 @@ pub fn xorshift(x: &mut u64) -> u64 {
     *x ^= *x >> 7;
     *x ^= *x << 17;
     *x
+}
+
+/// Pseudo-random data from `seed`, 64 KiB chunk by chunk. `special(i, chunk)`
+/// may fill chunk `i` itself (it starts as zeros) and return true: the random
+/// bytes then pass over it.
+pub fn chunked_data(len: usize, seed: u64, special: impl Fn(usize, &mut [u8]) -> bool) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut v = vec![0u8; len];
+    for (i, chunk) in v.chunks_mut(64 * KIB).enumerate() {
+        if special(i, chunk) {
+            continue;
+        }
+        for b in chunk.iter_mut() {
+            *b = (xorshift(&mut x) >> 24) as u8;
+        }
+    }
+    v
+}
+
+/// Backing or image data: pseudo-random, with zero stretches (every fifth 64 KiB chunk).
+pub fn base_data(len: usize, seed: u64) -> Vec<u8> {
+    chunked_data(len, seed, |i, _| i % 5 == 2)
+}
+
+/// Writes [`base_data`] to `path` as a base image and returns its data.
+pub fn make_base(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let data = base_data(len, seed);
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
+/// Reads a whole export into memory with nbdcopy (4 connections), through
+/// the file `name` in `dir`, removed again.
+pub fn read_export(dir: &TempDir, uri: &str, name: &str) -> Vec<u8> {
+    let out = dir.path(name);
+    let _ = std::fs::remove_file(&out);
+    run("nbdcopy", &["--connections=4", uri, s(&out)]);
+    let data = read_file(&out);
+    std::fs::remove_file(&out).unwrap();
+    data
 }
 
 /// A fresh directory for one test, removed when dropped.
@@ -83,6 +124,25 @@ pub fn run(cmd: &str, args: &[&str]) -> String {
 pub fn create_image(path: &Path, size: &str) {
     let out = vdisk(&["create", path.to_str().unwrap(), "--size", size]);
     assert!(out.status.success(), "vdisk create: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A sparse image of `size` in `dir`, named `name` (export name: its stem),
+/// as the path a command line takes.
+pub fn image(dir: &TempDir, name: &str, size: &str) -> String {
+    let p = dir.path(name);
+    create_image(&p, size);
+    p.to_str().unwrap().to_owned()
+}
+
+/// A new test directory with a sparse raw `disk.img` of `size` in it, served
+/// by `vdisk serve IMAGE EXTRA...` (export `disk`): (dir, image, server).
+pub fn serve_new_disk(tag: &str, size: &str, extra: &[&str]) -> (TempDir, String, Server) {
+    let dir = TempDir::new(tag);
+    let img = image(&dir, "disk.img", size);
+    let mut args = vec![img.as_str()];
+    args.extend_from_slice(extra);
+    let server = Server::start(&dir, &args);
+    (dir, img, server)
 }
 
 /// A running `vdisk serve`.
