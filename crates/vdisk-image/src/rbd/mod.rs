@@ -86,50 +86,7 @@ impl Conn {
             return Err(Error::io(os_err(rc.into()), format!("cannot create a Ceph client for {spec}")));
         }
         let mut conn = Conn { lib, rados, ioctx: std::ptr::null_mut() };
-        let conf = spec.options.conf.as_ref().map(|p| cstr(&p.display().to_string(), "ceph conf path")).transpose()?;
-        if let Some(path) = &spec.options.conf {
-            if !path.is_file() {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("Ceph configuration {} does not exist", path.display()),
-                )
-                .advise(Advice::CephConfig));
-            }
-        }
-        // SAFETY: a live handle; the path is null (librados's own search: $CEPH_CONF,
-        // /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf) or NUL-terminated.
-        let rc =
-            unsafe { (lib.rados_conf_read_file)(conn.rados, conf.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())) };
-        if rc < 0 {
-            let which = spec
-                .options
-                .conf
-                .as_ref()
-                .map_or("found in $CEPH_CONF or /etc/ceph/ceph.conf".into(), |p| p.display().to_string());
-            return Err(Error::new(
-                ErrorKind::InvalidInput,
-                format!("cannot read the Ceph configuration {which}: {}", os_err(rc.into())),
-            )
-            .advise(Advice::CephConfig));
-        }
-        // SAFETY: a live handle; null means CEPH_ARGS.
-        unsafe { (lib.rados_conf_parse_env)(conn.rados, std::ptr::null()) };
-        let mut settings: Vec<(String, String)> = vec![
-            ("client_mount_timeout".into(), MON_TIMEOUT.into()),
-            ("rados_mon_op_timeout".into(), MON_TIMEOUT.into()),
-            // librbd's own log goes nowhere unless asked for.
-            ("log_to_stderr".into(), "false".into()),
-            ("err_to_stderr".into(), "false".into()),
-        ];
-        settings.extend(spec.options.extra.iter().cloned());
-        for (k, v) in &settings {
-            let (ck, cv) = (cstr(k, "ceph option")?, cstr(v, "ceph option value")?);
-            // SAFETY: a live handle and NUL-terminated strings that outlive the call.
-            let rc = unsafe { (lib.rados_conf_set)(conn.rados, ck.as_ptr(), cv.as_ptr()) };
-            if rc < 0 {
-                return Err(Error::invalid(format!("Ceph option {k}={v} is not accepted: {}", os_err(rc.into()))));
-            }
-        }
+        conn.configure(spec)?;
         // SAFETY: a live, configured handle.
         let rc = unsafe { (lib.rados_connect)(conn.rados) };
         if rc < 0 {
@@ -145,19 +102,76 @@ impl Conn {
             )
             .advise(Advice::CephConfig));
         }
-        let pool = cstr(&spec.pool, "pool name")?;
-        // SAFETY: a connected handle, a NUL-terminated name and a valid out-pointer.
-        let rc = unsafe { (lib.rados_ioctx_create)(conn.rados, pool.as_ptr(), &mut conn.ioctx) };
+        conn.open_pool(&spec.pool)?;
+        Ok(conn)
+    }
+
+    /// Reads the Ceph configuration (the spec's file or librados's own search),
+    /// CEPH_ARGS, then vdisk's settings and the spec's own options.
+    fn configure(&self, spec: &Spec) -> Result<()> {
+        let conf = spec.options.conf.as_ref().map(|p| cstr(&p.display().to_string(), "ceph conf path")).transpose()?;
+        if let Some(path) = &spec.options.conf {
+            if !path.is_file() {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("Ceph configuration {} does not exist", path.display()),
+                )
+                .advise(Advice::CephConfig));
+            }
+        }
+        // SAFETY: a live handle; the path is null (librados's own search: $CEPH_CONF,
+        // /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf) or NUL-terminated.
+        let rc = unsafe {
+            (self.lib.rados_conf_read_file)(self.rados, conf.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+        };
         if rc < 0 {
-            conn.ioctx = std::ptr::null_mut();
+            let which = spec
+                .options
+                .conf
+                .as_ref()
+                .map_or("found in $CEPH_CONF or /etc/ceph/ceph.conf".into(), |p| p.display().to_string());
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!("cannot read the Ceph configuration {which}: {}", os_err(rc.into())),
+            )
+            .advise(Advice::CephConfig));
+        }
+        // SAFETY: a live handle; null means CEPH_ARGS.
+        unsafe { (self.lib.rados_conf_parse_env)(self.rados, std::ptr::null()) };
+        let mut settings: Vec<(String, String)> = vec![
+            ("client_mount_timeout".into(), MON_TIMEOUT.into()),
+            ("rados_mon_op_timeout".into(), MON_TIMEOUT.into()),
+            // librbd's own log goes nowhere unless asked for.
+            ("log_to_stderr".into(), "false".into()),
+            ("err_to_stderr".into(), "false".into()),
+        ];
+        settings.extend(spec.options.extra.iter().cloned());
+        for (k, v) in &settings {
+            let (ck, cv) = (cstr(k, "ceph option")?, cstr(v, "ceph option value")?);
+            // SAFETY: a live handle and NUL-terminated strings that outlive the call.
+            let rc = unsafe { (self.lib.rados_conf_set)(self.rados, ck.as_ptr(), cv.as_ptr()) };
+            if rc < 0 {
+                return Err(Error::invalid(format!("Ceph option {k}={v} is not accepted: {}", os_err(rc.into()))));
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens the pool's I/O context on a connected handle.
+    fn open_pool(&mut self, name: &str) -> Result<()> {
+        let pool = cstr(name, "pool name")?;
+        // SAFETY: a connected handle, a NUL-terminated name and a valid out-pointer.
+        let rc = unsafe { (self.lib.rados_ioctx_create)(self.rados, pool.as_ptr(), &mut self.ioctx) };
+        if rc < 0 {
+            self.ioctx = std::ptr::null_mut();
             let msg = if rc == -libc::ENOENT {
-                format!("pool {:?} does not exist in the Ceph cluster (see `ceph osd pool ls`)", spec.pool)
+                format!("pool {:?} does not exist in the Ceph cluster (see `ceph osd pool ls`)", name)
             } else {
-                format!("cannot open pool {:?}: {}", spec.pool, os_err(rc.into()))
+                format!("cannot open pool {:?}: {}", name, os_err(rc.into()))
             };
             return Err(Error::new(if rc == -libc::ENOENT { ErrorKind::NotFound } else { ErrorKind::Io }, msg));
         }
-        Ok(conn)
+        Ok(())
     }
 }
 
