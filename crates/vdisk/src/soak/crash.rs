@@ -299,36 +299,7 @@ fn setup(
         Format::Cow | Format::Qcow2 => {
             let base = images.join("base.img");
             write(&base, &bytes)?;
-            let (image, fmt) = if format == Format::Cow {
-                (images.join("crash.cow"), "cow")
-            } else {
-                (images.join("crash.qcow2"), "qcow2")
-            };
-            let _ = std::fs::remove_file(&image);
-            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            // qcow2 with --sync gets 512-byte clusters: many L2 tables and refcount
-            // blocks, and a refcount table that has to move as the file grows.
-            // With --direct, 4 KiB clusters: every (4 KiB) block is a whole
-            // cluster, written into a cluster of its own without a fill, and
-            // new clusters keep coming for many rounds (with the default 64 KiB
-            // the 4 MiB disk is all allocated after a round or two, and the
-            // order of data and L2 entries is no longer put to the test).
-            let mut args = vec!["create", "--format", fmt];
-            if format == Format::Qcow2 && sync {
-                args.extend(["--cluster-size", "512"]);
-            } else if format == Format::Qcow2 && direct {
-                args.extend(["--cluster-size", "4096"]);
-            }
-            let out = std::process::Command::new(exe)
-                .args(args)
-                .arg("--backing")
-                .arg(&base)
-                .arg(&image)
-                .output()
-                .map_err(|e| format!("cannot run vdisk create: {e}"))?;
-            if !out.status.success() {
-                return Err(format!("vdisk create --backing failed: {}", String::from_utf8_lossy(&out.stderr)));
-            }
+            let image = create_overlay(&images, &base, format, (sync, direct))?;
             (image, Some((base, bytes.clone())))
         }
     };
@@ -350,6 +321,38 @@ fn setup(
         prior: bytes,
         gens: vec![0; nblocks],
     })
+}
+
+/// An overlay of `format` (cow or qcow2) over `base`, made by `vdisk create`.
+fn create_overlay(images: &Path, base: &Path, format: Format, (sync, direct): (bool, bool)) -> Result<PathBuf, String> {
+    let (image, fmt) =
+        if format == Format::Cow { (images.join("crash.cow"), "cow") } else { (images.join("crash.qcow2"), "qcow2") };
+    let _ = std::fs::remove_file(&image);
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // qcow2 with --sync gets 512-byte clusters: many L2 tables and refcount
+    // blocks, and a refcount table that has to move as the file grows.
+    // With --direct, 4 KiB clusters: every (4 KiB) block is a whole
+    // cluster, written into a cluster of its own without a fill, and
+    // new clusters keep coming for many rounds (with the default 64 KiB
+    // the 4 MiB disk is all allocated after a round or two, and the
+    // order of data and L2 entries is no longer put to the test).
+    let mut args = vec!["create", "--format", fmt];
+    if format == Format::Qcow2 && sync {
+        args.extend(["--cluster-size", "512"]);
+    } else if format == Format::Qcow2 && direct {
+        args.extend(["--cluster-size", "4096"]);
+    }
+    let out = std::process::Command::new(exe)
+        .args(args)
+        .arg("--backing")
+        .arg(base)
+        .arg(&image)
+        .output()
+        .map_err(|e| format!("cannot run vdisk create: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("vdisk create --backing failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(image)
 }
 
 /// Runs one round on `combo`; returns what it checked.
