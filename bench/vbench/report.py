@@ -305,7 +305,12 @@ def md_loop(res, meta):
     notes = []
     for label, s in servers.items():
         lp = s.get("_loop") if isinstance(s, dict) else None
-        if lp and not lp["dio"]:
+        if lp and not lp["dio"] and label == "qemu-storage-daemon FUSE":
+            notes.append(f"{label}: its loop device is buffered (`losetup --direct-io=off`). With direct I/O, "
+                         "mkfs.ext4 through its FUSE export wrote a file system that does not mount "
+                         "(\"group descriptors corrupted\"; QEMU 10.0, Linux 6.18), so every earlier run "
+                         "lost its file-system rows.")
+        elif lp and not lp["dio"]:
             notes.append(f"{label}: the loop device did not take direct I/O (dio=0).")
         pop = s.get("populate", {}) if isinstance(s, dict) else {}
         if "mount:" in pop.get("error", ""):
