@@ -5,7 +5,8 @@
 //! (then a second frontend on the same socket: reconnect), once with two
 //! queues and two vCPUs, once on a COW overlay. And vdisk restarted under a
 //! running guest (QEMU reconnecting, inflight I/O resubmitted): three times
-//! by SIGKILL, three times by SIGTERM, while the guest writes and verifies.
+//! by SIGKILL (two queues, two vCPUs), three times by SIGTERM (one queue),
+//! while the guest writes and verifies.
 //! And a power cut under a guest, with the image on the power-loss storage
 //! (crates/vdisk-powercut): every write the guest saw fsynced survives, and a
 //! vdisk built to skip its data fdatasync is caught.
@@ -185,15 +186,15 @@ fn wait_for(path: &Path, what: &str, n: usize, secs: u64, why: &str) {
 
 /// `vdisk serve -v IMAGE --vhost-user-blk SOCKET`, everything it prints appended to `log`;
 /// returns once it is ready.
-fn start_backend(image: &Path, socket: &Path, log: &Path) -> Proc {
-    start_backend_env(image, socket, log, &[])
+fn start_backend(image: &Path, socket: &Path, log: &Path, queues: &str) -> Proc {
+    start_backend_env(image, socket, log, queues, &[])
 }
 
-fn start_backend_env(image: &Path, socket: &Path, log: &Path, env: &[(&str, &str)]) -> Proc {
+fn start_backend_env(image: &Path, socket: &Path, log: &Path, queues: &str, env: &[(&str, &str)]) -> Proc {
     let ready = count(log, "vdisk: ready");
     let out = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
     let child = Command::new(vdisk_bin())
-        .args(["serve", "-v", s(image), "--vhost-user-blk", s(socket), "--num-queues", "1"])
+        .args(["serve", "-v", s(image), "--vhost-user-blk", s(socket), "--num-queues", queues])
         .envs(env.iter().copied())
         .stdout(out.try_clone().unwrap())
         .stderr(out)
@@ -204,11 +205,12 @@ fn start_backend_env(image: &Path, socket: &Path, log: &Path, env: &[(&str, &str
     p
 }
 
-/// A guest runs the rig's write-and-verify loop (`--loop`) on one queue while
-/// vdisk is stopped with `signal` and started again three times; QEMU
-/// reconnects (`--reconnect`). The loop must verify every round and every
-/// block at the end, and the guest's kernel log must show no I/O error.
-fn restarts_under_a_running_guest(tag: &str, signal: i32) {
+/// A guest runs the rig's write-and-verify loop (`--loop`) on `queues` queues
+/// (and as many vCPUs, so its parallel writers use them all) while vdisk is
+/// stopped with `signal` and started again three times; QEMU reconnects
+/// (`--reconnect`). The loop must verify every round and every block at the
+/// end, and the guest's kernel log must show no I/O error.
+fn restarts_under_a_running_guest(tag: &str, signal: i32, queues: &str) {
     let mut ready = RIG.lock().unwrap_or_else(|e| e.into_inner());
     setup(&mut ready);
     let dir = TempDir::new(tag);
@@ -218,10 +220,11 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
     let log = dir.path("vdisk.log");
     let serial = dir.path("serial.log");
     let started = Instant::now();
-    let mut backend = start_backend(&image, &socket, &log);
+    let mut backend = start_backend(&image, &socket, &log, queues);
     let rig = Command::new("bash")
         .arg(rig_dir().join("vm-vhost-user-blk.sh"))
-        .args(["--timeout", "300", "--reconnect", "--loop", "--log", s(&serial), s(&socket)])
+        .args(["--timeout", "300", "--reconnect", "--loop", "--smp", queues, "--num-queues", queues])
+        .args(["--log", s(&serial), s(&socket)])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -244,8 +247,8 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
         std::thread::sleep(Duration::from_millis(xorshift(&mut seed) % 300));
         let pid = backend.0.id() as i32;
         let look = Instant::now();
-        let mut seen = 0;
-        while seen == 0 && look.elapsed() < Duration::from_secs(5) {
+        let mut seen = Vec::new();
+        while seen.iter().sum::<usize>() == 0 && look.elapsed() < Duration::from_secs(5) {
             seen = heads_in_flight(backend.0.id());
         }
         in_flight_at_stop.push(seen);
@@ -257,7 +260,7 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
             assert!(st.success(), "vdisk exited with {st} after SIGTERM");
         }
         std::thread::sleep(Duration::from_millis(500));
-        backend = start_backend(&image, &socket, &log);
+        backend = start_backend(&image, &socket, &log, queues);
         let before = rounds();
         wait_for(&serial, "VMRIG: loop round=", before + 1, 150, &format!("the guest did not go on after restart {k}"));
         downtimes.push(down.elapsed());
@@ -283,14 +286,14 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
         vdisk_log.lines().filter_map(|l| l.split("submitting ").nth(1)?.split(' ').next()?.parse::<usize>().ok()).sum();
     let verify = all.lines().find(|l| l.contains("loop_verify ok")).unwrap_or_default().trim().to_owned();
     eprintln!(
-        "{tag}: 3 restarts by signal {signal}; guest: {verify}; heads in flight just before each stop: {in_flight_at_stop:?}; requests resubmitted after a restart: {resubmitted}; \
+        "{tag}: 3 restarts by signal {signal}; guest: {verify}; heads in flight in each queue just before each stop: {in_flight_at_stop:?}; requests resubmitted after a restart: {resubmitted}; \
          backend down (stop to the guest's next round): {downtimes:?}; total {:?}",
         started.elapsed()
     );
     if signal == libc::SIGTERM {
         // A clean stop answers what it took before it lets the frontend go.
         assert_eq!(resubmitted, 0, "a SIGTERM left requests in flight:\n{vdisk_log}");
-    } else if in_flight_at_stop.iter().filter(|&&n| n > 0).count() >= 2 {
+    } else if in_flight_at_stop.iter().filter(|q| q.iter().sum::<usize>() > 0).count() >= 2 {
         assert!(resubmitted > 0, "requests were in flight at the kills but none was resubmitted:\n{vdisk_log}");
     }
     let pid = backend.0.id() as i32;
@@ -299,34 +302,41 @@ fn restarts_under_a_running_guest(tag: &str, signal: i32) {
     assert!(backend.0.wait().unwrap().success());
 }
 
-/// Heads flagged in flight in queue 0 of the inflight buffer that vdisk
+/// Heads flagged in flight in each queue of the inflight buffer that vdisk
 /// process `pid` has mapped (the memfd it made, or QEMU passed back), read
-/// through /proc as QEMU's copy would be; 0 if there is none yet.
-fn heads_in_flight(pid: u32) -> usize {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return 0 };
+/// through /proc as QEMU's copy would be; empty if there is none yet. Each
+/// queue's region is a 16-byte header (desc_num at byte 10) and 16-byte
+/// entries (the flag first), rounded up to 64 bytes.
+fn heads_in_flight(pid: u32) -> Vec<usize> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
     for fd in fds.flatten() {
         let target = std::fs::read_link(fd.path()).unwrap_or_default();
         if !target.to_string_lossy().contains("memfd:vdisk-vhost-inflight") {
             continue;
         }
         let Ok(buf) = std::fs::read(fd.path()) else { continue };
-        if buf.len() < 16 {
-            continue;
+        let (mut at, mut heads) = (0, Vec::new());
+        while buf.len() >= at + 16 {
+            let desc_num = u16::from_le_bytes([buf[at + 10], buf[at + 11]]) as usize;
+            if desc_num == 0 {
+                break;
+            }
+            heads.push((0..desc_num).filter(|i| buf.get(at + 16 + 16 * i) == Some(&1)).count());
+            at += (16 + 16 * desc_num).next_multiple_of(64);
         }
-        let desc_num = u16::from_le_bytes([buf[10], buf[11]]) as usize;
-        return (0..desc_num).filter(|i| buf.get(16 + 16 * i) == Some(&1)).count();
+        return heads;
     }
-    0
+    Vec::new()
 }
 
 #[test]
-fn a_guest_goes_on_across_three_sigkill_restarts() {
-    restarts_under_a_running_guest("vhostkill", libc::SIGKILL);
+fn a_guest_on_two_queues_goes_on_across_three_sigkill_restarts() {
+    restarts_under_a_running_guest("vhostkill", libc::SIGKILL, "2");
 }
 
 #[test]
 fn a_guest_goes_on_across_three_sigterm_restarts() {
-    restarts_under_a_running_guest("vhostterm", libc::SIGTERM);
+    restarts_under_a_running_guest("vhostterm", libc::SIGTERM, "1");
 }
 
 /// The bytes the rig's durable mode writes to 4 KiB block `b`.
@@ -352,7 +362,7 @@ fn power_cut_under_a_guest(tag: &str, env: &[(&str, &str)]) -> (usize, Vec<usize
     let socket = dir.path("vub.sock");
     let log = dir.path("vdisk.log");
     let serial = dir.path("serial.log");
-    let backend = start_backend_env(&image, &socket, &log, env);
+    let backend = start_backend_env(&image, &socket, &log, "1", env);
     let rig = Command::new("bash")
         .arg(rig_dir().join("vm-vhost-user-blk.sh"))
         .args(["--timeout", "200", "--mb", "4", "--append", "vmrig.durable=1", "--log", s(&serial), s(&socket)])
@@ -378,7 +388,7 @@ fn power_cut_under_a_guest(tag: &str, env: &[(&str, &str)]) -> (usize, Vec<usize
         console.lines().filter_map(|l| l.trim().strip_prefix("VMRIG: durable b=")?.parse().ok()).collect();
     storage.restart().expect("power back on");
     // vdisk starts again on what the storage kept.
-    let again = start_backend_env(&image, &dir.path("vub2.sock"), &log, env);
+    let again = start_backend_env(&image, &dir.path("vub2.sock"), &log, "1", env);
     drop(again);
     let after = std::fs::read(&image).unwrap();
     let lost: Vec<usize> =
