@@ -87,7 +87,7 @@ impl Outbox {
     }
 
     /// The reply to a completed request (DF looked up for reads).
-    pub fn encode(&self, req: Request) -> OutMsg {
+    fn encode(&self, req: Request) -> OutMsg {
         let mut df = false;
         if req.op() == Op::Read && self.df_count.load(Ordering::Acquire) > 0 {
             let mut map = self.df.lock().unwrap();
