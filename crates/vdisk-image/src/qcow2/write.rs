@@ -177,10 +177,11 @@ impl Qcow2Image {
             return Ok(h);
         }
         let units = self.touched(c, offset, len);
+        // In place, the usual case, is found without the lock.
         if let Some(h) = self.l2.in_place(self.entry(c)?, units) {
             return Ok(h);
         }
-        // Under the stripe lock, which every publish holds: the entry and the
+        // Else again under the stripe lock, which every publish holds: the entry and the
         // claims are seen together (unlocked, a claim published between the
         // two looks was in neither).
         let stripe = self.stripe(c);
