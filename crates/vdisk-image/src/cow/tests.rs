@@ -180,7 +180,7 @@ fn assert_whole_pages(img: &CowImage) {
 fn two_partial_writes_into_one_fresh_page_both_land() {
     use crate::testing::{finish, start};
     let dir = Dir::new("race");
-    let (_, overlay, mut model) = setup(&dir, 1 << 20);
+    let (_, overlay, mut model) = setup(&dir, 8 << 20);
     let img = open(&overlay);
     // Two writes to different sectors of one page (sector 1, part of sector 5),
     // each either started (copy-up, mapped) or finished (data, bits), in
@@ -207,33 +207,35 @@ fn two_partial_writes_into_one_fresh_page_both_land() {
         for (off, data) in [(page + a.0, &a.1[..]), (page + b.0, &b.1[..])] {
             model[off as usize..off as usize + data.len()].copy_from_slice(data);
         }
-        assert_eq!(read(&img, 0, 1 << 20), model, "order {i}");
+        assert_eq!(read(&img, 0, 8 << 20), model, "order {i}");
     }
-    // And really at once: two threads, 200 fresh pages, a barrier before each.
+    // And really at once: four threads, each to its own part of every one of
+    // 2000 fresh pages (sectors 1, 3, part of 5, 7), a barrier before each page.
     let img = Arc::new(img);
-    let barrier = Arc::new(std::sync::Barrier::new(2));
-    let threads: Vec<_> = [a, (b.0, [0; 512])]
+    let parts: [(u64, usize); 4] = [(512, 512), (3 * 512, 512), (5 * 512 + 17, 100), (7 * 512, 512)];
+    let barrier = Arc::new(std::sync::Barrier::new(parts.len()));
+    let threads: Vec<_> = parts
         .into_iter()
         .enumerate()
-        .map(|(t, (at, _))| {
+        .map(|(t, (at, len))| {
             let (img, barrier) = (img.clone(), barrier.clone());
             std::thread::spawn(move || {
-                let len = if t == 0 { 512 } else { 100 };
-                for p in 8..208u64 {
+                for p in 8..2008u64 {
                     barrier.wait();
-                    write(&*img, p * 4096 + at, &vec![p as u8 ^ (0x40 << t); len]);
+                    write(&*img, p * 4096 + at, &vec![p as u8 ^ (0x10 << t); len]);
                 }
             })
         })
         .collect();
     threads.into_iter().for_each(|t| t.join().unwrap());
-    for p in 8..208usize {
-        model[p * 4096 + 512..p * 4096 + 1024].fill(p as u8 ^ 0x40);
-        model[p * 4096 + 5 * 512 + 17..p * 4096 + 5 * 512 + 117].fill(p as u8 ^ 0x80);
+    for p in 8..2008usize {
+        for (t, &(at, len)) in parts.iter().enumerate() {
+            model[p * 4096 + at as usize..p * 4096 + at as usize + len].fill(p as u8 ^ (0x10 << t));
+        }
     }
-    assert_eq!(read(&img, 0, 1 << 20), model);
+    assert_eq!(read(&img, 0, 8 << 20), model);
     assert_whole_pages(&img);
-    assert_eq!(img.allocated_sectors(), 204 * 8);
+    assert_eq!(img.allocated_sectors(), 2004 * 8);
 }
 
 #[test]
