@@ -115,14 +115,14 @@ impl CowImage {
     }
 
     /// The sectors [first, end) of page `p` (the last page may be short).
-    fn page_sectors(&self, p: u64) -> (u64, u64) {
+    fn page_range(&self, p: u64) -> (u64, u64) {
         let k = self.page();
         (p * k, ((p + 1) * k).min(self.map.sectors()))
     }
 
     /// Whether every sector of page `p` is in the overlay.
     fn page_whole(&self, p: u64) -> bool {
-        let (first, end) = self.page_sectors(p);
+        let (first, end) = self.page_range(p);
         self.map.count(first, end) == end - first
     }
 
@@ -137,7 +137,7 @@ impl CowImage {
     /// never overwrites the other's data.
     fn copy_up(&self, p: u64) -> Result<()> {
         let _guard = self.copy_locks[(p % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner());
-        let (first, end) = self.page_sectors(p);
+        let (first, end) = self.page_range(p);
         let mut s = first;
         while s < end {
             let (set, stop) = self.map.run(s, end);
@@ -324,7 +324,7 @@ impl Image for CowImage {
         let (first, end) = self.sectors_of(offset, len);
         let (p0, p1) = (first / self.page(), (end - 1) / self.page());
         let covers = |p: u64| {
-            let (a, b) = self.page_sectors(p);
+            let (a, b) = self.page_range(p);
             offset <= a * self.sector && offset + len >= self.sector_end(b - 1)
         };
         for p in [p0, p1] {
@@ -350,8 +350,8 @@ impl Image for CowImage {
             self.write_bits_now(first, end);
         }
         // The pages' bits, with those copy-up set beside the write's own.
-        let (pages, _) = self.page_sectors(first / self.page());
-        let (_, pages_end) = self.page_sectors((end - 1) / self.page());
+        let (pages, _) = self.page_range(first / self.page());
+        let (_, pages_end) = self.page_range((end - 1) / self.page());
         if durable && !self.map.persisted(pages, pages_end) {
             self.sync_bitmap()?;
         }
