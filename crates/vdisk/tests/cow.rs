@@ -137,19 +137,9 @@ fn vdisk_overlay_is_what_uml_mkcow_makes_and_commit_equals_uml_moo() {
     assert_eq!(info["backing-file"], s(&base.canonicalize().unwrap()), "{info}");
     assert_eq!(info["backing-ok"], true, "{info}");
     assert_eq!(info["data-offset"], 12288, "{info}");
-    let touched: std::collections::HashSet<usize> =
-        client_ops()
-            .iter()
-            .flat_map(|op| {
-                let (Op::Write(o, l, _)
-                | Op::WriteFua(o, l, _)
-                | Op::Zero(o, l)
-                | Op::ZeroUnmap(o, l)
-                | Op::Discard(o, l)) = *op;
-                o / 512..(o + l).div_ceil(512)
-            })
-            .collect();
-    assert_eq!(info["sectors-allocated"], touched.len(), "{info}");
+    // Whole 4 KiB pages (8 sectors) of every range written.
+    assert_eq!(info["sectors-allocated"], touched_pages(&client_ops()).len() * 8, "{info}");
+    assert_whole_pages(&ours);
 
     // Non-destructive merges.
     let by_moo = dir.path("moo.img");
@@ -173,6 +163,96 @@ fn vdisk_overlay_is_what_uml_mkcow_makes_and_commit_equals_uml_moo() {
     assert_same("vdisk commit in place", &read_file(&b), &model);
     // The base it was made over changed nothing.
     assert_same("original base", &read_file(&base), &base_data(16 * MIB, 0x2545_f491_4f6c_dd1d));
+}
+
+/// The 4 KiB pages that `ops` touch.
+fn touched_pages(ops: &[Op]) -> std::collections::BTreeSet<usize> {
+    ops.iter()
+        .flat_map(|op| {
+            let (Op::Write(o, l, _) | Op::WriteFua(o, l, _) | Op::Zero(o, l) | Op::ZeroUnmap(o, l) | Op::Discard(o, l)) =
+                *op;
+            o / 4096..(o + l).div_ceil(4096)
+        })
+        .collect()
+}
+
+/// Reads the overlay's header and on-disk bitmap, asserts that every 4 KiB
+/// page (the header's alignment, 8 sectors) has all its bits set or none, as
+/// the UML kernel writes them and needs them, and returns the pages set.
+fn assert_whole_pages(overlay: &std::path::Path) -> std::collections::BTreeSet<usize> {
+    let bytes = read_file(overlay);
+    let be32 = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    let size = u64::from_be_bytes(bytes[12..20].try_into().unwrap()) as usize;
+    let (sector, align) = (be32(20), be32(24));
+    assert_eq!((sector, align), (512, 4096), "the header of {}", overlay.display());
+    let bitmap_at = (32 + 4096usize).div_ceil(align) * align;
+    let sectors = size.div_ceil(sector);
+    let bit = |n: usize| bytes[bitmap_at + n / 8] & (1 << (n % 8)) != 0;
+    let per_page = align / sector;
+    let mut set = std::collections::BTreeSet::new();
+    for page in 0..sectors.div_ceil(per_page) {
+        let bits: Vec<bool> = (page * per_page..((page + 1) * per_page).min(sectors)).map(bit).collect();
+        assert!(
+            bits.iter().all(|&b| b) || bits.iter().all(|&b| !b),
+            "{}: page {page} (bytes {}..) is only partly in the overlay: bits {bits:?}",
+            overlay.display(),
+            page * align
+        );
+        if bits[0] {
+            set.insert(page);
+        }
+    }
+    set
+}
+
+/// Unaligned writes (the 5000 bytes at offset 1000, ranges across page
+/// boundaries, single sectors, zeroes, FUA, the short last page) fill whole
+/// pages of the overlay, and vdisk's own read (live, then after a restart),
+/// `vdisk commit` and `uml_moo` agree byte for byte. (tests/uml.rs adds the
+/// UML kernel as a reader.)
+#[test]
+fn unaligned_writes_fill_whole_pages_and_every_reader_agrees() {
+    // Three sectors past a whole number of pages: the last page is short.
+    const SIZE: usize = 4 * MIB + 1536;
+    let ops = || {
+        vec![
+            Op::Write(1000, 5000, 0xaa),
+            Op::Write(8192 + 4095, 2, 0x11),
+            Op::Write(65536 + 512, 512, 0x22),
+            Op::Write(MIB - 1, 3, 0x33),
+            Op::Write(MIB + 100, 64 * KIB, 0x44),
+            Op::ZeroUnmap(2 * MIB + 100, 5000),
+            Op::Zero(2 * MIB + 40000, 700),
+            Op::WriteFua(3 * MIB + 3000, 100, 0x55),
+            Op::Write(SIZE - 2000, 2000, 0x66),
+        ]
+    };
+    for engine in ENGINES {
+        let dir = TempDir::new(&format!("cow-pages-{engine}"));
+        let base = dir.path("base.img");
+        let mut model = make_base(&base, SIZE, 0x5eed_c0e5);
+        let overlay = dir.path("disk.cow");
+        let out = vdisk(&["create", "--backing", s(&base), s(&overlay)]);
+        assert!(out.status.success(), "{}", text(&out));
+        let server = Server::start(&dir, &[s(&overlay), "--engine", engine]);
+        let uri = server.uri("disk");
+        qemu_io(&uri, &apply(&ops(), &mut model));
+        assert_same(&format!("vdisk read ({engine})"), &read_export(&dir, &uri, "live.raw"), &model);
+        server.stop();
+
+        assert_eq!(assert_whole_pages(&overlay), touched_pages(&ops()), "pages in the overlay ({engine})");
+        let server = Server::start(&dir, &[s(&overlay), "--engine", engine, "--readonly"]);
+        let again = read_export(&dir, &server.uri("disk"), "again.raw");
+        server.stop();
+        assert_same(&format!("vdisk read after a restart ({engine})"), &again, &model);
+        let by_vdisk = dir.path("commit.img");
+        let out = vdisk(&["commit", s(&overlay), "--into", s(&by_vdisk)]);
+        assert!(out.status.success(), "{}", text(&out));
+        assert_same(&format!("vdisk commit ({engine})"), &read_file(&by_vdisk), &model);
+        let by_moo = dir.path("moo.img");
+        run("uml_moo", &[s(&overlay), s(&by_moo)]);
+        assert_same(&format!("uml_moo ({engine})"), &read_file(&by_moo), &model);
+    }
 }
 
 /// Asserts exit 2 and one line on stderr that contains every one of `words`.

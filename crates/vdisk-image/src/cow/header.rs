@@ -250,6 +250,19 @@ impl Header {
         self.sectors().div_ceil(8)
     }
 
+    /// Sectors per copy-up page: the alignment in sectors (8 for the 4 KiB of
+    /// every overlay uml_mkcow or vdisk makes), or 1 when the alignment is not
+    /// a whole number of sectors. Writers fill the overlay and set bits in
+    /// whole pages, as the UML kernel does (see the `cow` module docs).
+    pub fn page_sectors(&self) -> u64 {
+        let (align, sector) = (self.alignment as u64, self.sector_size as u64);
+        if align > sector && align.is_multiple_of(sector) {
+            align / sector
+        } else {
+            1
+        }
+    }
+
     /// Where sector 0's data lives: the end of the bitmap rounded up to the alignment.
     pub fn data_offset(&self) -> u64 {
         round_up(self.bitmap_offset() + self.bitmap_len(), self.alignment as u64)
@@ -278,6 +291,21 @@ mod tests {
         // rounded up to 4096), 2560 bytes of bitmap, data at 12288.
         assert_eq!((h.bitmap_offset(), h.bitmap_len(), h.data_offset()), (8192, 2560, 12288));
         assert_eq!(h.backing_path(), Path::new("/srv/images/base.img"));
+        assert_eq!(h.page_sectors(), 8, "4 KiB pages of 512-byte sectors");
+    }
+
+    #[test]
+    fn page_is_the_alignment_in_whole_sectors() {
+        let mut h = sample();
+        for (sector, align, page) in [(512, 4096, 8), (512, 1 << 20, 2048), (4096, 8192, 2), (512, 1536, 3)] {
+            (h.sector_size, h.alignment) = (sector, align);
+            assert_eq!(h.page_sectors(), page, "sector {sector}, alignment {align}");
+        }
+        // An alignment below a sector, or not a whole number of them: one sector.
+        for (sector, align) in [(512, 1), (512, 512), (4096, 4096), (4096, 512), (512, 700)] {
+            (h.sector_size, h.alignment) = (sector, align);
+            assert_eq!(h.page_sectors(), 1, "sector {sector}, alignment {align}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! of the sectors written since, and their data.
 //!
 //! What it owns: the overlay's header, its bitmap (in memory, [`CowMap`]),
-//! the copy-up of partly written sectors, and the order in which bitmap
+//! the copy-up of partly written pages, and the order in which bitmap
 //! blocks reach the disk. What it must never do: write the backing file,
 //! open a file the user did not ask for without saying which, or let a bit
 //! reach the disk before the data it points at (see [`CowImage::sync_bitmap`]).
@@ -13,6 +13,18 @@
 //! Writes, TRIM and WRITE_ZEROES all go to the overlay's data area and set
 //! the bits once they are done, so a trimmed or zeroed range reads as zeros
 //! there even where the backing file has data.
+//!
+//! Whole pages. The bitmap has a bit per sector, but the overlay is filled
+//! in pages of the header's alignment (4 KiB: [`Header::page_sectors`]): a
+//! write that covers only part of a page not yet whole in the overlay first
+//! copies the page's missing sectors up from the backing file and sets the
+//! whole page's bits (`prepare_write`). That is what the UML
+//! kernel itself does (its page cache writes whole pages), and its ubd driver
+//! misreads a request whose pages are only partly in the overlay: before,
+//! 5000 bytes written at offset 1000 (bits 1-11) read under UML as if they
+//! went on to offset 32768. Older vdisk wrote such sub-page bits; they still
+//! read right here (reads go by sector), and the next partial write to such a
+//! page completes it.
 
 mod bitmap;
 mod header;
@@ -38,7 +50,7 @@ pub use open::resolve_backing;
 
 use open::read_full;
 
-/// Stripes of the copy-up lock: concurrent partial writes to one sector copy it once.
+/// Stripes of the copy-up lock: concurrent partial writes to one page copy it once.
 const STRIPES: usize = 64;
 
 /// How to open an overlay.
@@ -97,24 +109,66 @@ impl CowImage {
         ((s + 1) * self.sector).min(self.header.size)
     }
 
-    /// Makes sector `s` whole in the overlay before a partial write: copies it
-    /// from the backing file and sets its bit (the overlay then holds what
-    /// the backing file does, so readers see the same either way). Under the
-    /// sector's stripe lock, so two partial writes copy it once.
-    fn copy_up(&self, s: u64) -> Result<()> {
-        let _guard = self.copy_locks[(s % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner());
-        if self.map.get(s) {
-            return Ok(());
+    /// Sectors per copy-up page (8: 4 KiB of 512-byte sectors).
+    fn page(&self) -> u64 {
+        self.header.page_sectors()
+    }
+
+    /// The sectors [first, end) of page `p` (the last page may be short).
+    fn page_range(&self, p: u64) -> (u64, u64) {
+        let k = self.page();
+        (p * k, ((p + 1) * k).min(self.map.sectors()))
+    }
+
+    /// Whether every sector of page `p` is in the overlay.
+    fn page_whole(&self, p: u64) -> bool {
+        let (first, end) = self.page_range(p);
+        self.map.count(first, end) == end - first
+    }
+
+    /// Makes page `p` whole in the overlay before a write that covers only
+    /// part of it: copies each of its sectors whose bit is unset from the
+    /// backing file (the overlay then holds what the backing file does, so
+    /// readers see the same either way), then sets the whole page's bits.
+    /// Sectors already set (an overlay from an older vdisk, with bits for
+    /// parts of pages) keep their data. Under the page's stripe lock, so two
+    /// partial writes to one page copy it once, and neither starts its data
+    /// write before the copy is done and the bits are set: a later copy-up
+    /// never overwrites the other's data.
+    fn copy_up(&self, p: u64) -> Result<()> {
+        let _guard = self.copy_locks[(p % STRIPES as u64) as usize].lock().unwrap_or_else(|e| e.into_inner());
+        let (first, end) = self.page_range(p);
+        let mut s = first;
+        while s < end {
+            let (set, stop) = self.map.run(s, end);
+            if !set {
+                let (start, until) = (s * self.sector, self.sector_end(stop - 1));
+                let mut buf = vec![0u8; (until - start) as usize];
+                self.read_backing(&mut buf, start).map_err(|e| {
+                    Error::io(
+                        e,
+                        format!(
+                            "copy-up read of {} bytes at {start} from backing file {}",
+                            buf.len(),
+                            self.backing.display()
+                        ),
+                    )
+                })?;
+                self.base.files[0].write_all_at(&buf, self.data_offset + start).map_err(|e| {
+                    Error::io(
+                        e,
+                        format!(
+                            "copy-up write of {} bytes at {} to overlay {}",
+                            buf.len(),
+                            self.data_offset + start,
+                            self.base.path.display()
+                        ),
+                    )
+                })?;
+            }
+            s = stop;
         }
-        let start = s * self.sector;
-        let mut buf = vec![0u8; (self.sector_end(s) - start) as usize];
-        self.read_backing(&mut buf, start).map_err(|e| {
-            Error::io(e, format!("copy-up read of sector {s} from backing file {}", self.backing.display()))
-        })?;
-        self.base.files[0].write_all_at(&buf, self.data_offset + start).map_err(|e| {
-            Error::io(e, format!("copy-up write of sector {s} to overlay {}", self.base.path.display()))
-        })?;
-        self.map.set(s, s + 1);
+        self.map.set(first, end);
         Ok(())
     }
 
@@ -260,23 +314,32 @@ impl Image for CowImage {
         Ok(())
     }
 
+    /// Copies up the first and last page of the range when the write covers
+    /// only part of them and they are not whole in the overlay yet (the pages
+    /// between are covered whole). See `copy_up`.
     fn prepare_write(&self, offset: u64, len: u64) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
         let (first, end) = self.sectors_of(offset, len);
-        let covers = |s: u64| offset <= s * self.sector && offset + len >= self.sector_end(s);
-        for s in [first, end - 1] {
-            if !covers(s) && !self.map.get(s) {
-                self.copy_up(s)?;
+        let (p0, p1) = (first / self.page(), (end - 1) / self.page());
+        let covers = |p: u64| {
+            let (a, b) = self.page_range(p);
+            offset <= a * self.sector && offset + len >= self.sector_end(b - 1)
+        };
+        for p in [p0, p1] {
+            if !covers(p) && !self.page_whole(p) {
+                self.copy_up(p)?;
             }
-            if end - 1 == first {
+            if p1 == p0 {
                 break;
             }
         }
         Ok(())
     }
 
+    /// Sets the written sectors' bits: with the copy-up of `prepare_write`,
+    /// whole pages.
     fn write_done(&self, offset: u64, len: u64, durable: bool) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -286,7 +349,10 @@ impl Image for CowImage {
         if crate::breakage::active(crate::breakage::Breakage::BitmapFirst) {
             self.write_bits_now(first, end);
         }
-        if durable && !self.map.persisted(first, end) {
+        // The pages' bits, with those copy-up set beside the write's own.
+        let (pages, _) = self.page_range(first / self.page());
+        let (_, pages_end) = self.page_range((end - 1) / self.page());
+        if durable && !self.map.persisted(pages, pages_end) {
             self.sync_bitmap()?;
         }
         Ok(())

@@ -88,6 +88,7 @@ fn reads_map_to_runs_not_sectors() {
     let img = open(&overlay);
     write(&img, 4096, &[7u8; 8192]);
     model[4096..12288].fill(7);
+    // One sector: its whole page is copied up and goes to the overlay.
     write(&img, 65536, &[9u8; 512]);
     model[65536..66048].fill(9);
     let mut ext = Vec::new();
@@ -99,8 +100,8 @@ fn reads_map_to_runs_not_sectors() {
             Extent::Data { file: 1, offset: 0, len: 4096 },
             Extent::Data { file: 0, offset: d + 4096, len: 8192 },
             Extent::Data { file: 1, offset: 12288, len: 65536 - 12288 },
-            Extent::Data { file: 0, offset: d + 65536, len: 512 },
-            Extent::Data { file: 1, offset: 66048, len: (1 << 20) - 66048 },
+            Extent::Data { file: 0, offset: d + 65536, len: 4096 },
+            Extent::Data { file: 1, offset: 69632, len: (1 << 20) - 69632 },
         ]
     );
     // Unaligned reads start and end inside runs.
@@ -111,11 +112,11 @@ fn reads_map_to_runs_not_sectors() {
         [Extent::Data { file: 1, offset: 4000, len: 96 }, Extent::Data { file: 0, offset: d + 4096, len: 104 }]
     );
     assert_eq!(read(&img, 0, 1 << 20), model);
-    assert_eq!(img.allocated_sectors(), 17);
+    assert_eq!(img.allocated_sectors(), 24);
 }
 
 #[test]
-fn partial_sector_writes_copy_the_rest_up() {
+fn partial_page_writes_copy_the_rest_up() {
     let dir = Dir::new("copyup");
     // A size that is not a multiple of the sector: the last sector is short.
     let size = (1 << 20) + 300;
@@ -128,18 +129,20 @@ fn partial_sector_writes_copy_the_rest_up() {
         model[off..off + len].copy_from_slice(&data);
         assert_eq!(read(&img, 0, size as u64), model, "after writing {len} bytes at {off}");
     }
-    // Sector 1 (700..800) is whole in the overlay: backing bytes around the write.
+    // Page 0 (700..800 written) is whole in the overlay: backing bytes around the write.
     let d = img.header().data_offset();
-    let mut sector = [0u8; 512];
-    img.files()[0].read_exact_at(&mut sector, d + 512).unwrap();
-    assert_eq!(sector[..], model[512..1024]);
-    // Written sectors: 1, 1..=4, 7..=8, and the last two (one of them short).
-    assert_eq!(img.allocated_sectors(), 1 + 3 + 2 + 2);
+    let mut page = [0u8; 4096];
+    img.files()[0].read_exact_at(&mut page, d).unwrap();
+    assert_eq!(page[..], model[..4096]);
+    // Written pages: 0 (two writes), 1 (4095..4097 crosses into it), and the
+    // last two: 255, and 256, one short sector.
+    assert_eq!(img.allocated_sectors(), 8 + 8 + 8 + 1);
+    assert_whole_pages(&img);
     drop(img);
 }
 
 #[test]
-fn concurrent_partial_writes_to_one_sector_all_land() {
+fn concurrent_partial_writes_to_one_page_all_land() {
     let dir = Dir::new("stripes");
     let (_, overlay, mut model) = setup(&dir, 256 << 10);
     let img = Arc::new(open(&overlay));
@@ -163,6 +166,119 @@ fn concurrent_partial_writes_to_one_sector_all_land() {
     assert_eq!(read(&img, 0, 256 << 10), model);
 }
 
+/// Every page's bits are all set or all unset, as the UML kernel needs.
+fn assert_whole_pages(img: &CowImage) {
+    let k = img.header().page_sectors();
+    for first in (0..img.map.sectors()).step_by(k as usize) {
+        let end = (first + k).min(img.map.sectors());
+        let n = img.map.count(first, end);
+        assert!(n == 0 || n == end - first, "page of sectors {first}..{end} has {n} bits set");
+    }
+}
+
+#[test]
+fn two_partial_writes_into_one_fresh_page_both_land() {
+    use crate::testing::{finish, start};
+    let dir = Dir::new("race");
+    let (_, overlay, mut model) = setup(&dir, 8 << 20);
+    let img = open(&overlay);
+    // Two writes to different sectors of one page (sector 1, part of sector 5),
+    // each either started (copy-up, mapped) or finished (data, bits), in
+    // every order: neither copy-up may overwrite the other's data.
+    let (a, b) = ((512u64, [0xa1u8; 512]), (5 * 512 + 17, [0xb2u8; 100]));
+    let orders: [[(bool, bool); 4]; 4] = [
+        [(true, true), (false, true), (true, false), (false, false)], // A starts, B starts, A, B finish
+        [(true, true), (true, false), (false, true), (false, false)], // A whole, then B
+        [(false, true), (false, false), (true, true), (true, false)], // B whole, then A
+        [(true, true), (false, true), (false, false), (true, false)], // B finishes before A
+    ];
+    for (i, order) in orders.iter().enumerate() {
+        let page = 4096 * (1 + i as u64);
+        let mut ext = [Vec::new(), Vec::new()];
+        for &(is_a, starting) in order {
+            let (off, data) = if is_a { (page + a.0, &a.1[..]) } else { (page + b.0, &b.1[..]) };
+            let e = &mut ext[!is_a as usize];
+            if starting {
+                *e = start(&img, off, data.len() as u64);
+            } else {
+                finish(&img, off, e, data);
+            }
+        }
+        for (off, data) in [(page + a.0, &a.1[..]), (page + b.0, &b.1[..])] {
+            model[off as usize..off as usize + data.len()].copy_from_slice(data);
+        }
+        assert_eq!(read(&img, 0, 8 << 20), model, "order {i}");
+    }
+    // And really at once: four threads, each to its own part of every one of
+    // 2000 fresh pages (sectors 1, 3, part of 5, 7), a barrier before each page.
+    let img = Arc::new(img);
+    let parts: [(u64, usize); 4] = [(512, 512), (3 * 512, 512), (5 * 512 + 17, 100), (7 * 512, 512)];
+    let barrier = Arc::new(std::sync::Barrier::new(parts.len()));
+    let threads: Vec<_> = parts
+        .into_iter()
+        .enumerate()
+        .map(|(t, (at, len))| {
+            let (img, barrier) = (img.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                for p in 8..2008u64 {
+                    barrier.wait();
+                    write(&*img, p * 4096 + at, &vec![p as u8 ^ (0x10 << t); len]);
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    for p in 8..2008usize {
+        for (t, &(at, len)) in parts.iter().enumerate() {
+            model[p * 4096 + at as usize..p * 4096 + at as usize + len].fill(p as u8 ^ (0x10 << t));
+        }
+    }
+    assert_eq!(read(&img, 0, 8 << 20), model);
+    assert_whole_pages(&img);
+    assert_eq!(img.allocated_sectors(), 2004 * 8);
+}
+
+#[test]
+fn sub_page_bits_of_older_overlays_read_right_and_the_next_write_completes_the_page() {
+    let dir = Dir::new("subpage");
+    let (_, overlay, mut model) = setup(&dir, 1 << 20);
+    // What older vdisk left after 5000 bytes at offset 1000: bits 1..=11 (sectors
+    // 1 to 11), and in sector 17 alone. The data area elsewhere holds junk
+    // that must never be read.
+    let h = parse_header(&std::fs::read(&overlay).unwrap()[..MAX_HEADER_LEN]).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&overlay).unwrap();
+    f.write_all_at(&[0xee; 16384], h.data_offset()).unwrap();
+    f.write_all_at(&[0xc3; 11 * 512], h.data_offset() + 512).unwrap();
+    f.write_all_at(&[0x3c; 512], h.data_offset() + 17 * 512).unwrap();
+    f.write_all_at(&[0b1111_1110, 0b0000_1111, 0b0000_0010], h.bitmap_offset()).unwrap();
+    drop(f);
+    model[512..6144].fill(0xc3);
+    model[17 * 512..18 * 512].fill(0x3c);
+    let img = open(&overlay);
+    assert_eq!(img.allocated_sectors(), 12);
+    assert_eq!(read(&img, 0, 1 << 20), model, "sub-page bits read by sector");
+    // A partial write into page 1 (sectors 8..=11 set, 12..=15 not) copies up
+    // only what is missing: the written sectors 8..=11 keep their data.
+    write(&img, 7000, &[0x11; 10]);
+    model[7000..7010].fill(0x11);
+    assert_eq!(read(&img, 0, 1 << 20), model);
+    assert_eq!(img.allocated_sectors(), 12 + 4);
+    // Page 0 (sectors 1..=7 set), by a write into its unset sector 0.
+    write(&img, 100, &[0x22; 3]);
+    model[100..103].fill(0x22);
+    // Page 2 (sector 17 set), by a write of the whole page.
+    write(&img, 8192, &[0x33; 4096]);
+    model[8192..12288].fill(0x33);
+    assert_eq!(read(&img, 0, 1 << 20), model);
+    assert_whole_pages(&img);
+    img.sync_metadata().unwrap();
+    let mut bits = [0u8; 4];
+    img.files()[0].read_exact_at(&mut bits, h.bitmap_offset()).unwrap();
+    assert_eq!(bits, [0xff, 0xff, 0xff, 0]);
+    drop(img);
+    assert_eq!(read(&open(&overlay), 0, 1 << 20), model, "after reopening");
+}
+
 #[test]
 fn bits_reach_the_file_on_sync_or_durable_writes_only() {
     let dir = Dir::new("sync");
@@ -183,12 +299,12 @@ fn bits_reach_the_file_on_sync_or_durable_writes_only() {
     img.prepare_write(8192, 512).unwrap();
     img.files()[0].write_all_at(&[2u8; 512], img.header().data_offset() + 8192).unwrap();
     img.write_done(8192, 512, true).unwrap();
-    assert_eq!(reopen(img), 9, "a durable write_done persists its bits");
-    // The bitmap on disk is exactly what UML would write: bits 0..8 and 16.
+    assert_eq!(reopen(img), 16, "a durable write_done persists its bits, with its page's copy-up");
+    // The bitmap on disk is exactly what UML would write: bits 0..8 and 16..24.
     let h = parse_header(&std::fs::read(&overlay).unwrap()[..MAX_HEADER_LEN]).unwrap();
     let mut bits = [0u8; 4];
     File::open(&overlay).unwrap().read_exact_at(&mut bits, h.bitmap_offset()).unwrap();
-    assert_eq!(bits, [0xff, 0, 0x01, 0]);
+    assert_eq!(bits, [0xff, 0, 0xff, 0]);
     let _ = base;
 }
 
@@ -361,7 +477,8 @@ fn commit_in_place_and_into_a_new_image() {
     let img = CowImage::open_with(&overlay, &o).unwrap();
     let seen = std::cell::Cell::new((0, 0));
     let copied = img.commit_to_backing(&|d, t| seen.set((d, t))).unwrap();
-    assert_eq!(copied, 7 * 512 + 512);
+    // Page 0 whole (777..3777 copied it up) and the last, one-sector page.
+    assert_eq!(copied, 8 * 512 + 512);
     assert_eq!(seen.get(), (copied, copied));
     assert_eq!(std::fs::read(&base).unwrap(), model);
 }
