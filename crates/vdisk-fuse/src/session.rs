@@ -15,6 +15,11 @@ use crate::proto::{self, Wire};
 
 /// Largest READ/WRITE we negotiate (and the payload size of every buffer).
 pub const MAX_IO: usize = 1 << 20;
+/// Test-only opcodes: one whose dispatch panics, one that panics the transport's loop itself.
+#[cfg(test)]
+pub(crate) const TEST_PANIC: u32 = 0x7e57_0001;
+#[cfg(test)]
+pub(crate) const TEST_PANIC_IN_LOOP: u32 = 0x7e57_0002;
 /// How long the kernel may cache the attributes: they never change.
 const ATTR_VALID_SECS: u64 = 3600;
 
@@ -141,6 +146,8 @@ impl Session {
             }
             proto::LSEEK => proto::LseekIn::read(op).map_or(fail(libc::EINVAL), |l| self.lseek(h, &l)),
             proto::DESTROY => ok(Vec::new()),
+            #[cfg(test)]
+            TEST_PANIC => panic!("a test asked request {} to panic", h.unique),
             _ => fail(libc::ENOSYS),
         }
     }

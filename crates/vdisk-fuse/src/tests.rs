@@ -1,0 +1,105 @@
+//! The panic edge of the classic transport, without a mount: a reader serves
+//! a SOCK_SEQPACKET socket standing in for /dev/fuse (one request per read,
+//! like the device), over a real device on a raw file. A request whose
+//! dispatch panics gets EIO and the next ones are served; after the loop
+//! itself panics, every request still gets an answer (EIO), never silence.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use vdisk_engine::{Device, EngineConfig};
+use vdisk_image::{Image, RawImage};
+
+use crate::classic::Reader;
+use crate::proto::{self, Wire};
+use crate::session::{Session, TEST_PANIC, TEST_PANIC_IN_LOOP};
+
+struct Kernel {
+    fd: OwnedFd,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Kernel {
+    fn send(&self, opcode: u32, unique: u64, arg: &[u8]) {
+        let h = proto::InHeader { len: (40 + arg.len()) as u32, opcode, unique, nodeid: 1, ..Default::default() };
+        let mut msg = h.bytes().to_vec();
+        msg.extend_from_slice(arg);
+        // SAFETY: msg is a live buffer of msg.len() bytes; the kernel only reads it.
+        let n = unsafe { libc::write(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len()) };
+        assert_eq!(n, msg.len() as isize, "sending request {unique}");
+    }
+
+    /// The next reply: (unique, errno, body length); panics after 10 s of silence.
+    fn reply(&self) -> (u64, i32, usize) {
+        let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let ready = unsafe { libc::poll(&mut p, 1, 10_000) };
+        assert_eq!(ready, 1, "no reply within 10 s: a request was left unanswered");
+        let mut buf = vec![0u8; 2 << 20];
+        // SAFETY: buf is ours and writable for its length.
+        let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        assert!(n >= 16, "reply of {n} bytes");
+        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
+        let error = i32::from_ne_bytes(buf[4..8].try_into().unwrap());
+        let unique = u64::from_ne_bytes(buf[8..16].try_into().unwrap());
+        assert_eq!(len, n as usize, "reply length field");
+        (unique, -error, len - 16)
+    }
+}
+
+fn serve(tag: &str) -> (Kernel, std::thread::JoinHandle<()>) {
+    let dir = std::env::temp_dir().join(format!("vdisk-fuse-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("disk.img");
+    let _ = std::fs::remove_file(&path);
+    RawImage::create(&path, 1 << 20, None).unwrap();
+    let image: Arc<dyn Image> = Arc::new(RawImage::open(&path, false).unwrap());
+    let device = Arc::new(Device::start(tag, image, &EngineConfig::default()).unwrap());
+    let mut fds = [0; 2];
+    // SAFETY: socketpair writes two new descriptors into the array.
+    let r = unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) };
+    assert_eq!(r, 0, "socketpair: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just created and are owned by nobody else.
+    let (server, kernel) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let reader = Reader::new(server, Arc::new(Session::new(device))).unwrap();
+    (Kernel { fd: kernel, dir }, std::thread::spawn(move || reader.run()))
+}
+
+fn read_arg(offset: u64, size: u32) -> Vec<u8> {
+    proto::RwIn { offset, size, ..Default::default() }.bytes().to_vec()
+}
+
+#[test]
+fn a_panicking_request_gets_eio_and_the_next_ones_are_served() {
+    let (k, t) = serve("panic-request");
+    k.send(TEST_PANIC, 7, &[]);
+    assert_eq!(k.reply(), (7, libc::EIO, 0));
+    k.send(proto::GETATTR, 8, &[]);
+    let (unique, errno, _) = k.reply();
+    assert_eq!((unique, errno), (8, 0), "GETATTR after the panic");
+    k.send(proto::READ, 9, &read_arg(4096, 8192));
+    assert_eq!(k.reply(), (9, 0, 8192), "a READ through the engine after the panic");
+    drop(k);
+    t.join().expect("the reader thread ends when the device goes away");
+}
+
+#[test]
+fn after_the_loop_itself_panics_every_request_still_gets_eio() {
+    let (k, t) = serve("panic-loop");
+    k.send(proto::GETATTR, 1, &[]);
+    assert_eq!(k.reply().1, 0);
+    k.send(TEST_PANIC_IN_LOOP, 2, &[]);
+    assert_eq!(k.reply(), (2, libc::EIO, 0), "the request the loop panicked on");
+    for unique in 3..6 {
+        k.send(proto::READ, unique, &read_arg(0, 4096));
+        assert_eq!(k.reply(), (unique, libc::EIO, 0), "request {unique} after the loop failed");
+    }
+    drop(k);
+    t.join().expect("the reader thread ends when the device goes away");
+}
