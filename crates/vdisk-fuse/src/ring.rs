@@ -22,6 +22,7 @@ use io_uring::{cqueue, opcode, squeue::Entry128, types, IoUring};
 use vdisk_engine::wake::EventFd;
 use vdisk_engine::{Buf, Op, Request, Sink};
 
+use crate::edge;
 use crate::error::{Error, ErrorKind};
 use crate::proto::{self, Wire};
 use crate::ring_entry::{self, Header};
@@ -209,7 +210,15 @@ impl Queue {
             if cqes.is_empty() {
                 match self.ring.submit_and_wait(1) {
                     Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    // A stopped and continued process (a debugger, a cgroup freeze): wait again.
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    // The completion queue is full (EBUSY) or the kernel is short of
+                    // memory (EAGAIN): reap what is there, then submit again.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) => {
+                        if self.ring.completion().is_empty() {
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                    }
                     Err(e) => return Err(e),
                 }
                 cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
@@ -219,7 +228,7 @@ impl Queue {
                     self.efd_armed = false;
                     let finished = std::mem::take(&mut *self.sink.done.lock().unwrap());
                     for req in finished {
-                        self.finish(req)?;
+                        self.finish_guarded(req)?;
                     }
                     continue;
                 }
@@ -231,13 +240,13 @@ impl Queue {
                     self.slots[i].state = State::Dead;
                     continue;
                 }
-                self.take(i, &mut batch)?;
+                self.take_guarded(i, &mut batch)?;
             }
             if !batch.is_empty() {
                 self.session.inflight.begin(batch.len(), 0);
                 self.session.device.submit_inline(std::mem::take(&mut batch), &self.dyn_sink, &mut done);
                 for req in done.drain(..) {
-                    self.finish(req)?;
+                    self.finish_guarded(req)?;
                 }
             }
             if !self.efd_armed {
@@ -245,6 +254,38 @@ impl Queue {
             }
         }
         Ok(())
+    }
+
+    /// [`Queue::take`] at the panic edge: a request whose dispatch panics gets
+    /// EIO (its entry still holds its payload) and the queue goes on.
+    fn take_guarded(&mut self, i: usize, batch: &mut Vec<Request>) -> io::Result<()> {
+        match edge::guard(|| self.take(i, batch)) {
+            Ok(r) => r,
+            Err(why) => self.answer_panic(i, "deciding", &why),
+        }
+    }
+
+    /// [`Queue::finish`] at the panic edge: a reply that panics becomes EIO.
+    fn finish_guarded(&mut self, req: Request) -> io::Result<()> {
+        let i = req.tag as usize;
+        match edge::guard(|| self.finish(req)) {
+            Ok(r) => r,
+            Err(why) => self.answer_panic(i, "answering", &why),
+        }
+    }
+
+    /// Entry `i`'s request panicked: EIO if the entry is still ours to commit.
+    /// An entry whose payload the panic took is left Busy: recommitting it
+    /// would let the kernel write into memory it no longer owns.
+    fn answer_panic(&mut self, i: usize, doing: &str, why: &str) -> io::Result<()> {
+        let (name, unique) = (self.session.device.name().to_owned(), self.slots[i].unique);
+        let slot = &self.slots[i];
+        if slot.state != State::Busy || slot.payload.is_none() {
+            log::error!("fuse {name} ring queue {}: {doing} request {unique} panicked: {why}", self.qid);
+            return Ok(());
+        }
+        log::error!("fuse {name} ring queue {}: {doing} request {unique} panicked: {why}; it gets EIO", self.qid);
+        self.reply(i, libc::EIO, &[])
     }
 
     /// A request arrived in entry `i`: answer it now or queue it for the engine.
