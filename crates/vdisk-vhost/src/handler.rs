@@ -221,7 +221,17 @@ fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &Atomic
         if exit.load(Ordering::SeqCst) {
             break;
         }
-        ctx.kick();
+        // The worker's panic edge: one chain's panic is answered IOERR inside
+        // (see `queue::parse_guarded`); anything else is logged and the ring
+        // is served again at the next kick instead of never again.
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.kick())) {
+            let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+            log::error!(
+                "vhost-user-blk {}: serving a kick panicked: {}; the queue goes on",
+                ctx.name(),
+                why.as_deref().unwrap_or("a panic without a message")
+            );
+        }
     }
 }
 

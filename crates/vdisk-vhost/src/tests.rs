@@ -19,6 +19,11 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, Guest
 use crate::parse::{S_IOERR, S_OK, S_UNSUPP};
 use crate::queue::{QueueCtx, Shared, Vring};
 
+thread_local! {
+    /// Set on the thread that kicks: the next chain it judges panics.
+    pub(crate) static PANIC_NEXT_PARSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 const MEM: usize = 1 << 20;
 const QSIZE: u16 = 64;
 const DISK: u64 = 1 << 20;
@@ -556,4 +561,26 @@ fn memory_regions_translate_ring_addresses() {
     h.remove_mem_region(&VhostUserSingleMemoryRegion::new(1 << 20, 1 << 20, va2, 0)).unwrap();
     assert!(h.set_vring_addr(0, flags(), va2, va2 + 0x2000, va2 + 0x1000, 0).is_err(), "the region is gone");
     h.set_vring_addr(0, flags(), va + 0x1000, va + 0x3000, va + 0x2000, 0).unwrap();
+}
+
+#[test]
+fn a_chain_that_panics_gets_ioerr_and_the_queue_goes_on() {
+    let mut rig = Rig::new("panic", false);
+    let h0 = rig.header(0, VIRTIO_BLK_T_IN, 0);
+    let bad = rig.offer(&[(h0, 16, false), (DATA, 512, true), (Rig::status_of(0), 1, true)]);
+    let h1 = rig.header(1, VIRTIO_BLK_T_IN, 8);
+    let good = rig.offer(&[(h1, 16, false), (DATA + 4096, 4096, true), (Rig::status_of(1), 1, true)]);
+    rig.mem().write_obj(0xffu8, GuestAddress(Rig::status_of(0))).unwrap();
+    PANIC_NEXT_PARSE.with(|p| p.set(true));
+    let used = rig.kick();
+    assert_eq!(rig.status(0), S_IOERR, "the chain that panicked");
+    assert_eq!(len_of(&used, bad), 1, "IOERR: the status byte only");
+    assert_eq!(rig.status(1), S_OK, "the chain after it");
+    assert_eq!(len_of(&used, good), 4097);
+    // And the next kick is served as ever.
+    let h2 = rig.header(2, VIRTIO_BLK_T_IN, 16);
+    let next = rig.offer(&[(h2, 16, false), (DATA + 8192, 512, true), (Rig::status_of(2), 1, true)]);
+    let used = rig.kick();
+    assert_eq!(rig.status(2), S_OK);
+    assert_eq!(len_of(&used, next), 513);
 }
