@@ -65,8 +65,10 @@ fn serve(tag: &str) -> (Kernel, std::thread::JoinHandle<()>) {
     // SAFETY: socketpair writes two new descriptors into the array.
     let r = unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) };
     assert_eq!(r, 0, "socketpair: {}", std::io::Error::last_os_error());
-    // SAFETY: both descriptors were just created and are owned by nobody else.
-    let (server, kernel) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: fds[0] was just created and is owned by nobody else.
+    let server = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+    // SAFETY: the same for fds[1].
+    let kernel = unsafe { OwnedFd::from_raw_fd(fds[1]) };
     let reader = Reader::new(server, Arc::new(Session::new(device))).unwrap();
     (Kernel { fd: kernel, dir }, std::thread::spawn(move || reader.run()))
 }
@@ -99,6 +101,36 @@ fn after_the_loop_itself_panics_every_request_still_gets_eio() {
     for unique in 3..6 {
         k.send(proto::READ, unique, &read_arg(0, 4096));
         assert_eq!(k.reply(), (unique, libc::EIO, 0), "request {unique} after the loop failed");
+    }
+    drop(k);
+    t.join().expect("the reader thread ends when the device goes away");
+}
+
+extern "C" fn ignore(_: libc::c_int) {}
+
+/// A real signal, with a handler installed without SA_RESTART, delivered
+/// again and again to the reader while it waits in poll(2) and reads
+/// /dev/fuse (here its stand-in): each call fails with EINTR, and the
+/// reader must wait again, not end or drop a request.
+#[test]
+fn signals_without_sa_restart_do_not_stop_the_reader() {
+    use std::os::unix::thread::JoinHandleExt;
+    // SAFETY: sigaction is plain data; all zero is a valid (empty) value.
+    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+    sa.sa_sigaction = ignore as *const () as usize;
+    sa.sa_flags = 0; // no SA_RESTART: blocked calls fail with EINTR
+                     // SAFETY: installs a handler that does nothing for SIGURG (ignored by
+                     // default, used by no one else in this test binary); sa is fully set.
+    assert_eq!(unsafe { libc::sigaction(libc::SIGURG, &sa, std::ptr::null_mut()) }, 0);
+    let (k, t) = serve("eintr");
+    for unique in 1..=5u64 {
+        for _ in 0..20 {
+            // SAFETY: the thread is alive (joined only below); SIGURG has a handler.
+            unsafe { libc::pthread_kill(t.as_pthread_t(), libc::SIGURG) };
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        k.send(proto::READ, unique, &read_arg(0, 4096));
+        assert_eq!(k.reply(), (unique, 0, 4096), "READ {unique} after signals");
     }
     drop(k);
     t.join().expect("the reader thread ends when the device goes away");
