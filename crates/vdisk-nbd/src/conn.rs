@@ -126,6 +126,10 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     result
 }
 
+/// A request type that panics the reader (tests of the panic edge only).
+#[cfg(test)]
+pub(crate) const TEST_PANIC_CMD: u16 = 0x7e57;
+
 /// A connection ended by a panic (the message); [`crate::Server`] logs it as an error.
 #[derive(Debug)]
 pub(crate) struct Panicked(pub(crate) String);
@@ -218,6 +222,10 @@ impl Reader<'_> {
             }
             if h.kind == CMD_DISC {
                 return Ok(true);
+            }
+            #[cfg(test)]
+            if h.kind == TEST_PANIC_CMD {
+                panic!("a test asked this connection to panic");
             }
             let payload = h.payload_len();
             let avail = buf.len() - *start - REQUEST_HEADER;

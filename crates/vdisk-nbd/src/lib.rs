@@ -365,3 +365,6 @@ impl Server {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
