@@ -298,6 +298,10 @@ impl Queue {
                 }
                 self.take_guarded(i)?;
             }
+            #[cfg(test)]
+            if self.batch.iter().any(|r| r.offset == crate::session::TEST_PANIC_LOOP_AT) {
+                panic!("a test asked the ring queue's loop to panic");
+            }
             if !self.batch.is_empty() {
                 self.session.inflight.begin(self.batch.len(), 0);
                 let batch = std::mem::take(&mut self.batch);

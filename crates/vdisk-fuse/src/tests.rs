@@ -135,3 +135,61 @@ fn signals_without_sa_restart_do_not_stop_the_reader() {
     drop(k);
     t.join().expect("the reader thread ends when the device goes away");
 }
+
+/// The ring transport's panic edges, mounted for real (root, and the kernel's
+/// FUSE-over-io_uring): a READ whose dispatch panics gets EIO and the queue
+/// serves on; after the queue's loop itself panics, the request it held and
+/// every later one on that queue get EIO, never silence. The thread is pinned
+/// to one CPU so that every request goes to the same queue.
+#[test]
+fn ring_requests_that_panic_get_eio_and_the_queue_goes_on() {
+    use std::os::unix::fs::FileExt;
+
+    use crate::session::{TEST_PANIC_LOOP_AT, TEST_PANIC_READ_AT};
+    const PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+    if !std::path::Path::new(PARAM).exists() {
+        println!("skipped: this kernel has no FUSE-over-io_uring ({PARAM} is missing)");
+        return;
+    }
+    std::fs::write(PARAM, "Y").expect("turn on FUSE-over-io_uring (the test runs as root)");
+    // SAFETY: cpu_set_t is plain data; all zero is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity writes at most size_of::<cpu_set_t>() bytes into set.
+    assert_eq!(unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) }, 0);
+    let is_set = |c: usize| {
+        // SAFETY: CPU_ISSET only reads the cpu_set_t it is given; c < CPU_SETSIZE.
+        unsafe { libc::CPU_ISSET(c, &set) }
+    };
+    let cpu = (0..libc::CPU_SETSIZE as usize).find(|&c| is_set(c)).expect("some CPU to run on");
+    // SAFETY: CPU_ZERO only writes the cpu_set_t it is given.
+    unsafe { libc::CPU_ZERO(&mut set) };
+    // SAFETY: CPU_SET only writes the cpu_set_t it is given; cpu < CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pins this thread (0) to a CPU it may run on; set is valid for its size.
+    assert_eq!(unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) }, 0);
+
+    let dir = std::env::temp_dir().join(format!("vdisk-fuse-{}-ring-panic", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = dir.join("disk.img");
+    let _ = std::fs::remove_file(&img);
+    RawImage::create(&img, 1 << 20, None).unwrap();
+    let image: Arc<dyn Image> = Arc::new(RawImage::open(&img, false).unwrap());
+    let device = Arc::new(Device::start("ring-panic", image, &EngineConfig::default()).unwrap());
+    let file = dir.join("disk.file");
+    let export = crate::start(&file, device, &crate::Options { uring: true, readers: 1 }).expect("mount with the ring");
+    let f = std::fs::File::open(&file).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let eio = |r: std::io::Result<usize>, what: &str| {
+        assert_eq!(r.map_err(|e| e.raw_os_error()), Err(Some(libc::EIO)), "{what}");
+    };
+    assert_eq!(f.read_at(&mut buf, 0).unwrap(), 4096);
+    eio(f.read_at(&mut buf, TEST_PANIC_READ_AT), "the READ whose dispatch panicked");
+    assert_eq!(f.read_at(&mut buf, 4096).unwrap(), 4096, "a READ after that panic");
+    eio(f.read_at(&mut buf, TEST_PANIC_LOOP_AT), "the READ the loop panicked on");
+    for at in [0, 8192, 65536] {
+        eio(f.read_at(&mut buf, at), "a READ on the failed queue");
+    }
+    drop(f);
+    export.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
