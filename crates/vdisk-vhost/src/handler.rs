@@ -191,7 +191,7 @@ impl BlkHandler {
 }
 
 /// A ring's worker: waits for the kick eventfd (or a wake-up from the handler) and serves the ring.
-fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &AtomicBool) {
+pub(crate) fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &AtomicBool) {
     const KICK: u64 = 0;
     const WAKE: u64 = 1;
     let Ok(epoll) = Epoll::new() else { return };
