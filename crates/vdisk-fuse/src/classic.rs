@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use vdisk_engine::{Buf, Op, Request, Sink};
 
+use crate::edge;
 use crate::proto::{self, Wire};
 use crate::session::{Action, ReplyBody, Session, MAX_IO};
 
@@ -43,11 +44,19 @@ impl FdSink {
             libc::iovec { iov_base: body.as_ptr() as *mut _, iov_len: body.len() },
         ];
         let n = if body.is_empty() { 1 } else { 2 };
-        // SAFETY: both iovecs point at live buffers of the given lengths; the
-        // kernel only reads them.
-        let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), n) };
-        if r < 0 {
-            log::debug!("fuse: reply to request {unique}: {}", io::Error::last_os_error());
+        loop {
+            // SAFETY: both iovecs point at live buffers of the given lengths; the
+            // kernel only reads them.
+            let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), n) };
+            if r >= 0 {
+                return;
+            }
+            let e = io::Error::last_os_error();
+            // A lost reply would leave the caller waiting in the kernel for ever.
+            if e.kind() != io::ErrorKind::Interrupted {
+                log::debug!("fuse: reply to request {unique}: {e}");
+                return;
+            }
         }
     }
 
@@ -65,7 +74,14 @@ impl Sink for FdSink {
     fn complete(&self, done: Vec<Request>) {
         let n = done.len();
         for req in &done {
-            self.answer(req);
+            if let Err(why) = edge::guard(|| self.answer(req)) {
+                log::error!(
+                    "fuse {}: answering request {} panicked: {why}; it gets EIO",
+                    self.session.device.name(),
+                    req.tag
+                );
+                self.send(req.tag, libc::EIO, &[]);
+            }
         }
         drop(done);
         self.session.inflight.end(n, 0);
@@ -87,6 +103,10 @@ pub struct Reader {
     dyn_sink: Arc<dyn Sink>,
     head: [u8; proto::WRITE_HEADER],
     payload: Buf,
+    /// The loop itself panicked once: from then on every request gets EIO.
+    failed: bool,
+    /// The request being decided, answered EIO if the loop panics on it.
+    current: Option<u64>,
 }
 
 fn fresh_payload() -> Buf {
@@ -104,7 +124,14 @@ impl Reader {
             return Err(io::Error::last_os_error());
         }
         let sink = Arc::new(FdSink { fd, session });
-        Ok(Reader { dyn_sink: sink.clone(), sink, head: [0; proto::WRITE_HEADER], payload: fresh_payload() })
+        Ok(Reader {
+            dyn_sink: sink.clone(),
+            sink,
+            head: [0; proto::WRITE_HEADER],
+            payload: fresh_payload(),
+            failed: false,
+            current: None,
+        })
     }
 
     fn read(&mut self) -> Got {
@@ -115,8 +142,11 @@ impl Reader {
             ];
             // SAFETY: both iovecs are buffers we own, writable for their lengths.
             let n = unsafe { libc::readv(self.sink.fd.as_raw_fd(), iov.as_ptr(), 2) };
-            if n >= 0 {
+            if n > 0 {
                 return Got::Request(n as usize);
+            }
+            if n == 0 {
+                return Got::Gone; // never from /dev/fuse; the end of a test's socket
             }
             match io::Error::last_os_error().raw_os_error() {
                 Some(libc::EAGAIN) => return Got::Empty,
@@ -131,14 +161,71 @@ impl Reader {
         }
     }
 
+    /// Waits for a request. EINTR (a stopped and continued process) just
+    /// returns: the caller reads again, and waits again if nothing came.
     fn wait(&self) {
         let mut p = libc::pollfd { fd: self.sink.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(&mut p, 1, -1) };
     }
 
-    /// Serves requests until the file system goes away.
+    /// Serves requests until the file system goes away. The thread's panic
+    /// edge: a panic deciding one request answers it EIO (in [`Reader::serve`]);
+    /// one in the loop itself is logged and the loop starts again in a
+    /// failed mode where every request gets EIO, so no caller ever waits for ever.
     pub fn run(mut self) {
+        let name = self.sink.session.device.name().to_owned();
+        while let Err(why) = edge::guard(|| self.serve()) {
+            log::error!("fuse {name}: the /dev/fuse reader panicked: {why}; every request now gets EIO");
+            self.failed = true;
+            if let Some(unique) = self.current.take() {
+                self.sink.send(unique, libc::EIO, &[]);
+            }
+        }
+    }
+
+    /// Decides what to do with the request just read (`n` bytes, header `h`).
+    fn decide(&mut self, session: &Session, h: &proto::InHeader, n: usize) -> Action {
+        if self.failed {
+            return Action::Reply(libc::EIO, Vec::new());
+        }
+        #[cfg(test)]
+        if h.opcode == crate::session::TEST_PANIC_IN_LOOP {
+            panic!("a test asked the reader loop to panic");
+        }
+        if h.opcode == proto::WRITE && n >= proto::WRITE_HEADER {
+            let action = session.dispatch(h, &self.head[40..]);
+            match action {
+                Action::Submit(mut req) if matches!(req.op(), Op::Write { .. }) => {
+                    let data = n - proto::WRITE_HEADER;
+                    if data as u64 != req.len {
+                        Action::Reply(libc::EINVAL, Vec::new())
+                    } else {
+                        let buf = if data <= COPY_MAX {
+                            Buf::from_slice(&self.payload[..data])
+                        } else {
+                            let mut buf = std::mem::replace(&mut self.payload, fresh_payload());
+                            buf.set_len(data);
+                            buf
+                        };
+                        if let Some(into) = req.cmd.data_mut() {
+                            *into = buf.into();
+                        }
+                        Action::Submit(req)
+                    }
+                }
+                other => other,
+            }
+        } else {
+            let mut all = self.head[..n.min(proto::WRITE_HEADER)].to_vec();
+            if n > proto::WRITE_HEADER {
+                all.extend_from_slice(&self.payload[..n - proto::WRITE_HEADER]);
+            }
+            session.dispatch(h, &all[40..])
+        }
+    }
+
+    fn serve(&mut self) {
         let session = self.sink.session.clone();
         let mut batch: Vec<Request> = Vec::new();
         let mut done: Vec<Request> = Vec::new();
@@ -156,36 +243,22 @@ impl Reader {
                 log::warn!("fuse: short request of {n} bytes");
                 continue;
             };
-            let action = if h.opcode == proto::WRITE && n >= proto::WRITE_HEADER {
-                let action = session.dispatch(&h, &self.head[40..]);
-                match action {
-                    Action::Submit(mut req) if matches!(req.op(), Op::Write { .. }) => {
-                        let data = n - proto::WRITE_HEADER;
-                        if data as u64 != req.len {
-                            Action::Reply(libc::EINVAL, Vec::new())
-                        } else {
-                            let buf = if data <= COPY_MAX {
-                                Buf::from_slice(&self.payload[..data])
-                            } else {
-                                let mut buf = std::mem::replace(&mut self.payload, fresh_payload());
-                                buf.set_len(data);
-                                buf
-                            };
-                            if let Some(into) = req.cmd.data_mut() {
-                                *into = buf.into();
-                            }
-                            Action::Submit(req)
-                        }
-                    }
-                    other => other,
-                }
-            } else {
-                let mut all = self.head[..n.min(proto::WRITE_HEADER)].to_vec();
-                if n > proto::WRITE_HEADER {
-                    all.extend_from_slice(&self.payload[..n - proto::WRITE_HEADER]);
-                }
-                session.dispatch(&h, &all[40..])
+            self.current = Some(h.unique);
+            let action = match h.opcode {
+                // The loop's own test fault is not one request's: it must reach the edge.
+                #[cfg(test)]
+                crate::session::TEST_PANIC_IN_LOOP => self.decide(&session, &h, n),
+                _ => edge::guard(|| self.decide(&session, &h, n)).unwrap_or_else(|why| {
+                    log::error!(
+                        "fuse {}: request {} (opcode {}) panicked: {why}; it gets EIO",
+                        session.device.name(),
+                        h.unique,
+                        h.opcode
+                    );
+                    Action::Reply(libc::EIO, Vec::new())
+                }),
             };
+            self.current = None;
             match action {
                 Action::Reply(errno, body) => self.sink.send(h.unique, errno, &body),
                 Action::Submit(req) => {
@@ -206,7 +279,22 @@ impl Reader {
         }
         let session = &self.sink.session;
         session.inflight.begin(batch.len(), 0);
-        session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done);
+        let uniques: Vec<u64> = batch.iter().map(|r| r.tag).collect();
+        let submitted = edge::guard(|| session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done));
+        if let Err(why) = submitted {
+            // Which of them the engine still holds is unknown: answer all now
+            // (a second answer to one is refused by the kernel, harmlessly).
+            log::error!(
+                "fuse {}: submitting {} request(s) panicked: {why}; they get EIO",
+                session.device.name(),
+                uniques.len()
+            );
+            done.clear();
+            for unique in uniques {
+                self.sink.send(unique, libc::EIO, &[]);
+            }
+            return;
+        }
         if !done.is_empty() {
             self.sink.complete(std::mem::take(done));
         }

@@ -8,9 +8,10 @@
 //!
 //! Modules: `proto` (the wire structs), `session` (what each operation does),
 //! `classic` and `ring` (the two transports), `ring_entry` (the ring's entry
-//! layout and SQEs), `mount` (the mount point).
+//! layout and SQEs), `mount` (the mount point), `edge` (a panic becomes -EIO).
 
 mod classic;
+mod edge;
 mod error;
 mod mount;
 pub mod proto;
@@ -259,3 +260,6 @@ impl Drop for FuseExport {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -13,6 +13,7 @@
 //! it to the engine as the request's buffer, so data is never copied. An
 //! entry's buffers stay allocated as long as the kernel may write to them.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +23,7 @@ use io_uring::{cqueue, opcode, squeue::Entry128, types, IoUring};
 use vdisk_engine::wake::EventFd;
 use vdisk_engine::{Buf, Op, Request, Sink};
 
+use crate::edge;
 use crate::error::{Error, ErrorKind};
 use crate::proto::{self, Wire};
 use crate::ring_entry::{self, Header};
@@ -90,9 +92,15 @@ pub struct Queue {
     efd_buf: &'static mut u64,
     efd_armed: bool,
     give_up: Arc<AtomicBool>,
-    /// Completions reaped while starting: once the last queue registers, the
-    /// kernel may hand an entry a request before `start` returns.
-    early: Vec<(u64, i32)>,
+    /// Completions reaped and not yet handled: first those reaped while
+    /// starting (once the last queue registers, the kernel may hand an entry a
+    /// request before `start` returns). A field, not a local, so that a panic
+    /// of the loop loses none of them.
+    cqes: VecDeque<(u64, i32)>,
+    /// Requests taken for the engine and not yet submitted (a field for the same reason).
+    batch: Vec<Request>,
+    /// The loop panicked once: from then on every request of this queue gets EIO.
+    failed: bool,
 }
 
 // SAFETY: the raw pointers are owned allocations used only by the thread that runs the queue.
@@ -141,7 +149,9 @@ impl Queue {
             efd_buf: Box::leak(Box::new(0u64)),
             efd_armed: false,
             give_up,
-            early: Vec::new(),
+            cqes: VecDeque::new(),
+            batch: Vec::new(),
+            failed: false,
         };
         for i in 0..depth {
             let sqe = ring_entry::register(q.fd, qid, q.slots[i].iovs.cast(), i as u64);
@@ -159,7 +169,7 @@ impl Queue {
         // left its caller, a `stat`, waiting forever in the kernel).
         let reaped: Vec<(u64, i32)> = q.ring.completion().map(|c| (c.user_data(), c.result())).collect();
         let failed: Vec<(u64, i32)> = reaped.iter().copied().filter(|&(ud, res)| ud != WAKE && res < 0).collect();
-        q.early = reaped;
+        q.cqes = reaped.into();
         if let Some(&(_, res)) = failed.first() {
             // Entries that did register stay Waiting, so Drop leaks rather than frees them.
             for (i, _) in &failed {
@@ -191,35 +201,90 @@ impl Queue {
         Ok(())
     }
 
-    /// Serves until every entry is gone (the connection ended) or the stop gives up waiting.
+    /// Serves until every entry is gone (the connection ended) or the stop
+    /// gives up waiting. The thread's panic edge: a panic of one request is
+    /// answered EIO where it happens (see [`Queue::take_guarded`]); one of the
+    /// loop itself answers what it held EIO and the loop goes on in a failed
+    /// mode where every request of this queue gets EIO, never silence.
     pub fn run(mut self) {
-        if let Err(e) = self.serve() {
-            log::error!("fuse ring queue {}: {e}", self.qid);
+        loop {
+            match edge::guard(|| self.serve()) {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => {
+                    log::error!("fuse ring queue {}: {e}", self.qid);
+                    return;
+                }
+                Err(why) => {
+                    log::error!(
+                        "fuse {} ring queue {}: the queue's loop panicked: {why}; every request of this queue now gets EIO",
+                        self.session.device.name(),
+                        self.qid
+                    );
+                    self.failed = true;
+                    if let Err(e) = self.recover() {
+                        log::error!("fuse ring queue {}: {e}", self.qid);
+                        return;
+                    }
+                }
+            }
         }
     }
 
+    /// After a panic of the loop: requests taken and not submitted get their
+    /// entry's payload back, and every entry holding a request that is still
+    /// ours to answer is committed with EIO. (An entry whose payload went to
+    /// the engine is answered when the engine completes it, or never: it is
+    /// not recommitted without its buffer.)
+    fn recover(&mut self) -> io::Result<()> {
+        for mut req in std::mem::take(&mut self.batch) {
+            let i = req.tag as usize;
+            if req.op().is_data() {
+                let mut buf = req.take_buf();
+                if buf.as_ptr() != self.slots[i].payload_ptr {
+                    log::error!("fuse ring: an entry's payload buffer was replaced; stopping at once");
+                    std::process::abort();
+                }
+                buf.set_len(buf.capacity());
+                self.slots[i].payload = Some(buf);
+            }
+        }
+        for i in 0..self.slots.len() {
+            if self.slots[i].state == State::Busy && self.slots[i].payload.is_some() {
+                self.reply(i, libc::EIO, &[])?;
+            }
+        }
+        Ok(())
+    }
+
     fn serve(&mut self) -> io::Result<()> {
-        let mut cqes = std::mem::take(&mut self.early);
-        let mut batch = Vec::new();
         let mut done = Vec::new();
         while self.slots.iter().any(|s| s.state != State::Dead) {
             if self.give_up.load(Ordering::Acquire) {
                 return Ok(());
             }
-            if cqes.is_empty() {
+            if self.cqes.is_empty() {
                 match self.ring.submit_and_wait(1) {
                     Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    // A stopped and continued process (a debugger, a cgroup freeze): wait again.
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    // The completion queue is full (EBUSY) or the kernel is short of
+                    // memory (EAGAIN): reap what is there, then submit again.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) => {
+                        if self.ring.completion().is_empty() {
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                    }
                     Err(e) => return Err(e),
                 }
-                cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+                let reaped: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+                self.cqes.extend(reaped);
             }
-            for (ud, res) in cqes.drain(..) {
+            while let Some((ud, res)) = self.cqes.pop_front() {
                 if ud == WAKE {
                     self.efd_armed = false;
                     let finished = std::mem::take(&mut *self.sink.done.lock().unwrap());
                     for req in finished {
-                        self.finish(req)?;
+                        self.finish_guarded(req)?;
                     }
                     continue;
                 }
@@ -231,13 +296,18 @@ impl Queue {
                     self.slots[i].state = State::Dead;
                     continue;
                 }
-                self.take(i, &mut batch)?;
+                self.take_guarded(i)?;
             }
-            if !batch.is_empty() {
-                self.session.inflight.begin(batch.len(), 0);
-                self.session.device.submit_inline(std::mem::take(&mut batch), &self.dyn_sink, &mut done);
+            #[cfg(test)]
+            if self.batch.iter().any(|r| r.offset == crate::session::TEST_PANIC_LOOP_AT) {
+                panic!("a test asked the ring queue's loop to panic");
+            }
+            if !self.batch.is_empty() {
+                self.session.inflight.begin(self.batch.len(), 0);
+                let batch = std::mem::take(&mut self.batch);
+                self.session.device.submit_inline(batch, &self.dyn_sink, &mut done);
                 for req in done.drain(..) {
-                    self.finish(req)?;
+                    self.finish_guarded(req)?;
                 }
             }
             if !self.efd_armed {
@@ -247,8 +317,40 @@ impl Queue {
         Ok(())
     }
 
+    /// [`Queue::take`] at the panic edge: a request whose dispatch panics gets
+    /// EIO (its entry still holds its payload) and the queue goes on.
+    fn take_guarded(&mut self, i: usize) -> io::Result<()> {
+        match edge::guard(|| self.take(i)) {
+            Ok(r) => r,
+            Err(why) => self.answer_panic(i, "deciding", &why),
+        }
+    }
+
+    /// [`Queue::finish`] at the panic edge: a reply that panics becomes EIO.
+    fn finish_guarded(&mut self, req: Request) -> io::Result<()> {
+        let i = req.tag as usize;
+        match edge::guard(|| self.finish(req)) {
+            Ok(r) => r,
+            Err(why) => self.answer_panic(i, "answering", &why),
+        }
+    }
+
+    /// Entry `i`'s request panicked: EIO if the entry is still ours to commit.
+    /// An entry whose payload the panic took is left Busy: recommitting it
+    /// would let the kernel write into memory it no longer owns.
+    fn answer_panic(&mut self, i: usize, doing: &str, why: &str) -> io::Result<()> {
+        let (name, unique) = (self.session.device.name().to_owned(), self.slots[i].unique);
+        let slot = &self.slots[i];
+        if slot.state != State::Busy || slot.payload.is_none() {
+            log::error!("fuse {name} ring queue {}: {doing} request {unique} panicked: {why}", self.qid);
+            return Ok(());
+        }
+        log::error!("fuse {name} ring queue {}: {doing} request {unique} panicked: {why}; it gets EIO", self.qid);
+        self.reply(i, libc::EIO, &[])
+    }
+
     /// A request arrived in entry `i`: answer it now or queue it for the engine.
-    fn take(&mut self, i: usize, batch: &mut Vec<Request>) -> io::Result<()> {
+    fn take(&mut self, i: usize) -> io::Result<()> {
         let slot = &mut self.slots[i];
         slot.state = State::Busy;
         // SAFETY: the entry is Busy: the kernel wrote it before posting the CQE
@@ -258,6 +360,9 @@ impl Queue {
             (proto::InHeader::read(&hdr.in_out).expect("sized"), hdr.op_in, hdr.ent)
         };
         slot.unique = h.unique;
+        if self.failed {
+            return self.reply(i, libc::EIO, &[]);
+        }
         match self.session.dispatch(&h, &op) {
             Action::Reply(errno, body) => self.reply(i, errno, &body),
             Action::Nothing => self.reply(i, 0, &[]),
@@ -272,7 +377,7 @@ impl Queue {
                     buf.set_len(len as usize);
                     *data = buf.into();
                 }
-                batch.push(req);
+                self.batch.push(req);
                 Ok(())
             }
         }

@@ -15,6 +15,17 @@ use crate::proto::{self, Wire};
 
 /// Largest READ/WRITE we negotiate (and the payload size of every buffer).
 pub const MAX_IO: usize = 1 << 20;
+/// Test-only opcodes: one whose dispatch panics, one that panics the transport's loop itself.
+#[cfg(test)]
+pub(crate) const TEST_PANIC: u32 = 0x7e57_0001;
+#[cfg(test)]
+pub(crate) const TEST_PANIC_IN_LOOP: u32 = 0x7e57_0002;
+/// Test-only offsets for the ring's test (which gets only real opcodes from the
+/// kernel): a READ here panics in dispatch; one at the other, in the queue's loop.
+#[cfg(test)]
+pub(crate) const TEST_PANIC_READ_AT: u64 = 0x7_0000;
+#[cfg(test)]
+pub(crate) const TEST_PANIC_LOOP_AT: u64 = 0x7_8000;
 /// How long the kernel may cache the attributes: they never change.
 const ATTR_VALID_SECS: u64 = 3600;
 
@@ -141,11 +152,17 @@ impl Session {
             }
             proto::LSEEK => proto::LseekIn::read(op).map_or(fail(libc::EINVAL), |l| self.lseek(h, &l)),
             proto::DESTROY => ok(Vec::new()),
+            #[cfg(test)]
+            TEST_PANIC => panic!("a test asked request {} to panic", h.unique),
             _ => fail(libc::ENOSYS),
         }
     }
 
     fn read(&self, h: &proto::InHeader, r: &proto::RwIn) -> Action {
+        #[cfg(test)]
+        if r.offset == TEST_PANIC_READ_AT {
+            panic!("a test asked the READ at {} to panic", r.offset);
+        }
         // A read past the end is short, as on any file.
         let len = (r.size as u64).min(self.size().saturating_sub(r.offset));
         if len == 0 {

@@ -12,6 +12,7 @@
 //! stops reading until the client takes its replies.
 
 use std::io::{self, Read};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use vdisk_engine::{Buf, Command, Device, Op, Request, Sink};
@@ -92,10 +93,29 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching));
     let writer = {
         let outbox = outbox.clone();
-        std::thread::Builder::new().name("nbd-writer".into()).spawn(move || outbox.write_queued())?
+        let shut = stream.try_clone()?;
+        std::thread::Builder::new().name("nbd-writer".into()).spawn(move || {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| outbox.write_queued())) {
+                log::error!(
+                    "nbd {}: the reply writer panicked: {}; closing the connection",
+                    shut.peer(),
+                    panic_text(&*p)
+                );
+                shut.shutdown(std::net::Shutdown::Both);
+            }
+        })?
     };
     let mut reader = Reader { stream, device: &device, neg: &neg, outbox: &outbox, batching, batch: Vec::new() };
-    let result = reader.run();
+    // The connection's panic edge: a panic while reading or submitting ends
+    // this connection (the socket is shut, so the client sees the end at once)
+    // and nothing else; what was read is still answered below.
+    let result = match catch_unwind(AssertUnwindSafe(|| reader.run())) {
+        Ok(r) => r,
+        Err(p) => {
+            reader.stream.shutdown(std::net::Shutdown::Both);
+            Err(io::Error::other(Panicked(panic_text(&*p))))
+        }
+    };
     // Requests already charged to the outbox must finish, even when the
     // stream broke mid-payload: until they do, the writer (and this
     // connection's threads and socket) would wait for them forever.
@@ -104,6 +124,31 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
     let _ = writer.join();
     reader.stream.close();
     result
+}
+
+/// A request type that panics the reader (tests of the panic edge only).
+#[cfg(test)]
+pub(crate) const TEST_PANIC_CMD: u16 = 0x7e57;
+
+/// A connection ended by a panic (the message); [`crate::Server`] logs it as an error.
+#[derive(Debug)]
+pub(crate) struct Panicked(pub(crate) String);
+
+impl std::fmt::Display for Panicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a panic while serving it: {}", self.0)
+    }
+}
+
+impl std::error::Error for Panicked {}
+
+/// What a panic said.
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_owned(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".to_owned(),
+    }
 }
 
 struct Reader<'a> {
@@ -177,6 +222,10 @@ impl Reader<'_> {
             }
             if h.kind == CMD_DISC {
                 return Ok(true);
+            }
+            #[cfg(test)]
+            if h.kind == TEST_PANIC_CMD {
+                panic!("a test asked this connection to panic");
             }
             let payload = h.payload_len();
             let avail = buf.len() - *start - REQUEST_HEADER;

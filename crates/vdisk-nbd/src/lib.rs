@@ -248,6 +248,7 @@ impl Server {
         ];
         while !self.stopping.load(Ordering::SeqCst) {
             // SAFETY: pfd is a valid array of two pollfds for the duration of the call.
+            // EINTR (r < 0) polls again; std's accept below retries EINTR itself.
             let r = unsafe { libc::poll(pfd.as_mut_ptr(), 2, -1) };
             if r < 0 || pfd[1].revents != 0 {
                 continue;
@@ -281,7 +282,11 @@ impl Server {
         let spawned = std::thread::Builder::new().name(format!("nbd-conn-{id}")).spawn({
             let me = me.clone();
             move || {
-                me.connection(stream, id);
+                // The thread's panic edge (the handshake, or what the transmission's own
+                // edge let through): this client's socket is shut, others go on.
+                if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.connection(stream, id))) {
+                    me.panicked(id, &conn::panic_text(&*p));
+                }
                 me.forget(id);
             }
         });
@@ -289,6 +294,17 @@ impl Server {
             log::warn!("cannot start a thread for a client: {e}");
             me.forget(id);
         }
+    }
+
+    /// Connection `id` panicked: one error line naming the export, the client
+    /// and the cause, and its socket shut so the client sees the end at once.
+    fn panicked(&self, id: u64, why: &str) {
+        let conns = self.conns.lock().unwrap();
+        let Some(c) = conns.get(&id) else { return };
+        let peer = c.stream.peer();
+        let export = c.export.as_ref().map_or("(none chosen yet)", |(name, _)| name.as_str());
+        log::error!(client:% = peer, export:% = export; "{peer}: export {export:?}: a panic while serving it: {why}; closing the connection");
+        c.stream.shutdown(Shutdown::Both);
     }
 
     fn forget(&self, id: u64) {
@@ -339,7 +355,9 @@ impl Server {
         }
         log::debug!(client:% = peer, export:% = export.name; "{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
         if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
-            if e.kind() == io::ErrorKind::InvalidData {
+            if e.get_ref().is_some_and(|inner| inner.is::<conn::Panicked>()) {
+                log::error!(client:% = peer, export:% = export.name; "{peer}: export {:?}: {e}; closed the connection", export.name);
+            } else if e.kind() == io::ErrorKind::InvalidData {
                 log::warn!(client:% = peer, export:% = export.name; "{peer}: {e}; closing the connection");
             } else {
                 log::info!(client:% = peer, export:% = export.name; "{peer}: connection ended: {e}");
@@ -347,3 +365,6 @@ impl Server {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -352,6 +352,61 @@ struct Rx {
     end: usize,
 }
 
+/// Follows the record framing of what the client sends during the handshake
+/// to see a plaintext close_notify alert (a client that refused the server's
+/// certificate says goodbye that way, e.g. GnuTLS's `gnutls_bye`). rustls
+/// takes one in a TLS 1.2 handshake for a harmless warning and waits for more,
+/// so without this the connection would sit until the handshake timeout.
+#[derive(Default)]
+struct RecordWatch {
+    /// The header of the record being read (type, version, length).
+    head: [u8; 5],
+    have: usize,
+    /// Payload bytes of the current record still to come.
+    left: usize,
+    /// The current record is a plaintext alert (two bytes: level, description).
+    alert: bool,
+    payload: [u8; 2],
+    got: usize,
+}
+
+impl RecordWatch {
+    const ALERT: u8 = 21;
+    const CLOSE_NOTIFY: u8 = 0;
+
+    /// Looks at the next bytes from the client: true once a plaintext close_notify has gone by.
+    fn closes(&mut self, mut b: &[u8]) -> bool {
+        while !b.is_empty() {
+            if self.left == 0 {
+                let n = (5 - self.have).min(b.len());
+                self.head[self.have..self.have + n].copy_from_slice(&b[..n]);
+                self.have += n;
+                b = &b[n..];
+                if self.have == 5 {
+                    self.have = 0;
+                    self.left = u16::from_be_bytes([self.head[3], self.head[4]]) as usize;
+                    self.alert = self.head[0] == Self::ALERT && self.left == 2;
+                    self.got = 0;
+                }
+                continue;
+            }
+            let n = self.left.min(b.len());
+            if self.alert {
+                for &x in &b[..n] {
+                    self.payload[self.got] = x;
+                    self.got += 1;
+                }
+                if self.got == 2 && self.payload[1] == Self::CLOSE_NOTIFY {
+                    return true;
+                }
+            }
+            self.left -= n;
+            b = &b[n..];
+        }
+        false
+    }
+}
+
 /// A connection after STARTTLS: everything goes through `conn`.
 pub struct TlsStream {
     sock: Stream,
@@ -406,6 +461,7 @@ impl TlsStream {
             rx: Mutex::new(Rx { buf: vec![0; RX_BUFFER], start: 0, end: 0 }),
         };
         let mut rx = t.rx.lock().unwrap();
+        let mut watch = RecordWatch::default();
         loop {
             let (handshaking, wants_write) = {
                 let c = t.conn.lock().unwrap();
@@ -416,11 +472,20 @@ impl TlsStream {
             } else if !handshaking {
                 break;
             } else {
-                if rx.start == rx.end && !t.fill(&mut rx)? {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the client left during the TLS handshake",
-                    ));
+                if rx.start == rx.end {
+                    if !t.fill(&mut rx)? {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "the client left during the TLS handshake",
+                        ));
+                    }
+                    if watch.closes(&rx.buf[rx.start..rx.end]) {
+                        return Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "the client closed the TLS handshake (close_notify; it may have refused the server's \
+                             certificate or name)",
+                        ));
+                    }
                 }
                 t.feed(&mut rx)?;
             }
@@ -546,5 +611,39 @@ impl TlsStream {
 
     pub fn socket(&self) -> &Stream {
         &self.sock
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RecordWatch;
+
+    const HELLO: &[u8] = &[0x16, 3, 1, 0, 4, 1, 0, 0, 0];
+    const CLOSE_NOTIFY: &[u8] = &[0x15, 3, 3, 0, 2, 1, 0];
+
+    #[test]
+    fn a_plaintext_close_notify_is_seen_in_any_split() {
+        let mut all = HELLO.to_vec();
+        all.extend_from_slice(CLOSE_NOTIFY);
+        for cut in 0..=all.len() {
+            let mut w = RecordWatch::default();
+            let first = w.closes(&all[..cut]);
+            assert!(first || w.closes(&all[cut..]), "split at {cut}");
+        }
+        // One byte at a time.
+        let mut w = RecordWatch::default();
+        assert!(all.iter().any(|b| w.closes(std::slice::from_ref(b))));
+    }
+
+    #[test]
+    fn other_records_and_alerts_are_not_a_close() {
+        let mut w = RecordWatch::default();
+        // A fatal alert is rustls's to handle; an encrypted record of type 21 is longer than 2.
+        assert!(!w.closes(&[0x15, 3, 3, 0, 2, 2, 40]));
+        assert!(!w.closes(&[0x15, 3, 3, 0, 3, 1, 0, 0]));
+        // A close_notify's bytes inside another record's payload.
+        assert!(!w.closes(&[0x17, 3, 3, 0, 7, 0x15, 3, 3, 0, 2, 1, 0]));
+        assert!(!w.closes(HELLO));
+        assert!(w.closes(CLOSE_NOTIFY));
     }
 }

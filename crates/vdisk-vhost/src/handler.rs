@@ -191,7 +191,7 @@ impl BlkHandler {
 }
 
 /// A ring's worker: waits for the kick eventfd (or a wake-up from the handler) and serves the ring.
-fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &AtomicBool) {
+pub(crate) fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &AtomicBool) {
     const KICK: u64 = 0;
     const WAKE: u64 = 1;
     let Ok(epoll) = Epoll::new() else { return };
@@ -221,7 +221,17 @@ fn serve_ring(ctx: &Arc<QueueCtx>, mut kick: File, wake: &EventFd, exit: &Atomic
         if exit.load(Ordering::SeqCst) {
             break;
         }
-        ctx.kick();
+        // The worker's panic edge: one chain's panic is answered IOERR inside
+        // (see `queue::parse_guarded`); anything else is logged and the ring
+        // is served again at the next kick instead of never again.
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ctx.kick())) {
+            let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+            log::error!(
+                "vhost-user-blk {}: serving a kick panicked: {}; the queue goes on",
+                ctx.name(),
+                why.as_deref().unwrap_or("a panic without a message")
+            );
+        }
     }
 }
 

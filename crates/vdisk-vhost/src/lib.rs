@@ -164,8 +164,13 @@ fn serve(
         }
         log::info!("{name}: vhost-user frontend connected");
         let end = loop {
-            if let Err(e) = conn.handle_request() {
-                break e;
+            match conn.handle_request() {
+                Ok(()) => {}
+                // EINTR/EAGAIN: the vhost crate retries them itself while reading
+                // a header and while sending; one that still comes back (from a
+                // body read) ends nothing: serve the next message.
+                Err(VuError::SocketRetry(e)) => log::debug!("{name}: vhost-user socket: {e}; going on"),
+                Err(e) => break e,
             }
         };
         match end {

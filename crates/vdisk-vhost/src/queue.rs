@@ -94,20 +94,25 @@ impl QueueCtx {
         })
     }
 
+    /// The device's name, for the log.
+    pub fn name(&self) -> &str {
+        self.shared.device.name()
+    }
+
     pub fn vring(&self) -> &Arc<Vring> {
         &self.vring
     }
 
     /// Heads to serve again before the available ring (see [`QueueCtx::resubmit`]).
     pub fn set_resubmit(&self, heads: Vec<u16>) {
-        *self.resubmit.lock().unwrap() = heads;
+        *self.resubmit.lock().unwrap_or_else(|e| e.into_inner()) = heads;
     }
 
     /// Serves a kick: drains the queue (again while the guest keeps adding,
     /// with EVENT_IDX), submits one batch, answers what needs no engine.
     /// Heads left in flight by a previous backend go first.
     pub fn kick(self: &Arc<Self>) {
-        let mem: Arc<Mem> = self.shared.mem.lock().unwrap().memory().into_inner();
+        let mem: Arc<Mem> = self.shared.mem.lock().unwrap_or_else(|e| e.into_inner()).memory().into_inner();
         let limits = self.shared.limits();
         let event_idx = self.shared.event_idx.load(Ordering::Relaxed);
         let mut parsed = Vec::new();
@@ -116,7 +121,7 @@ impl QueueCtx {
             if !state.serving() {
                 return;
             }
-            let resubmit = std::mem::take(&mut *self.resubmit.lock().unwrap());
+            let resubmit = std::mem::take(&mut *self.resubmit.lock().unwrap_or_else(|e| e.into_inner()));
             if !resubmit.is_empty() {
                 log::info!(
                     "vhost-user-blk: submitting {} request(s) a previous backend left in flight",
@@ -133,7 +138,7 @@ impl QueueCtx {
                     if let Some(log) = state.log.as_mut() {
                         log.mark(chain.head_index());
                     }
-                    parsed.push(parse::parse(chain, &limits));
+                    parsed.push(parse_guarded(chain, &limits));
                 }
                 if !event_idx || !state.queue.enable_notification(&*mem).unwrap_or(false) {
                     break;
@@ -153,7 +158,7 @@ impl QueueCtx {
         let mut answered = Vec::new();
         let mut failed_io = 0;
         {
-            let mut slab = self.pending.lock().unwrap();
+            let mut slab = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             for p in parsed {
                 match p.action {
                     Action::Answer(s) => answered.push(self.answer(mem, p.head, p.status, s, 0)),
@@ -261,7 +266,7 @@ impl Sink for QueueCtx {
         let mut used = Vec::with_capacity(done.len());
         let mut mem = None;
         {
-            let mut slab = self.pending.lock().unwrap();
+            let mut slab = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             for req in done {
                 let slot = req.tag as usize;
                 let Some(p) = slab.get_mut(slot) else { continue };
@@ -377,8 +382,40 @@ fn resubmit_chains(mem: &Arc<Mem>, queue: &Queue, heads: &[u16], limits: &Limits
     q.set_ready(true);
     for &h in heads {
         match q.pop_descriptor_chain(&scratch) {
-            Some(chain) => out.push(parse::parse(chain, limits)),
+            Some(chain) => out.push(parse_guarded(chain, limits)),
             None => log::warn!("vhost-user-blk: head {h} left in flight cannot be read again"),
         }
     }
+}
+
+/// One chain's panic edge: a panic while judging a chain answers it IOERR (in
+/// its last device-writable byte, where a virtio-blk status goes) with one
+/// error line, and the queue goes on with the next chain. (The fuzzer calls
+/// [`parse::parse`] itself, so it still sees every panic.)
+fn parse_guarded<M>(chain: virtio_queue::DescriptorChain<M>, limits: &Limits) -> Parsed
+where
+    M: std::ops::Deref + Clone,
+    M::Target: vm_memory::GuestMemory,
+{
+    let head = chain.head_index();
+    let status = chain
+        .clone()
+        .last()
+        .filter(|d| d.is_write_only() && d.len() > 0)
+        .and_then(|d| d.addr().checked_add(u64::from(d.len()) - 1));
+    let judged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        #[cfg(test)]
+        if crate::tests::PANIC_NEXT_PARSE.with(|p| p.replace(false)) {
+            panic!("a test asked this chain to panic");
+        }
+        parse::parse(chain, limits)
+    }));
+    judged.unwrap_or_else(|p| {
+        let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+        log::error!(
+            "vhost-user-blk: judging request {head} panicked: {}; it gets IOERR",
+            why.as_deref().unwrap_or("a panic without a message")
+        );
+        Parsed { head, status, action: Action::Answer(S_IOERR) }
+    })
 }

@@ -19,6 +19,11 @@ use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, Guest
 use crate::parse::{S_IOERR, S_OK, S_UNSUPP};
 use crate::queue::{QueueCtx, Shared, Vring};
 
+thread_local! {
+    /// Set on the thread that kicks: the next chain it judges panics.
+    pub(crate) static PANIC_NEXT_PARSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 const MEM: usize = 1 << 20;
 const QSIZE: u16 = 64;
 const DISK: u64 = 1 << 20;
@@ -556,4 +561,77 @@ fn memory_regions_translate_ring_addresses() {
     h.remove_mem_region(&VhostUserSingleMemoryRegion::new(1 << 20, 1 << 20, va2, 0)).unwrap();
     assert!(h.set_vring_addr(0, flags(), va2, va2 + 0x2000, va2 + 0x1000, 0).is_err(), "the region is gone");
     h.set_vring_addr(0, flags(), va + 0x1000, va + 0x3000, va + 0x2000, 0).unwrap();
+}
+
+#[test]
+fn a_chain_that_panics_gets_ioerr_and_the_queue_goes_on() {
+    let mut rig = Rig::new("panic", false);
+    let h0 = rig.header(0, VIRTIO_BLK_T_IN, 0);
+    let bad = rig.offer(&[(h0, 16, false), (DATA, 512, true), (Rig::status_of(0), 1, true)]);
+    let h1 = rig.header(1, VIRTIO_BLK_T_IN, 8);
+    let good = rig.offer(&[(h1, 16, false), (DATA + 4096, 4096, true), (Rig::status_of(1), 1, true)]);
+    rig.mem().write_obj(0xffu8, GuestAddress(Rig::status_of(0))).unwrap();
+    PANIC_NEXT_PARSE.with(|p| p.set(true));
+    let used = rig.kick();
+    assert_eq!(rig.status(0), S_IOERR, "the chain that panicked");
+    assert_eq!(len_of(&used, bad), 1, "IOERR: the status byte only");
+    assert_eq!(rig.status(1), S_OK, "the chain after it");
+    assert_eq!(len_of(&used, good), 4097);
+    // And the next kick is served as ever.
+    let h2 = rig.header(2, VIRTIO_BLK_T_IN, 16);
+    let next = rig.offer(&[(h2, 16, false), (DATA + 8192, 512, true), (Rig::status_of(2), 1, true)]);
+    let used = rig.kick();
+    assert_eq!(rig.status(2), S_OK);
+    assert_eq!(len_of(&used, next), 513);
+}
+
+extern "C" fn ignore(_: libc::c_int) {}
+
+/// A ring's worker waits for kicks in epoll_wait, which a signal (a handler
+/// without SA_RESTART here; a stop and continue of the process in life) ends
+/// with EINTR: the worker must wait again and serve the next kick.
+#[test]
+fn a_ring_worker_waits_again_after_signals_without_sa_restart() {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    use std::os::unix::thread::JoinHandleExt;
+    use std::time::{Duration, Instant};
+
+    // SAFETY: sigaction is plain data; all zero is a valid (empty) value.
+    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+    sa.sa_sigaction = ignore as *const () as usize;
+    sa.sa_flags = 0; // no SA_RESTART: epoll_wait fails with EINTR
+                     // SAFETY: a handler that does nothing for SIGURG, which nothing else here uses.
+    assert_eq!(unsafe { libc::sigaction(libc::SIGURG, &sa, std::ptr::null_mut()) }, 0);
+    let mut rig = Rig::new("eintr", false);
+    // SAFETY: eventfd only reads its arguments; the result is checked.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    // SAFETY: fd was just created and is owned by nobody else.
+    let kick = unsafe { std::fs::File::from_raw_fd(fd) };
+    let mut kicker = kick.try_clone().unwrap();
+    let wake = Arc::new(vdisk_engine::wake::EventFd::new().unwrap());
+    let exit = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let (ctx, wake, exit) = (rig.ctx.clone(), wake.clone(), exit.clone());
+        std::thread::spawn(move || crate::handler::serve_ring(&ctx, kick, &wake, &exit))
+    };
+    for _ in 0..50 {
+        // SAFETY: the worker is alive (joined only below); SIGURG has a handler.
+        unsafe { libc::pthread_kill(worker.as_pthread_t(), libc::SIGURG) };
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let h = rig.header(0, VIRTIO_BLK_T_IN, 0);
+    rig.mem().write_obj(0xffu8, GuestAddress(Rig::status_of(0))).unwrap();
+    rig.offer(&[(h, 16, false), (DATA, 512, true), (Rig::status_of(0), 1, true)]);
+    kicker.write_all(&1u64.to_ne_bytes()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rig.status(0) == 0xff {
+        assert!(Instant::now() < deadline, "the worker never served the kick after the signals");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(rig.status(0), S_OK);
+    exit.store(true, std::sync::atomic::Ordering::SeqCst);
+    wake.wake();
+    worker.join().unwrap();
 }

@@ -49,13 +49,27 @@ impl MetricsServer {
         let thread = std::thread::Builder::new()
             .name("metrics".into())
             .spawn(move || {
+                // std's accept retries EINTR itself; a failed accept is skipped.
                 for stream in listener.incoming() {
                     if stop.load(Ordering::SeqCst) {
                         return;
                     }
                     if let Ok(s) = stream {
-                        if let Err(e) = answer(s, &registry) {
-                            log::debug!("metrics: {e}");
+                        // The scrape's panic edge: one error line, the connection
+                        // closed (the scraper sees it at once), the next scrape served.
+                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answer(s, &registry))) {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => log::debug!("metrics: {e}"),
+                            Err(p) => {
+                                let why = p
+                                    .downcast_ref::<&str>()
+                                    .map(|s| s.to_string())
+                                    .or_else(|| p.downcast_ref::<String>().cloned());
+                                log::error!(
+                                    "metrics: a scrape panicked: {}; closed it",
+                                    why.as_deref().unwrap_or("a panic without a message")
+                                );
+                            }
                         }
                     }
                 }
@@ -88,9 +102,12 @@ fn answer(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
-        match s.read(&mut buf)? {
-            0 => break,
-            n => head.extend_from_slice(&buf[..n]),
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+            // A stopped and continued process gets EINTR from a read with a timeout.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
     let line = String::from_utf8_lossy(&head).lines().next().unwrap_or_default().to_owned();

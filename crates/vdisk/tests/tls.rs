@@ -250,6 +250,67 @@ fn a_client_trusting_another_ca_is_refused() {
     server.stop();
 }
 
+/// A TLS 1.2 ClientHello (the suites and groups rustls serves with the test's
+/// ECDSA certificate, or RSA), as a client that then gives up would send it.
+fn tls12_client_hello() -> Vec<u8> {
+    let ext: &[u8] = &[
+        0x00, 0x0a, 0x00, 0x04, 0x00, 0x02, 0x00, 0x1d, // supported_groups: x25519
+        0x00, 0x0b, 0x00, 0x02, 0x01, 0x00, // ec_point_formats: uncompressed
+        0x00, 0x0d, 0x00, 0x08, 0x00, 0x06, 0x04, 0x03, 0x08, 0x04, 0x04, 0x01, // signature_algorithms
+    ];
+    let mut body = vec![0x03, 0x03];
+    body.extend_from_slice(&[0x5a; 32]); // random
+    body.push(0); // no session id
+    body.extend_from_slice(&[0x00, 0x04, 0xc0, 0x2b, 0xc0, 0x2f]); // ECDHE-{ECDSA,RSA}-AES128-GCM-SHA256
+    body.extend_from_slice(&[0x01, 0x00]); // compression: null
+    body.extend_from_slice(&(ext.len() as u16).to_be_bytes());
+    body.extend_from_slice(ext);
+    let mut hs = vec![0x01, 0];
+    hs.extend_from_slice(&(body.len() as u16).to_be_bytes());
+    hs.extend_from_slice(&body);
+    let mut rec = vec![0x16, 0x03, 0x01];
+    rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+    rec.extend_from_slice(&hs);
+    rec
+}
+
+/// Issue 22: a client that leaves in the middle of the TLS handshake, with a
+/// close_notify (GnuTLS's gnutls_bye after refusing the server's certificate)
+/// or by closing its half of the socket, is let go at once (nbd-server: 24 ms),
+/// not after the 30 s handshake timeout; the server goes on serving others.
+#[test]
+fn a_client_leaving_mid_handshake_is_let_go_at_once() {
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+    let (dir, pki, img) = pki_and_disk("tls-leave", "8M");
+    let server = Server::start(&dir, &[s(&img), "--tls=require", "--tls-certificates", s(&pki.server)]);
+    for (how, goodbye) in [("close_notify", Some(&[0x15u8, 3, 3, 0, 2, 1, 0][..])), ("shutdown(write)", None)] {
+        let mut raw = Client::handshake(&server.socket);
+        let (kind, _) = option(&mut raw, vdisk_nbd::proto::OPT_STARTTLS, &[]);
+        assert_eq!(kind, vdisk_nbd::proto::REP_ACK, "STARTTLS");
+        raw.send(&tls12_client_hello());
+        // The server's first flight shows the handshake is under way.
+        let mut head = [0u8; 5];
+        raw.sock.read_exact(&mut head).expect("the server's ServerHello");
+        assert_eq!(head[0], 0x16, "the server answered the ClientHello with {head:?}, not a handshake record");
+        let start = Instant::now();
+        match goodbye {
+            Some(alert) => raw.sock.write_all(alert).unwrap(),
+            None => raw.sock.shutdown(std::net::Shutdown::Write).unwrap(),
+        }
+        raw.sock.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
+        let _ = rest(&mut raw);
+        let took = start.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "after the client's {how} mid-handshake the server held on for {took:?}"
+        );
+    }
+    // Others are served.
+    assert_io_ok(&qemu_io_tls(&server, "disk", &pki.client, &["read 0 4k"]), "a good client after those that left");
+    server.stop();
+}
+
 #[test]
 fn verify_peer_wants_a_client_certificate_from_the_ca() {
     let (dir, pki, img) = pki_and_disk("tls-verify-peer", "8M");
