@@ -231,7 +231,8 @@ impl rpc::Handler for Session {
             return Err(Fault::new(ERR_DENIED, self.policy.access.refusal(p, what)));
         }
         log::info!("control: {what} from uid {} gid {} pid {}", p.uid, p.gid, p.pid);
-        within(self.policy.deadline, self.daemon.clone(), method).map_err(fault)
+        let daemon = self.daemon.clone();
+        within(self.policy.deadline, what, move |ticket| call(&daemon, method, ticket)).map_err(fault)
     }
 }
 
@@ -242,15 +243,18 @@ fn fault(r: Refusal) -> Fault {
 /// Runs a changing request on its own thread; past `deadline` gives it up
 /// (its ticket abandoned, so it changes nothing) and answers with an error.
 /// A change already being made when the deadline passes is waited for.
-fn within(deadline: Duration, daemon: Arc<Daemon>, method: Method) -> Result<Value, Refusal> {
-    let what = method.name();
+fn within(
+    deadline: Duration,
+    what: &str,
+    change: impl FnOnce(&Ticket) -> Result<Value, Refusal> + Send + 'static,
+) -> Result<Value, Refusal> {
     let ticket = Arc::new(Ticket::default());
     let (tx, rx) = mpsc::channel();
     let t = ticket.clone();
     std::thread::Builder::new()
         .name("control-change".into())
         .spawn(move || {
-            let _ = tx.send(call(&daemon, method, &t));
+            let _ = tx.send(change(&t));
         })
         .map_err(|e| Refusal { code: ERR_FAILED, message: format!("cannot start a thread for {what}: {e}") })?;
     let until = Instant::now() + deadline;
@@ -334,5 +338,30 @@ fn export_spec(a: AddParams) -> ExportSpec {
         vhost_user_blk: a.vhost_user_blk.map(PathBuf::from),
         num_queues: a.num_queues,
         limits: limits(a.qos, Limits::default()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_past_its_deadline_is_given_up_and_changes_nothing() {
+        let changed = Arc::new(AtomicBool::new(false));
+        let c = changed.clone();
+        let started = Instant::now();
+        let r = within(Duration::from_millis(100), "export_add", move |ticket| {
+            // A slow open: the change is made only if the ticket still holds.
+            std::thread::sleep(Duration::from_millis(400));
+            let _committing = ticket.commit().ok_or(Refusal { code: ERR_FAILED, message: "given up".into() })?;
+            c.store(true, Ordering::SeqCst);
+            Ok(Value::Null)
+        });
+        let e = r.unwrap_err();
+        assert!(e.message.contains("did not finish within") && e.message.contains("nothing was"), "{}", e.message);
+        assert!(started.elapsed() < Duration::from_millis(350), "answered at the deadline, not after the open");
+        std::thread::sleep(Duration::from_millis(600));
+        assert!(!changed.load(Ordering::SeqCst), "the late open changed nothing");
+        assert_eq!(within(Duration::from_secs(5), "x", |_| Ok(json!(1))).unwrap(), json!(1));
     }
 }

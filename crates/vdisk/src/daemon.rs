@@ -60,7 +60,7 @@ pub struct Ticket {
 
 impl Ticket {
     /// Marks a change as being made, or None once abandoned.
-    fn commit(&self) -> Option<Committing<'_>> {
+    pub(crate) fn commit(&self) -> Option<Committing<'_>> {
         let mut s = self.state.lock().unwrap();
         if s.0 {
             return None;
@@ -80,7 +80,7 @@ impl Ticket {
 }
 
 /// While alive, its ticket cannot be abandoned.
-struct Committing<'a>(&'a Ticket);
+pub(crate) struct Committing<'a>(&'a Ticket);
 
 impl Drop for Committing<'_> {
     fn drop(&mut self) {

@@ -1,0 +1,217 @@
+//! The control socket as its own authority (issue 27): its mode and group are
+//! its own (never --socket-mode), only the owner, root and the control group
+//! may change exports, what it adds must lie beneath --image-root, and no
+//! request (a FIFO, a socket, a character device) wedges it. Driven against
+//! the real binary, with `vdisk ctl` run as `nobody` through setpriv, and the
+//! served image read back with qemu-io.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+/// A group id no user of the test machine has (the control group of these tests).
+const GROUP: u32 = 54_321;
+
+/// A test directory others may traverse (so only the socket's own mode keeps them out).
+fn open_dir(tag: &str) -> TempDir {
+    let dir = TempDir::new(tag);
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// `vdisk serve --control DIR/ctl.sock --socket DIR/nbd.sock EXTRA...`.
+fn serve(dir: &TempDir, extra: &[&str]) -> (Server, PathBuf) {
+    let control = dir.path("ctl.sock");
+    let socket = dir.path("nbd.sock");
+    let mut args = vec!["serve", "--control", s(&control), "--socket", s(&socket)];
+    args.extend_from_slice(extra);
+    (Server::spawn(&args, socket.clone()), control)
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+/// `vdisk ctl --control PATH ARGS` run as `nobody`, with `groups` as its only groups.
+fn ctl_as_nobody(control: &Path, groups: Option<u32>, args: &[&str]) -> Output {
+    let groups = match groups {
+        Some(g) => format!("--groups={g}"),
+        None => "--clear-groups".into(),
+    };
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=nobody", "--regid=nogroup", &groups, vdisk_bin(), "ctl", "--control", s(control)]);
+    cmd.args(args).output().expect("run setpriv (util-linux)")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// One JSON-RPC request on a new connection, as root; returns the response.
+fn rpc(control: &Path, method: &str, params: Value) -> Value {
+    let mut c = UnixStream::connect(control).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let req = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    writeln!(c, "{req}").unwrap();
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line).unwrap();
+    json(&line)
+}
+
+/// The error message of a response that must be an error.
+fn refused(v: &Value) -> String {
+    v["error"]["message"].as_str().unwrap_or_else(|| panic!("not an error: {v}")).to_owned()
+}
+
+#[test]
+fn the_control_socket_has_its_own_mode_and_only_owner_and_group_change_things() {
+    let dir = open_dir("ctl-authority");
+    let root = dir.path("root");
+    std::fs::create_dir(&root).unwrap();
+    create_image(&root.join("in.img"), "4M");
+
+    // --socket-mode opens the NBD socket to everyone, never the control socket.
+    let (server, control) = serve(&dir, &["--socket-mode", "0666"]);
+    assert_eq!(mode(&dir.path("nbd.sock")), 0o666);
+    assert_eq!(mode(&control), 0o600, "--socket-mode must not apply to the control socket");
+    let out = ctl_as_nobody(&control, None, &["list"]);
+    assert_eq!(out.status.code(), Some(1), "nobody reached a 0600 control socket: {}", text(&out));
+    assert!(stderr(&out).contains("Permission denied"), "{}", text(&out));
+    server.stop();
+
+    // A socket others can reach needs image roots, or the server refuses to start.
+    let nbd = dir.path("nbd.sock");
+    let args = ["serve", "--control", s(&control), "--socket", s(&nbd), "--control-mode", "0660"];
+    let out = vdisk_bounded(&args);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(stderr(&out).contains("--image-root"), "the refusal says what to add: {}", text(&out));
+
+    // 0660 and a control group: its members may list and add beneath the roots, nothing outside.
+    let g = GROUP.to_string();
+    let (server, control) = serve(&dir, &["--control-mode", "0660", "--control-group", &g, "--image-root", s(&root)]);
+    let meta = std::fs::metadata(&control).unwrap();
+    assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, GROUP));
+    let out = ctl_as_nobody(&control, None, &["list"]);
+    assert_eq!(out.status.code(), Some(1), "not in the group, cannot connect: {}", text(&out));
+    let out = ctl_as_nobody(&control, Some(GROUP), &["list", "--json"]);
+    assert!(out.status.success(), "a member lists: {}", text(&out));
+    assert_eq!(json(&String::from_utf8_lossy(&out.stdout)), json!([]));
+    let out = ctl_as_nobody(&control, Some(GROUP), &["add", "/etc/shadow"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(stderr(&out).contains("outside the image roots"), "{}", text(&out));
+    let out = ctl_as_nobody(&control, Some(GROUP), &["add", s(&root.join("in.img"))]);
+    assert!(out.status.success(), "a member adds beneath the roots: {}", text(&out));
+    qemu_io(&server.uri("in"), &["write -P 9 0 64k", "read -P 9 0 64k"]);
+    server.stop();
+
+    // Readable by all (0666), no group: anyone may read, only the owner and root change.
+    let (server, control) = serve(&dir, &["--control-mode", "0666", "--image-root", s(&root)]);
+    let out = ctl_as_nobody(&control, None, &["info", "--json"]);
+    assert!(out.status.success(), "anyone who can connect may read: {}", text(&out));
+    for args in [vec!["add", s(&root.join("in.img"))], vec!["reload"], vec!["remove", "in"]] {
+        let out = ctl_as_nobody(&control, None, &args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
+        assert!(stderr(&out).contains("only the server's own user"), "{args:?}: {}", text(&out));
+    }
+    assert_eq!(rpc(&control, "export_list", json!({}))["result"], json!([]), "nothing was added");
+    server.stop();
+}
+
+#[test]
+fn image_roots_confine_what_the_control_socket_adds() {
+    let dir = open_dir("ctl-roots");
+    let root = dir.path("root");
+    std::fs::create_dir(&root).unwrap();
+    let outside = dir.path("outside.img");
+    create_image(&outside, "1M");
+    create_image(&root.join("in.img"), "1M");
+    std::os::unix::fs::symlink(&outside, root.join("link.img")).unwrap();
+    // A qcow2 inside whose backing file is outside (qcow2 backing would leak it).
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-b", s(&outside), "-F", "raw", s(&root.join("over.qcow2"))]);
+    // One whose backing file is inside (served below), and a COW overlay inside over the outside file.
+    run("qemu-img", &["create", "-q", "-f", "qcow2", "-b", "in.img", "-F", "raw", s(&root.join("ok.qcow2"))]);
+    let out = vdisk(&["create", "--backing", s(&outside), s(&root.join("over.cow"))]);
+    assert!(out.status.success(), "{}", text(&out));
+    let canonical = root.canonicalize().unwrap();
+    let roots = canonical.display().to_string();
+
+    // The operator's own image on the command line stays unrestricted.
+    let (server, control) = serve(&dir, &["--image-root", s(&root), s(&outside)]);
+    qemu_io(&server.uri("outside"), &["read -P 0 0 4k"]);
+
+    let dotdot = format!("{}/../outside.img", root.display());
+    for (image, extra) in [
+        ("/etc/shadow", json!({})),
+        (dotdot.as_str(), json!({})),
+        (s(&root.join("link.img")), json!({})),
+        (s(&outside), json!({"name": "abs"})),
+        (s(&root.join("over.qcow2")), json!({})),
+        (s(&root.join("over.cow")), json!({})),
+        (s(&root.join("ok.qcow2")), json!({"name": "b", "backing": s(&outside)})),
+        (s(&root.join("in.img")), json!({"name": "v", "vhost_user_blk": s(&dir.path("v.sock"))})),
+    ] {
+        let mut params = extra.clone();
+        params["image"] = json!(image);
+        if params.get("name").is_none() {
+            params["name"] = json!(format!("e{}", image.len()));
+        }
+        let v = rpc(&control, "export_add", params.clone());
+        let m = refused(&v);
+        assert!(m.contains("outside the image roots") && m.contains(&roots), "{params}: {m}");
+    }
+    let list = rpc(&control, "export_list", json!({}));
+    assert_eq!(list["result"].as_array().unwrap().len(), 1, "only the command line's export: {list}");
+
+    let v = rpc(&control, "export_add", json!({"image": s(&root.join("in.img"))}));
+    assert_eq!(v["result"]["name"], "in", "{v}");
+    qemu_io(&server.uri("in"), &["write -P 5 4k 8k", "read -P 5 4k 8k", "read -P 0 0 4k"]);
+    let out = run("nbdinfo", &["--size", &server.uri("in")]);
+    assert_eq!(out.trim(), (1 << 20).to_string());
+    // A qcow2 inside over a backing file inside is served, through its chain.
+    let v = rpc(&control, "export_add", json!({"image": s(&root.join("ok.qcow2"))}));
+    assert_eq!(v["result"]["name"], "ok", "{v}");
+    qemu_io(&server.uri("ok"), &["read -P 5 4k 8k", "read -P 0 0 4k"]);
+    server.stop();
+}
+
+#[test]
+fn fifos_sockets_and_devices_fail_at_once_and_the_next_add_works() {
+    let dir = open_dir("ctl-wedge");
+    let fifo = dir.path("fifo");
+    run("mkfifo", &[s(&fifo)]);
+    let sock = dir.path("listening.sock");
+    let _listener = UnixListener::bind(&sock).unwrap();
+    let img = image(&dir, "good.img", "1M");
+    let (server, control) = serve(&dir, &[]);
+    for (path, kind) in [(s(&fifo), "FIFO"), (s(&sock), "unix socket"), ("/dev/zero", "character device")] {
+        for format in ["auto", "raw", "qcow2", "cow"] {
+            let started = Instant::now();
+            let v = rpc(&control, "export_add", json!({"image": path, "format": format, "name": "x"}));
+            let took = started.elapsed();
+            let m = refused(&v);
+            assert!(took < Duration::from_secs(1), "{path} ({format}) took {took:?}: {m}");
+            assert!(m.contains(kind) && m.contains("not a disk image"), "{path} ({format}): {m}");
+        }
+    }
+    // The same as a COW overlay's backing file: refused at once too.
+    let cow = dir.path("over.cow");
+    assert!(vdisk(&["create", "--backing", &img, s(&cow)]).status.success());
+    let started = Instant::now();
+    let v = rpc(&control, "export_add", json!({"image": s(&cow), "backing": s(&fifo)}));
+    assert!(started.elapsed() < Duration::from_secs(1) && refused(&v).contains("FIFO"), "{v}");
+
+    let started = Instant::now();
+    let v = rpc(&control, "export_add", json!({"image": img}));
+    assert_eq!(v["result"]["name"], "good", "{v}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    qemu_io(&server.uri("good"), &["write -P 1 0 4k", "read -P 1 0 4k"]);
+    server.stop();
+}
