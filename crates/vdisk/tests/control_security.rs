@@ -215,3 +215,94 @@ fn fifos_sockets_and_devices_fail_at_once_and_the_next_add_works() {
     qemu_io(&server.uri("good"), &["write -P 1 0 4k", "read -P 1 0 4k"]);
     server.stop();
 }
+
+/// Raises this process's soft descriptor limit to `want` (for a thousand clients).
+fn raise_fd_limit(want: u64) {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `r` is a valid rlimit for getrlimit to fill.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+    if r.rlim_cur < want {
+        assert!(r.rlim_max >= want, "this test needs {want} descriptors; the hard limit is {}", r.rlim_max);
+        r.rlim_cur = want;
+        // SAFETY: as above; only this process's limit changes.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) }, 0);
+    }
+}
+
+/// Sends `bytes` on a new connection and returns every response line until the server closes or goes quiet.
+fn exchange(control: &Path, bytes: &[u8]) -> Vec<Value> {
+    let mut c = UnixStream::connect(control).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let _ = c.write_all(bytes);
+    let _ = c.shutdown(std::net::Shutdown::Write);
+    BufReader::new(&c).lines().map_while(Result::ok).map(|l| json(&l)).collect()
+}
+
+#[test]
+fn hostile_control_clients_get_clear_errors_and_change_nothing() {
+    let dir = open_dir("ctl-abuse");
+    let img = image(&dir, "keep.img", "1M");
+    let (server, control) = serve(&dir, &["--control-timeout", "5", &img]);
+    let code = |v: &Value| v["error"]["code"].as_i64().unwrap_or_else(|| panic!("not an error: {v}"));
+
+    // Random bytes (no newline in them), then a newline: one parse error.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut noise: Vec<u8> = (0..65536).map(|_| (xorshift(&mut x) % 255) as u8).filter(|b| *b != b'\n').collect();
+    noise.push(b'\n');
+    let r = exchange(&control, &noise);
+    assert_eq!((r.len(), code(&r[0])), (1, -32700), "{r:?}");
+
+    // 100,000-deep JSON, bare and inside params: a parse error, no stack overflow.
+    let deep = format!("{}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    let inside = format!(
+        "{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"export_add\",\"params\":{{\"image\":{}1{}}}}}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    for line in [deep, inside] {
+        let r = exchange(&control, line.as_bytes());
+        assert_eq!(code(&r[0]), -32700, "{r:?}");
+        assert!(refused(&r[0]).contains("recursion limit"), "{r:?}");
+    }
+
+    // A 3 MiB line: an error, then the connection is closed.
+    let r = exchange(&control, &vec![b'{'; 3 << 20]);
+    assert_eq!((r.len(), code(&r[0])), (1, -32600), "{r:?}");
+    assert!(refused(&r[0]).contains("over 1048576 bytes"), "{r:?}");
+
+    // Wrong param types: which param, and what it must be.
+    for (params, what) in [
+        (json!({"image": 5}), "image must be a string"),
+        (json!({"image": "/x", "readonly": "yes"}), "readonly must be true or false"),
+        (json!({"image": "/x", "num_queues": 65}), "num_queues 65"),
+        (json!({"image": "/x", "iops": -1}), "iops must be a whole number"),
+        (json!({"image": "/x", "format": "vmdk"}), "format \"vmdk\" is not one of"),
+        (json!({"image": "/x", "colour": "red"}), "no parameter \"colour\""),
+    ] {
+        let v = rpc(&control, "export_add", params.clone());
+        assert_eq!(code(&v), -32602, "{params}: {v}");
+        assert!(refused(&v).contains(what), "{params}: {v}");
+    }
+
+    // 1,100 idle clients: past 1,024 a new one is closed at once; the server goes on.
+    raise_fd_limit(4096);
+    let mut idle: Vec<UnixStream> = (0..1100).map(|_| UnixStream::connect(&control).unwrap()).collect();
+    let mut late = UnixStream::connect(&control).unwrap();
+    late.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut buf = [0u8; 1];
+    assert_eq!(std::io::Read::read(&mut late, &mut buf).unwrap_or(0), 0, "a client past the limit is closed");
+    idle.truncate(900);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = exchange(&control, b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"export_list\"}\n");
+        if let Some(v) = r.first() {
+            assert_eq!(v["result"][0]["name"], "keep", "{v}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no room for a client after 200 idle ones left");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(idle);
+    qemu_io(&server.uri("keep"), &["write -P 2 0 4k", "read -P 2 0 4k"]);
+    server.stop();
+}
