@@ -31,9 +31,10 @@ impl Access {
         Ok(Access { mode: mode.unwrap_or(0o600), group, own_uid })
     }
 
-    /// True when anyone but the owner may connect: the mode grants group or other access.
+    /// True when anyone but the owner may connect: the mode grants group or
+    /// other write permission (what connecting to a unix socket takes).
     pub fn reaches_others(mode: u32) -> bool {
-        mode & 0o066 != 0
+        mode & 0o022 != 0
     }
 
     /// Gives the bound socket (made 0600) its group and then its mode, so
