@@ -141,6 +141,15 @@ pub fn confined<T>(roots: Option<Arc<Roots>>, f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// Inside [`confined`], refuses `path` unless it resolves beneath the roots
+/// (for a file another library opens by name: a Ceph configuration); outside, Ok.
+pub fn check_confined(path: &Path) -> Result<()> {
+    match CONFINED.with(|c| c.borrow().clone()) {
+        Some(roots) => roots.resolve(path, 0).map(drop),
+        None => Ok(()),
+    }
+}
+
 /// Opens `path` (`what` names it in messages: "image", "backing file") for
 /// reading, and writing if `write`: never blocking, only a regular file or a
 /// block device, beneath the roots when confined (module doc).

@@ -143,6 +143,7 @@ impl Drop for ControlSocket {
 
 fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, policy: Arc<Policy>, stopping: Arc<AtomicBool>) {
     let clients = Arc::new(AtomicUsize::new(0));
+    let (mut warned, mut closed) = (None, 0u64);
     loop {
         let accepted = listener.accept();
         if stopping.load(Ordering::SeqCst) {
@@ -161,7 +162,12 @@ fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, policy: Arc<Policy>,
         };
         if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
             clients.fetch_sub(1, Ordering::SeqCst);
-            log::warn!("control socket: already {MAX_CLIENTS} clients; closing a new one");
+            closed += 1;
+            // Once in a while, not once per client: a flood must not flood the log too.
+            if warned.is_none_or(|w: Instant| w.elapsed() >= Duration::from_secs(10)) {
+                log::warn!("control socket: already {MAX_CLIENTS} clients; closed {closed} new one(s)");
+                (warned, closed) = (Some(Instant::now()), 0);
+            }
             continue;
         }
         let (daemon, policy, count) = (daemon.clone(), policy.clone(), clients.clone());

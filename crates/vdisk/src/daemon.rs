@@ -538,10 +538,8 @@ fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec,
     }
     let named = crate::formats::rbd_spec(&spec.image, &Default::default()).ok().flatten().and_then(|s| s.options.conf);
     for conf in [spec.backing.ceph.ceph_conf.clone(), named].into_iter().flatten() {
-        vdisk_image::files::confined(Some(roots.clone()), || {
-            vdisk_image::files::open(&conf, false, "Ceph configuration")
-        })
-        .map_err(|e| Refusal::new(ERR_INVALID, e.to_string()))?;
+        vdisk_image::files::confined(Some(roots.clone()), || vdisk_image::files::check_confined(&conf))
+            .map_err(|e| Refusal::new(ERR_INVALID, e.to_string()))?;
     }
     Ok(spec)
 }

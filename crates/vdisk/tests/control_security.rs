@@ -157,6 +157,8 @@ fn image_roots_confine_what_the_control_socket_adds() {
         (s(&root.join("over.cow")), json!({})),
         (s(&root.join("ok.qcow2")), json!({"name": "b", "backing": s(&outside)})),
         (s(&root.join("in.img")), json!({"name": "v", "vhost_user_blk": s(&dir.path("v.sock"))})),
+        (s(&root.join("in.img")), json!({"name": "f", "fuse": "/etc/cron.d/disk"})),
+        ("rbd:rbd/disk@snap", json!({"ceph_conf": "/etc/shadow"})),
     ] {
         let mut params = extra.clone();
         params["image"] = json!(image);

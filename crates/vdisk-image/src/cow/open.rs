@@ -161,6 +161,10 @@ impl CowImage {
             )));
         }
         let spec = Spec::parse(&name.to_string_lossy(), &o.ceph)?;
+        // librados reads it by name: beneath the image roots too, when confined.
+        if let Some(conf) = &spec.options.conf {
+            crate::files::check_confined(conf)?;
+        }
         if spec.snap.is_none() {
             return Err(Error::invalid(format!(
                 "the backing of {} is {spec}, an RBD image that can change under the overlay; an overlay needs a \
