@@ -308,3 +308,66 @@ fn hostile_control_clients_get_clear_errors_and_change_nothing() {
     qemu_io(&server.uri("keep"), &["write -P 2 0 4k", "read -P 2 0 4k"]);
     server.stop();
 }
+
+#[test]
+fn an_open_that_hangs_blocks_only_its_own_request_and_is_dropped_past_the_deadline() {
+    let _fuse = common::fuse::serial();
+    let dir = open_dir("ctl-deadline");
+    // A disk image on a FUSE file whose server is stopped: opening or reading it hangs, as on a dead NFS mount.
+    let src = image(&dir, "src.img", "1M");
+    let slow = dir.path("slow.img");
+    let fuse_sock = dir.path("fuse-nbd.sock");
+    let fuse_server = Server::spawn(&["serve", &src, "--fuse", s(&slow), "--socket", s(&fuse_sock)], fuse_sock.clone());
+    let good = image(&dir, "good.img", "1M");
+    let (server, control) = serve(&dir, &["--control-timeout", "5"]);
+    let fuse_pid = fuse_server.child.id() as i32;
+    // SAFETY: kill only reads its integer arguments; the pid is our own child's.
+    assert_eq!(unsafe { libc::kill(fuse_pid, libc::SIGSTOP) }, 0);
+
+    let hung = {
+        let (control, slow) = (control.clone(), slow.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let v = rpc(&control, "export_add", json!({"image": s(&slow), "name": "slow"}));
+            (v, started.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // Meanwhile other changes go on: the hung open holds no lock they need,
+    // and its name is taken until it is given up.
+    let v = rpc(&control, "export_add", json!({"image": good}));
+    assert_eq!(v["result"]["name"], "good", "{v}");
+    let v = rpc(&control, "export_add", json!({"image": s(&slow), "name": "slow"}));
+    assert!(refused(&v).contains("being added"), "{v}");
+    assert!(!hung.is_finished(), "the hung add answered before its deadline");
+    let (v, took) = hung.join().unwrap();
+    let m = refused(&v);
+    assert!(m.contains("did not finish within 5 s") && m.contains("nothing was"), "{m}");
+    assert!(took >= Duration::from_secs(5), "answered after {took:?}");
+
+    // The file system comes back: the late open is closed and dropped, the name free again.
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(fuse_pid, libc::SIGCONT) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let names: Vec<Value> = rpc(&control, "export_list", json!({}))["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].clone())
+            .collect();
+        assert_eq!(names, [json!("good")], "nothing of the given-up add is served");
+        let v = rpc(&control, "export_add", json!({"image": s(&slow), "name": "slow", "readonly": true}));
+        if v.get("result").is_some() {
+            break;
+        }
+        assert!(refused(&v).contains("being added"), "{v}");
+        assert!(Instant::now() < deadline, "the late open never let go of its name");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    qemu_io(&server.uri("good"), &["write -P 4 0 4k", "read -P 4 0 4k"]);
+    let v = rpc(&control, "export_remove", json!({"name": "slow", "hard": true}));
+    assert_eq!(v["result"]["removed"], true, "{v}");
+    server.stop();
+    fuse_server.stop();
+}
