@@ -341,6 +341,23 @@ mod tests {
     }
 
     #[test]
+    fn control_keys_and_image_roots() {
+        let text = "[server]\ncontrol_mode = \"0660\"\ncontrol_group = \"vdisk\"\nimage_roots = [\"vm\", \"/srv\"]\n\
+                    control_timeout = 5\n";
+        let (path, c) = file(text);
+        let c = c.unwrap();
+        let mut a = serve_args(&["--control-timeout", "9"]);
+        merge(&mut a, &c.server);
+        assert_eq!((a.control_mode, a.control_group.as_deref()), (Some(0o660), Some("vdisk")));
+        assert_eq!(a.image_roots, [path.parent().unwrap().join("vm"), PathBuf::from("/srv")], "relative to the file");
+        assert_eq!(a.control_timeout, Some(9), "the command line wins");
+        let (_, c) = file("[server]\ncontrol_mode = \"0999\"\n");
+        assert!(c.unwrap_err().to_string().contains(":2: control_mode"));
+        let (_, c) = file("[server]\ncontrol_timeout = 0\n");
+        assert!(c.unwrap_err().to_string().contains("control_timeout"));
+    }
+
+    #[test]
     fn mistakes_name_file_and_line() {
         let (path, c) = file("[server]\n\n[[export]]\nimage = \"a\"\nname = \"\"\n");
         let e = c.unwrap_err().to_string();

@@ -94,15 +94,21 @@ fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Fa
         .into_iter()
         .flat_map(|c| c.exports.iter().cloned().zip(c.lines.iter().map(move |l| format!("{}:{l}", c.path.display()))));
     let mut names = std::collections::HashSet::new();
-    for (spec, at) in cli.chain(file) {
+    // The file's exports lie beneath the image roots, if any, as at start-up.
+    let roots = settings(a)?.roots;
+    let cli: Vec<_> = cli.map(|(s, at)| (s, at, None)).collect();
+    let file = file.map(|(s, at)| (s, at, roots.clone()));
+    for (spec, at, roots) in cli.into_iter().chain(file) {
         let name = spec.name.clone().unwrap_or_default();
         if !names.insert(name.clone()) {
             return Err(Failure::usage(format!(
                 "{at}: export {name:?} is named on the command line and in the file: rename one (name = \"...\")"
             )));
         }
-        let opened = crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
-            .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
+        let opened = vdisk_image::files::confined(roots, || {
+            crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
+        })
+        .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
         if opened.image.size() == 0 {
             return Err(Failure::usage(format!(
                 "{at}: export {name:?}: {} is empty (make a disk with `vdisk create IMAGE --size 10G`)",
