@@ -166,7 +166,8 @@ pub fn open(path: &Path, write: bool, what: &str) -> Result<File> {
         .open(format!("/proc/self/fd/{}", probe.as_raw_fd()))
         .and_then(|f| clear_nonblock(&f).map(|()| f))
         .map_err(|e| {
-            let e = Error::io(e, format!("cannot open {what} {}", path.display()));
+            let proc = if Path::new("/proc/self/fd").exists() { "" } else { " (through /proc/self/fd: mount /proc)" };
+            let e = Error::io(e, format!("cannot open {what} {}{proc}", path.display()));
             if write {
                 e.advise(Advice::ReadOnly)
             } else {
