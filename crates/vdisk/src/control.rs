@@ -64,7 +64,9 @@ impl Policy {
     fn check(&self, mode: u32, path: &Path) -> Result<(), Failure> {
         if Access::reaches_others(mode) && !self.roots {
             return Err(Failure::usage(format!(
-                "control socket {} would be mode {mode:04o}: users other than its owner could add any file the                  server can open as a disk. Give --image-root DIR (image_roots in [server]) to confine what they                  add, or keep --control-mode 0600",
+                "control socket {} would be mode {mode:04o}: users other than its owner could add any file the \
+                 server can open as a disk. Give --image-root DIR (image_roots in [server]) to confine what they \
+                 add, or keep --control-mode 0600",
                 path.display()
             )));
         }
