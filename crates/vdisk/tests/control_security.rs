@@ -321,6 +321,18 @@ fn an_open_that_hangs_blocks_only_its_own_request_and_is_dropped_past_the_deadli
     let good = image(&dir, "good.img", "1M");
     let (server, control) = serve(&dir, &["--control-timeout", "5"]);
     let fuse_pid = fuse_server.child.id() as i32;
+    // Should the test fail half-way: the FUSE server continued and its file unmounted, not left hanging.
+    struct Resume(i32, PathBuf);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            // SAFETY: kill only reads its integer arguments.
+            unsafe { libc::kill(self.0, libc::SIGCONT) };
+            if std::thread::panicking() {
+                let _ = Command::new("umount").args(["-l", s(&self.1)]).output();
+            }
+        }
+    }
+    let resume = Resume(fuse_pid, slow.clone());
     // SAFETY: kill only reads its integer arguments; the pid is our own child's.
     assert_eq!(unsafe { libc::kill(fuse_pid, libc::SIGSTOP) }, 0);
 
@@ -369,5 +381,6 @@ fn an_open_that_hangs_blocks_only_its_own_request_and_is_dropped_past_the_deadli
     let v = rpc(&control, "export_remove", json!({"name": "slow", "hard": true}));
     assert_eq!(v["result"]["removed"], true, "{v}");
     server.stop();
+    drop(resume);
     fuse_server.stop();
 }
