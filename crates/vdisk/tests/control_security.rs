@@ -215,6 +215,21 @@ fn fifos_sockets_and_devices_fail_at_once_and_the_next_add_works() {
     assert_eq!(v["result"]["name"], "good", "{v}");
     assert!(started.elapsed() < Duration::from_secs(5));
     qemu_io(&server.uri("good"), &["write -P 1 0 4k", "read -P 1 0 4k"]);
+
+    // Stopped and continued (a debugger, a cgroup freeze): the socket goes on answering.
+    let mut waiting = UnixStream::connect(&control).unwrap();
+    let pid = server.child.id() as i32;
+    for sig in [libc::SIGSTOP, libc::SIGCONT] {
+        // SAFETY: kill only reads its integer arguments; the pid is our own child's.
+        assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    writeln!(waiting, r#"{{"jsonrpc":"2.0","id":1,"method":"export_list"}}"#).unwrap();
+    waiting.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut line = String::new();
+    BufReader::new(&waiting).read_line(&mut line).unwrap();
+    assert_eq!(json(&line)["result"][0]["name"], "good", "{line}");
+    assert_eq!(rpc(&control, "server_info", json!({}))["result"]["exports"], 1);
     server.stop();
 }
 
