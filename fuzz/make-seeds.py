@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Writes the NBD, virtio-blk and qcow2 seed corpora (corpus/nbd_handshake,
-corpus/nbd_requests, corpus/virtio_blk, corpus/qcow2_image; the layout of a virtio_blk input is in
-crates/vdisk-vhost/src/fuzzing.rs).
+"""Writes the NBD, virtio-blk, qcow2 and control-socket seed corpora (corpus/nbd_handshake,
+corpus/nbd_requests, corpus/virtio_blk, corpus/qcow2_image, corpus/control_rpc; the layout of a
+virtio_blk input is in crates/vdisk-vhost/src/fuzzing.rs).
 The cow_header seeds are made by uml_mkcow (see run.sh's header)."""
 import os, struct
 
@@ -117,4 +117,37 @@ def qcow2_seeds():
             open(os.path.join(out_dir, name), "wb").write(data)
 
 
+def control_seeds():
+    """One JSON-RPC request line per file, for every method, with each kind of
+    param, plus a few of the mistakes the socket must answer clearly."""
+    import json
+    def r(method, params=None, id=1):
+        o = {"jsonrpc": "2.0", "id": id, "method": method}
+        if params is not None:
+            o["params"] = params
+        return (json.dumps(o) + "\n").encode()
+    seeds = {
+        "add_full": r("export_add", {"image": "/srv/a.img", "name": "a", "readonly": True, "format": "qcow2",
+                                     "backing": "/srv/b.img", "ignore_backing_mtime": False, "fuse": "/srv/a.fuse",
+                                     "vhost_user_blk": "/srv/a.sock", "num_queues": 4, "iops": 100, "bps": 1048576,
+                                     "read_bps": 0, "write_bps": 7, "ceph_conf": "/etc/ceph/ceph.conf", "ceph_id": "x"}),
+        "add_min": r("export_add", {"image": "rbd:pool/img@snap"}, id="s"),
+        "remove": r("export_remove", {"name": "a", "hard": True}),
+        "list": r("export_list"),
+        "stats": r("export_stats", {"name": "a"}, id=None),
+        "qos": r("export_set_qos", {"name": "a", "iops": 0, "write_bps": 99}),
+        "info": r("server_info", {}),
+        "reload": r("config_reload"),
+        "notification": b'{"jsonrpc":"2.0","method":"export_list"}\n',
+        "two_lines": r("export_list") + r("nosuch", [1]),
+        "bad_types": r("export_add", {"image": 5, "num_queues": -1}),
+        "deep": b"[" * 200 + b"]" * 200 + b"\n",
+    }
+    out_dir = os.path.join(here, "corpus", "control_rpc")
+    os.makedirs(out_dir, exist_ok=True)
+    for name, b in seeds.items():
+        open(os.path.join(out_dir, name), "wb").write(b)
+
+
 qcow2_seeds()
+control_seeds()

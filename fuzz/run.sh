@@ -17,8 +17,8 @@
 # fuzzer finds goes to $FUZZ_WORK/corpus/TARGET (default fuzz/work, ignored by
 # git), which a CI cache can keep between runs. `run.sh keep` merges into the
 # seeds only the inputs that reach new coverage (libFuzzer -merge=1); commit those.
-# The seeds come from make-seeds.py (qcow2_image: small images qemu-img makes)
-# and, for cow_header, from uml_mkcow.
+# The seeds come from make-seeds.py (qcow2_image: small images qemu-img makes;
+# control_rpc: one request line per file), and, for cow_header, from uml_mkcow.
 set -euo pipefail
 
 secs=${1:-30}
@@ -27,7 +27,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 cd "$here"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(nbd_handshake nbd_requests cow_header virtio_blk qcow2_image)
+    targets=(nbd_handshake nbd_requests cow_header virtio_blk qcow2_image control_rpc)
 fi
 work=${FUZZ_WORK:-$here/work}
 export RUSTC_BOOTSTRAP=1

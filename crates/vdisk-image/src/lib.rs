@@ -9,6 +9,7 @@
 pub mod breakage;
 pub mod cow;
 mod error;
+pub mod files;
 pub mod qcow2;
 pub mod raw;
 pub mod rbd;

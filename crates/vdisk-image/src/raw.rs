@@ -2,7 +2,7 @@
 //! system allows; allocation comes from SEEK_DATA/SEEK_HOLE.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::{io, io::Seek};
@@ -18,24 +18,7 @@ impl RawImage {
     /// Opens an existing raw image. Fails with a message naming the file when it
     /// is missing, a directory, or cannot be opened as asked.
     pub fn open(path: &Path, read_only: bool) -> Result<Self> {
-        let meta =
-            std::fs::metadata(path).map_err(|e| Error::io(e, format!("cannot open image {}", path.display())))?;
-        if meta.is_dir() {
-            return Err(Error::invalid(format!("{} is a directory, not a disk image", path.display()))
-                .advise(Advice::CreateImage));
-        }
-        if !meta.is_file() && !meta.file_type().is_block_device() {
-            return Err(Error::invalid(format!("{} is neither a regular file nor a block device", path.display())));
-        }
-        let mut file =
-            OpenOptions::new().read(true).write(!read_only).custom_flags(libc::O_CLOEXEC).open(path).map_err(|e| {
-                let e = Error::io(e, format!("cannot open image {}", path.display()));
-                if read_only {
-                    e
-                } else {
-                    e.advise(Advice::ReadOnly)
-                }
-            })?;
+        let mut file = crate::files::open(path, !read_only, "image")?;
         // A block device reports length 0 in its metadata; its end is its size.
         let size = file
             .seek(io::SeekFrom::End(0))
@@ -74,11 +57,12 @@ impl RawImage {
     /// cache (qemu's cache=none). Fails with a clear message where the file
     /// system cannot do direct I/O (tmpfs, for one).
     pub fn with_direct_io(mut self) -> Result<Self> {
+        // The very file already open (and checked), whatever its path names by now.
         let file = OpenOptions::new()
             .read(true)
             .write(!self.base.read_only)
             .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
-            .open(&self.base.path)
+            .open(format!("/proc/self/fd/{}", self.base.files[0].as_raw_fd()))
             .map_err(|e| direct_io_error(&self.base.path, e))?;
         self.base.direct = vec![file];
         Ok(self)

@@ -324,9 +324,26 @@ pub struct ServeArgs {
     pub socket_mode: Option<u32>,
     /// Control socket (unix, JSON-RPC 2.0, one object per line; docs/control.md):
     /// add, remove and inspect exports while serving, with `vdisk ctl`. With it
-    /// and no IMAGE the server starts with no exports. Made with --socket-mode.
+    /// and no IMAGE the server starts with no exports. Made with --control-mode.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
+    /// Permissions of the control socket, in octal (default 0600; --socket-mode
+    /// never applies to it). Group or other access needs --image-root.
+    #[arg(long, value_parser = parse_mode, value_name = "MODE")]
+    pub control_mode: Option<u32>,
+    /// The control socket's group: its members may change exports, like the
+    /// server's own user (with --control-mode 0660, only they may connect).
+    #[arg(long, value_name = "GROUP")]
+    pub control_group: Option<String>,
+    /// A directory beneath which every image (and backing file, FUSE file,
+    /// vhost-user socket) that the control socket or the config file adds must
+    /// lie; repeatable. IMAGEs on the command line are not restricted.
+    #[arg(long = "image-root", value_name = "DIR")]
+    pub image_roots: Vec<PathBuf>,
+    /// Seconds a control request may take before it fails with an error,
+    /// leaving nothing half added (default 30).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..=86400))]
+    pub control_timeout: Option<u32>,
     /// Serve Prometheus metrics (per-export counters and latency histograms) at
     /// http://HOST:PORT/metrics; HOST:PORT, :PORT or PORT (host 127.0.0.1).
     #[arg(long, value_name = "HOST:PORT")]

@@ -50,6 +50,11 @@ pub struct ServerTable {
     pub socket: Option<PathBuf>,
     pub listen: Option<Spanned<String>>,
     pub control: Option<PathBuf>,
+    pub control_mode: Option<Spanned<Mode>>,
+    pub control_group: Option<String>,
+    /// Relative to the file's directory, like every path in it.
+    pub image_roots: Option<Vec<PathBuf>>,
+    pub control_timeout: Option<Spanned<u32>>,
     pub metrics: Option<Spanned<String>>,
     /// "0600" (a string, as on the command line) or 0o600 (a TOML octal number).
     pub socket_mode: Option<Spanned<Mode>>,
@@ -117,6 +122,9 @@ pub fn load(path: &Path) -> Result<Config, Failure> {
         None => (ServerTable::default(), 0..0),
     };
     check_server(&server).map_err(|(span, what)| at(Some(span), &what))?;
+    if let Some(roots) = &mut server.image_roots {
+        roots.iter_mut().for_each(|r| *r = dir.join(&*r));
+    }
     for p in [
         &mut server.socket,
         &mut server.control,
@@ -150,6 +158,14 @@ pub fn load(path: &Path) -> Result<Config, Failure> {
 fn check_server(s: &ServerTable) -> Result<(), (Range<usize>, String)> {
     if let Some(mode) = &s.socket_mode {
         mode_of(mode.get_ref()).map_err(|e| (mode.span(), format!("socket_mode: {e}")))?;
+    }
+    if let Some(mode) = &s.control_mode {
+        mode_of(mode.get_ref()).map_err(|e| (mode.span(), format!("control_mode: {e}")))?;
+    }
+    if let Some(t) = &s.control_timeout {
+        if !(1..=86400).contains(t.get_ref()) {
+            return Err((t.span(), "control_timeout: give 1 to 86400 seconds".into()));
+        }
     }
     for (key, value, example) in [("listen", &s.listen, "127.0.0.1:10809"), ("metrics", &s.metrics, "127.0.0.1:9187")] {
         if let Some(v) = value {
@@ -237,6 +253,14 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
     if a.socket_mode.is_none() {
         a.socket_mode = s.socket_mode.as_ref().and_then(|m| mode_of(m.get_ref()).ok());
     }
+    if a.control_mode.is_none() {
+        a.control_mode = s.control_mode.as_ref().and_then(|m| mode_of(m.get_ref()).ok());
+    }
+    fill(&mut a.control_group, &s.control_group);
+    if a.image_roots.is_empty() {
+        a.image_roots = s.image_roots.clone().unwrap_or_default();
+    }
+    fill(&mut a.control_timeout, &s.control_timeout.as_ref().map(|t| *t.get_ref()));
     if a.max_connections.is_none() {
         a.max_connections = s.max_connections.as_ref().map(|n| *n.get_ref());
     }
@@ -314,6 +338,23 @@ mod tests {
         assert_eq!(e.image, path.parent().unwrap().join("d/vm.img"), "relative to the file");
         assert_eq!((e.limits.iops, e.limits.bps), (5, 10 << 20));
         assert_eq!(c.lines, [1]);
+    }
+
+    #[test]
+    fn control_keys_and_image_roots() {
+        let text = "[server]\ncontrol_mode = \"0660\"\ncontrol_group = \"vdisk\"\nimage_roots = [\"vm\", \"/srv\"]\n\
+                    control_timeout = 5\n";
+        let (path, c) = file(text);
+        let c = c.unwrap();
+        let mut a = serve_args(&["--control-timeout", "9"]);
+        merge(&mut a, &c.server);
+        assert_eq!((a.control_mode, a.control_group.as_deref()), (Some(0o660), Some("vdisk")));
+        assert_eq!(a.image_roots, [path.parent().unwrap().join("vm"), PathBuf::from("/srv")], "relative to the file");
+        assert_eq!(a.control_timeout, Some(9), "the command line wins");
+        let (_, c) = file("[server]\ncontrol_mode = \"0999\"\n");
+        assert!(c.unwrap_err().to_string().contains(":2: control_mode"));
+        let (_, c) = file("[server]\ncontrol_timeout = 0\n");
+        assert!(c.unwrap_err().to_string().contains("control_timeout"));
     }
 
     #[test]

@@ -196,7 +196,17 @@ fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> 
             control.display()
         ))
     };
-    let mut stream = UnixStream::connect(control).map_err(unreachable)?;
+    let mut stream = UnixStream::connect(control).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            Failure::runtime(format!(
+                "cannot talk to the server at {}: {e}: the control socket's mode and group (--control-mode, \
+                 --control-group) do not let this user connect",
+                control.display()
+            ))
+        } else {
+            unreachable(e)
+        }
+    })?;
     let req = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
     writeln!(stream, "{req}").map_err(unreachable)?;
     let mut line = String::new();

@@ -7,13 +7,23 @@
 //! Changes (add, remove, QoS, shutdown) are serialized by one lock; reading
 //! (list, stats) never waits for a change in progress. An add that fails
 //! leaves nothing started; a removal never loses an acknowledged write.
+//!
+//! Opening an image (which may wait on a slow or hung file system) happens
+//! outside that lock: the name is reserved first, so a second add of it is
+//! refused, and the image is opened, then the lock taken to start it. A
+//! caller with a deadline hands in a [`Ticket`]; once it is abandoned, the
+//! change is not made (an image that opens late is closed and dropped).
+//! What a control-socket request or the config file adds is opened inside
+//! the image roots when there are any ([`Origin::Request`]).
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use serde_json::{json, Value};
 use vdisk_engine::{Device, EngineConfig, EngineKind, Limits};
+use vdisk_image::files::Roots;
 use vdisk_nbd::{Export, Server};
 
 use crate::cli::{BackingArgs, FormatArg};
@@ -27,6 +37,71 @@ pub struct Settings {
     pub direct: bool,
     pub socket_mode: u32,
     pub fuse_uring: bool,
+    /// `--image-root`: where what [`Origin::Request`] adds must lie.
+    pub roots: Option<Arc<Roots>>,
+}
+
+/// Who asked for an export.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Origin {
+    /// The command line: the operator's own images, unrestricted.
+    Operator,
+    /// The control socket or the config file: beneath the image roots, if any.
+    Request,
+}
+
+/// A change that a caller may give up on (a control request past its
+/// deadline): once [`Ticket::abandon`] succeeds, no change starts under it.
+#[derive(Default)]
+pub struct Ticket {
+    /// (abandoned, changes being made right now)
+    state: Mutex<(bool, u32)>,
+}
+
+impl Ticket {
+    /// Marks a change as being made, or None once abandoned.
+    pub(crate) fn commit(&self) -> Option<Committing<'_>> {
+        let mut s = self.state.lock().unwrap();
+        if s.0 {
+            return None;
+        }
+        s.1 += 1;
+        Some(Committing(self))
+    }
+
+    /// Gives up, unless a change is being made right now (then false: wait for it).
+    pub fn abandon(&self) -> bool {
+        let mut s = self.state.lock().unwrap();
+        if s.1 == 0 {
+            s.0 = true;
+        }
+        s.0
+    }
+}
+
+/// While alive, its ticket cannot be abandoned.
+pub(crate) struct Committing<'a>(&'a Ticket);
+
+impl Drop for Committing<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().unwrap().1 -= 1;
+    }
+}
+
+fn abandoned() -> Refusal {
+    Refusal::new(ERR_FAILED, "the request ran past its deadline and was given up; nothing was changed")
+}
+
+/// A name being added: released when dropped, whatever happens.
+struct Reserved<'a> {
+    names: &'a Mutex<HashSet<String>>,
+    name: String,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        self.names.lock().unwrap().remove(&self.name);
+    }
 }
 
 /// One export to add: the image and how to serve it.
@@ -58,8 +133,10 @@ pub struct Daemon {
     settings: Settings,
     nbd: Arc<Server>,
     exports: Mutex<Vec<Running>>,
-    /// Held by every change, so two never interleave.
+    /// Held by every change, so two never interleave; true once shut down.
     changes: Mutex<bool>,
+    /// Names of exports being opened (outside `changes`), so a second add of one is refused.
+    reserved: Mutex<HashSet<String>>,
     started: Instant,
     /// `--config FILE` and the exports it started; held through a reload.
     config: Mutex<Option<crate::reload::Source>>,
@@ -109,6 +186,7 @@ impl Daemon {
             nbd,
             exports: Mutex::new(Vec::new()),
             changes: Mutex::new(false),
+            reserved: Mutex::new(HashSet::new()),
             started: Instant::now(),
             config: Mutex::new(None),
         }
@@ -122,6 +200,12 @@ impl Daemon {
     /// Rereads `--config FILE` and applies the difference (SIGHUP, `vdisk ctl
     /// reload`); tells a service manager it is reloading, then ready again.
     pub fn reload(&self) -> Result<Value, Refusal> {
+        self.reload_within(&Ticket::default())
+    }
+
+    /// [`Daemon::reload`] for a caller that may give up (`ticket`): the
+    /// exports it added are then taken back.
+    pub fn reload_within(&self, ticket: &Ticket) -> Result<Value, Refusal> {
         let mut config = self.config.lock().unwrap();
         let Some(source) = config.as_mut() else {
             log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
@@ -131,7 +215,7 @@ impl Daemon {
             ));
         };
         crate::systemd::notify_reloading();
-        let done = crate::reload::apply(self, source);
+        let done = crate::reload::apply(self, source, ticket);
         crate::systemd::notify(&format!("READY=1\nSTATUS={}", self.status()));
         done
     }
@@ -142,22 +226,29 @@ impl Daemon {
         format!("serving {e} export{}, {c} NBD client{}", if e == 1 { "" } else { "s" }, if c == 1 { "" } else { "s" })
     }
 
-    /// Starts serving one export; returns lines worth printing (where it is served).
+    /// Starts serving one export of the operator's (the command line);
+    /// returns lines worth printing (where it is served).
     pub fn add(&self, spec: ExportSpec) -> Result<Vec<String>, Refusal> {
-        let closed = self.changes.lock().unwrap();
-        if *closed {
-            return Err(Refusal::new(ERR_FAILED, "the server is shutting down"));
-        }
+        self.add_as(spec, Origin::Operator, &Ticket::default())
+    }
+
+    /// Starts serving one export for `origin`, unless `ticket` is abandoned
+    /// before it is started (the module doc: how the open avoids the lock).
+    pub fn add_as(&self, spec: ExportSpec, origin: Origin, ticket: &Ticket) -> Result<Vec<String>, Refusal> {
         let name = spec.name.clone().unwrap_or_else(|| export_name(&spec.image));
         check_name(&name)?;
-        if self.exports.lock().unwrap().iter().any(|e| e.name == name) {
-            return Err(Refusal::new(
-                ERR_EXISTS,
-                format!("export {name:?} exists already: remove it first, or give the new one another name (--name)"),
-            ));
-        }
-        let Opened { image, description } =
-            formats::open(&spec.image, spec.format, spec.readonly, self.settings.direct, &spec.backing)?;
+        let roots = match origin {
+            Origin::Request => self.settings.roots.clone(),
+            Origin::Operator => None,
+        };
+        let spec = match &roots {
+            Some(r) => confine_paths(spec, r)?,
+            None => spec,
+        };
+        let _reserved = self.reserve(&name)?;
+        let Opened { image, description } = vdisk_image::files::confined(roots, || {
+            formats::open(&spec.image, spec.format, spec.readonly, self.settings.direct, &spec.backing)
+        })?;
         if image.size() == 0 {
             return Err(Refusal::new(
                 ERR_INVALID,
@@ -167,6 +258,49 @@ impl Daemon {
                 ),
             ));
         }
+        let closed = self.changes.lock().unwrap();
+        if *closed {
+            return Err(Refusal::new(ERR_FAILED, "the server is shutting down"));
+        }
+        // Past the deadline: the image opened late is closed here, unserved.
+        let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
+        self.start(name, spec, image, description, closed)
+    }
+
+    /// Reserves `name` for an add in progress, or refuses if it is taken.
+    fn reserve(&self, name: &str) -> Result<Reserved<'_>, Refusal> {
+        let closed = self.changes.lock().unwrap();
+        if *closed {
+            return Err(Refusal::new(ERR_FAILED, "the server is shutting down"));
+        }
+        let exists = || {
+            Refusal::new(
+                ERR_EXISTS,
+                format!("export {name:?} exists already: remove it first, or give the new one another name (--name)"),
+            )
+        };
+        if self.exports.lock().unwrap().iter().any(|e| e.name == name) {
+            return Err(exists());
+        }
+        if !self.reserved.lock().unwrap().insert(name.to_owned()) {
+            return Err(Refusal::new(
+                ERR_EXISTS,
+                format!("export {name:?} is being added by another request: wait for it, or pick another name"),
+            ));
+        }
+        drop(closed);
+        Ok(Reserved { names: &self.reserved, name: name.to_owned() })
+    }
+
+    /// Starts the device and frontends of an opened image and serves it; `_change` is the change lock.
+    fn start(
+        &self,
+        name: String,
+        spec: ExportSpec,
+        image: Arc<dyn vdisk_image::Image>,
+        description: String,
+        _change: MutexGuard<'_, bool>,
+    ) -> Result<Vec<String>, Refusal> {
         let format = image.format();
         let device = Device::start(&name, image, &self.settings.engine)
             .map_err(|e| Refusal::new(ERR_FAILED, format!("cannot start workers for {}: {e}", spec.image.display())))?;
@@ -189,7 +323,6 @@ impl Daemon {
         let frontends = std::mem::take(&mut frontends.0);
         log::info!(export:% = name; "export {name:?} added: {}", notes[0].trim_start_matches("vdisk: "));
         self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends });
-        drop(closed);
         Ok(notes)
     }
 
@@ -211,7 +344,13 @@ impl Daemon {
     /// are disconnected, the FUSE file unmounted, the vhost-user frontend
     /// disconnected, the device flushed and the image closed.
     pub fn remove(&self, name: &str, hard: bool) -> Result<(), Refusal> {
+        self.remove_within(name, hard, &Ticket::default())
+    }
+
+    /// [`Daemon::remove`], unless `ticket` was abandoned before it starts.
+    pub fn remove_within(&self, name: &str, hard: bool, ticket: &Ticket) -> Result<(), Refusal> {
         let _change = self.changes.lock().unwrap();
+        let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
         let Some((at, export)) = self.nbd.remove_export(name) else {
             return Err(Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)")));
         };
@@ -259,7 +398,13 @@ impl Daemon {
 
     /// Changes the QoS limits of export `name`, live.
     pub fn set_qos(&self, name: &str, limits: Limits) -> Result<(), Refusal> {
+        self.set_qos_within(name, limits, &Ticket::default())
+    }
+
+    /// [`Daemon::set_qos`], unless `ticket` was abandoned before it starts.
+    pub fn set_qos_within(&self, name: &str, limits: Limits, ticket: &Ticket) -> Result<(), Refusal> {
         let _change = self.changes.lock().unwrap();
+        let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
         let mut exports = self.exports.lock().unwrap();
         let e = exports.iter_mut().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
         e.device.set_limits(limits);
@@ -380,6 +525,23 @@ fn stop_export(running: Running) -> Result<(), Vec<String>> {
 
 fn not_found(name: &str) -> Refusal {
     Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)"))
+}
+
+/// With image roots, the paths a request names besides the image: the FUSE
+/// file and vhost-user socket the server would create must lie beneath them
+/// (else a request could mount a disk over any file), and a Ceph
+/// configuration file too. The image and backing files are opened beneath
+/// them by [`vdisk_image::files::confined`].
+fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec, Refusal> {
+    for p in [&mut spec.fuse, &mut spec.vhost_user_blk].into_iter().flatten() {
+        *p = roots.check_new(p).map_err(|e| Refusal::new(ERR_INVALID, e.to_string()))?;
+    }
+    let named = crate::formats::rbd_spec(&spec.image, &Default::default()).ok().flatten().and_then(|s| s.options.conf);
+    for conf in [spec.backing.ceph.ceph_conf.clone(), named].into_iter().flatten() {
+        vdisk_image::files::confined(Some(roots.clone()), || vdisk_image::files::check_confined(&conf))
+            .map_err(|e| Refusal::new(ERR_INVALID, e.to_string()))?;
+    }
+    Ok(spec)
 }
 
 /// NBD names are at most 4096 bytes; an empty one would shadow the default export.

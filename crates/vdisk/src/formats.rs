@@ -14,17 +14,24 @@ use crate::cli::{BackingArgs, FormatArg};
 use crate::size::human;
 use crate::Failure;
 
-/// True when the file starts with the COW magic. A file that cannot be read
-/// is "not COW": opening it as raw then reports why.
-pub fn is_cow(path: &Path) -> bool {
+/// The first 4 bytes of the file, or None when it cannot be opened (through
+/// the one open helper: never blocking, only files and block devices, beneath
+/// the roots when confined) or read. Opening it as raw then reports why.
+fn magic(path: &Path) -> Option<[u8; 4]> {
     let mut magic = [0u8; 4];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && cow::has_magic(&magic)
+    let mut f = vdisk_image::files::open(path, false, "image").ok()?;
+    f.read_exact(&mut magic).ok().map(|()| magic)
+}
+
+/// True when the file starts with the COW magic. A file that cannot be read
+/// is "not COW".
+pub fn is_cow(path: &Path) -> bool {
+    magic(path).is_some_and(|m| cow::has_magic(&m))
 }
 
 /// True when the file starts with the qcow2 magic.
 pub fn is_qcow2(path: &Path) -> bool {
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && qcow2::has_magic(&magic)
+    magic(path).is_some_and(|m| qcow2::has_magic(&m))
 }
 
 /// An opened image and a one-line description of it for the export list.

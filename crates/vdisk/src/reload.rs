@@ -12,6 +12,8 @@
 //! - Changed QoS limits apply live. Other changes to a served export (image,
 //!   format, transports) cannot apply without a restart of that export; they
 //!   are reported and the export goes on as it was.
+//! - With image roots (`--image-root`), what the file adds must lie beneath
+//!   them, as for `vdisk ctl add`.
 //! - Exports this file did not start (command-line IMAGEs, `vdisk ctl add`)
 //!   are never touched; `[server]` changes need a restart and are reported.
 //! - What is compared is the file against the file last applied: a QoS set
@@ -23,7 +25,7 @@ use std::path::PathBuf;
 use serde_json::{json, Value};
 
 use crate::config::{Config, ServerTable};
-use crate::daemon::{Daemon, ExportSpec, Refusal, ERR_INVALID, ERR_NOT_FOUND};
+use crate::daemon::{Daemon, ExportSpec, Origin, Refusal, Ticket, ERR_INVALID, ERR_NOT_FOUND};
 
 /// The config file and the exports it started that are still served.
 pub struct Source {
@@ -55,7 +57,9 @@ fn name(spec: &ExportSpec) -> String {
 }
 
 /// Rereads the file and applies the difference (module doc: the rules).
-pub fn apply(daemon: &Daemon, source: &mut Source) -> Result<Value, Refusal> {
+/// A `ticket` given up on (the control request's deadline) stops the adds;
+/// the ones made are taken back, as for any failed add.
+pub fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<Value, Refusal> {
     let new = crate::config::load(&source.path).map_err(|f| {
         log::error!("reload: {f}; nothing changed");
         Refusal { code: ERR_INVALID, message: format!("{f}; nothing changed") }
@@ -65,7 +69,7 @@ pub fn apply(daemon: &Daemon, source: &mut Source) -> Result<Value, Refusal> {
     let served = daemon.names();
     source.managed.retain(|m| m.name.as_ref().is_some_and(|n| served.contains(n)));
     let mut report = Report { server_changed: new.server != source.server, ..Default::default() };
-    add_new(daemon, source, &new.exports, &mut report)?;
+    add_new(daemon, source, &new.exports, &mut report, ticket)?;
     for spec in &new.exports {
         change(daemon, source, spec, &mut report);
     }
@@ -94,11 +98,18 @@ pub fn apply(daemon: &Daemon, source: &mut Source) -> Result<Value, Refusal> {
 }
 
 /// Adds the exports new in the file; on a failure removes those it added and fails.
-fn add_new(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], report: &mut Report) -> Result<(), Refusal> {
+fn add_new(
+    daemon: &Daemon,
+    source: &mut Source,
+    new: &[ExportSpec],
+    report: &mut Report,
+    ticket: &Ticket,
+) -> Result<(), Refusal> {
     let fresh: Vec<&ExportSpec> = new.iter().filter(|s| !source.managed.iter().any(|m| m.name == s.name)).collect();
     for spec in fresh {
         let n = name(spec);
-        match daemon.add(spec.clone()) {
+        // Beneath the image roots, if any, as a control-socket add.
+        match daemon.add_as(spec.clone(), Origin::Request, ticket) {
             // The daemon logs what it added and removed.
             Ok(_) => {
                 report.added.push(n);

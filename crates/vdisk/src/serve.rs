@@ -45,7 +45,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
         ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize), policy };
     let server =
         Server::new(Vec::new(), options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
-    let daemon = Arc::new(Daemon::new(settings(&a), server.clone()));
+    let daemon = Arc::new(Daemon::new(settings(&a)?, server.clone()));
     let mut banner = Vec::new();
     let started = start_exports(&daemon, specs, &mut banner)
         .and_then(|()| start_config(&daemon, config.as_ref(), &mut banner))
@@ -94,15 +94,21 @@ fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Fa
         .into_iter()
         .flat_map(|c| c.exports.iter().cloned().zip(c.lines.iter().map(move |l| format!("{}:{l}", c.path.display()))));
     let mut names = std::collections::HashSet::new();
-    for (spec, at) in cli.chain(file) {
+    // The file's exports lie beneath the image roots, if any, as at start-up.
+    let roots = settings(a)?.roots;
+    let cli: Vec<_> = cli.map(|(s, at)| (s, at, None)).collect();
+    let file = file.map(|(s, at)| (s, at, roots.clone()));
+    for (spec, at, roots) in cli.into_iter().chain(file) {
         let name = spec.name.clone().unwrap_or_default();
         if !names.insert(name.clone()) {
             return Err(Failure::usage(format!(
                 "{at}: export {name:?} is named on the command line and in the file: rename one (name = \"...\")"
             )));
         }
-        let opened = crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
-            .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
+        let opened = vdisk_image::files::confined(roots, || {
+            crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
+        })
+        .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
         if opened.image.size() == 0 {
             return Err(Failure::usage(format!(
                 "{at}: export {name:?}: {} is empty (make a disk with `vdisk create IMAGE --size 10G`)",
@@ -123,7 +129,9 @@ fn start_config(
 ) -> Result<(), Failure> {
     let Some(c) = config else { return Ok(()) };
     for (spec, line) in c.exports.iter().zip(&c.lines) {
-        let notes = daemon.add(spec.clone()).map_err(|r| {
+        // Beneath the image roots, if any, as what a reload adds later.
+        let ticket = crate::daemon::Ticket::default();
+        let notes = daemon.add_as(spec.clone(), crate::daemon::Origin::Request, &ticket).map_err(|r| {
             let name = spec.name.clone().unwrap_or_default();
             Failure::from(crate::daemon::Refusal {
                 message: format!("{}:{line}: export {name:?}: {}", c.path.display(), r.message),
@@ -176,7 +184,7 @@ fn serve_until_signal(
     }
 }
 
-fn settings(a: &ServeArgs) -> Settings {
+fn settings(a: &ServeArgs) -> Result<Settings, Failure> {
     let engine = EngineConfig {
         kind: match a.engine.unwrap_or(EngineArg::Uring) {
             EngineArg::Uring => EngineKind::Uring,
@@ -191,7 +199,12 @@ fn settings(a: &ServeArgs) -> Settings {
         inline: !a.no_inline,
         ..Default::default()
     };
-    Settings { engine, direct: a.direct, socket_mode: a.socket_mode(), fuse_uring: a.fuse_uring }
+    let roots = if a.image_roots.is_empty() {
+        None
+    } else {
+        Some(Arc::new(vdisk_image::files::Roots::open(&a.image_roots).map_err(|e| Failure::usage(e.to_string()))?))
+    };
+    Ok(Settings { engine, direct: a.direct, socket_mode: a.socket_mode(), fuse_uring: a.fuse_uring, roots })
 }
 
 /// The exports the command line asks for, checked against each other.
@@ -314,13 +327,23 @@ impl Listeners {
             Inherited::Unix(l, Some(path)) => Some((l, path)),
             _ => None,
         });
+        // The control socket's own mode and group: --socket-mode never applies to it.
+        let policy = || -> Result<crate::control::Policy, Failure> {
+            Ok(crate::control::Policy {
+                access: crate::control::Access::new(a.control_mode, a.control_group.as_deref())?,
+                deadline: a
+                    .control_timeout
+                    .map_or(crate::control::DEFAULT_DEADLINE, |s| std::time::Duration::from_secs(s.into())),
+                roots: !a.image_roots.is_empty(),
+            })
+        };
         let (control, path, from) = match (inherited, &a.control) {
             (Some((l, path)), _) => {
-                let c = crate::control::ControlSocket::inherited(l, &path, daemon.clone())?;
+                let c = crate::control::ControlSocket::inherited(l, &path, policy()?, daemon.clone())?;
                 (c, path, " (from the service manager)")
             }
             (None, Some(path)) => {
-                (crate::control::ControlSocket::start(path, a.socket_mode(), daemon.clone())?, path.clone(), "")
+                (crate::control::ControlSocket::start(path, policy()?, daemon.clone())?, path.clone(), "")
             }
             (None, None) => return Ok(()),
         };

@@ -33,7 +33,7 @@ pub struct Inspection {
 /// Reads an overlay's header and bitmap without locking it or opening the
 /// backing file for I/O, and checks the backing file as `open` would.
 pub fn inspect(path: &Path) -> Result<Inspection> {
-    let file = File::open(path).map_err(|e| at(path, e, "cannot open overlay"))?;
+    let file = crate::files::open(path, false, "overlay")?;
     let (header, map) = read_metadata(&file, path)?;
     if crate::rbd::is_rbd(header.backing_path()) {
         // An RBD snapshot: checked (size) when the overlay is opened, which needs the cluster.

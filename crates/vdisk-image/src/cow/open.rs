@@ -4,7 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek};
-use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -161,6 +161,10 @@ impl CowImage {
             )));
         }
         let spec = Spec::parse(&name.to_string_lossy(), &o.ceph)?;
+        // librados reads it by name: beneath the image roots too, when confined.
+        if let Some(conf) = &spec.options.conf {
+            crate::files::check_confined(conf)?;
+        }
         if spec.snap.is_none() {
             return Err(Error::invalid(format!(
                 "the backing of {} is {spec}, an RBD image that can change under the overlay; an overlay needs a \
@@ -218,14 +222,8 @@ impl CowImage {
     /// backing file's absolute path, size and mtime (as uml_mkcow does); the
     /// bitmap and data area are sparse. Refuses to replace an existing file.
     pub fn create(overlay: &Path, backing: &Path) -> Result<()> {
-        let bmeta = std::fs::metadata(backing).map_err(|e| at(backing, e, "cannot open backing file"))?;
-        if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
-            return Err(Error::invalid(format!(
-                "backing file {} is not a regular file or block device",
-                backing.display()
-            )));
-        }
-        let bfile = File::open(backing).map_err(|e| at(backing, e, "cannot open backing file"))?;
+        let bfile = crate::files::open(backing, false, "backing file")?;
+        let bmeta = bfile.metadata().map_err(|e| at(backing, e, "cannot stat backing file"))?;
         let size = file_size(&bfile, backing)?;
         if size == 0 {
             return Err(Error::invalid(format!("backing file {} is empty: a disk needs a size", backing.display())));
@@ -341,16 +339,8 @@ fn write_new(overlay: &Path, header: &Header, size: u64) -> Result<()> {
 
 /// Opens and locks the overlay file (exclusively unless `read_only`).
 fn open_overlay(path: &Path, read_only: bool) -> Result<(File, std::fs::Metadata)> {
-    let meta = std::fs::metadata(path).map_err(|e| at(path, e, "cannot open overlay"))?;
-    if meta.is_dir() {
-        return Err(Error::invalid(format!("{} is a directory, not a COW overlay", path.display())));
-    }
-    let overlay = OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| at(path, e, "cannot open overlay"))?;
+    let overlay = crate::files::open(path, !read_only, "overlay")?;
+    let meta = overlay.metadata().map_err(|e| at(path, e, "cannot stat overlay"))?;
     lock(&overlay, path, !read_only)?;
     Ok((overlay, meta))
 }
@@ -387,27 +377,29 @@ fn open_backing(
             return Err(Error::invalid(why).advise(Advice::NameBacking));
         }
     }
-    let bmeta = std::fs::metadata(&backing).map_err(|e| {
-        let e = Error::io(e, format!("backing file {named} cannot be opened"));
+    // Opened for reading first: the checks below come before any write access.
+    let bfile = crate::files::open(&backing, false, "backing file").map_err(|e| {
+        let e = Error::new(e.kind(), format!("backing file {named} cannot be opened: {e}"));
         if o.backing.is_some() {
             e
         } else {
             e.advise(Advice::NameBacking)
         }
     })?;
-    if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
-        return Err(Error::invalid(format!("backing file {named} is not a regular file or block device")));
-    }
     let itself = |b: &std::fs::Metadata| b.dev() == meta.dev() && b.ino() == meta.ino();
-    if itself(&bmeta) {
+    if itself(&bfile.metadata().map_err(|e| at(&backing, e, "cannot stat backing file"))?) {
         return Err(Error::invalid(format!("backing file {named} is the overlay itself")));
     }
-    let bfile = OpenOptions::new()
-        .read(true)
-        .write(o.backing_writable)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(&backing)
-        .map_err(|e| Error::io(e, format!("cannot open backing file {named}")))?;
+    let bfile = if o.backing_writable {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(format!("/proc/self/fd/{}", bfile.as_raw_fd()))
+            .map_err(|e| Error::io(e, format!("cannot open backing file {named}")))?
+    } else {
+        bfile
+    };
     lock(&bfile, &backing, o.backing_writable)?;
     // Checks from here on are on the file opened, not on whatever the path names now.
     let bmeta = bfile.metadata().map_err(|e| at(&backing, e, "cannot stat backing file"))?;

@@ -17,7 +17,7 @@ use std::ffi::OsStr;
 use std::fs::{File, OpenOptions};
 use std::io::Seek;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
@@ -90,16 +90,8 @@ impl Qcow2Image {
     }
 
     pub fn open_with(path: &Path, o: &Qcow2Options) -> Result<Self> {
-        let meta = std::fs::metadata(path).map_err(|e| at(path, e, "cannot open image"))?;
-        if meta.is_dir() {
-            return Err(Error::invalid(format!("{} is a directory, not a qcow2 image", path.display())));
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!o.read_only)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| at(path, e, "cannot open image"))?;
+        let file = crate::files::open(path, !o.read_only, "image")?;
+        let meta = file.metadata().map_err(|e| at(path, e, "cannot stat image"))?;
         cow::lock_file(&file, path, !o.read_only)?;
         let (mut h, file_len) = read_header(&file, path)?;
         refuse_features(&h, path, o.read_only)?;
@@ -253,11 +245,13 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
     if o.depth + 1 >= MAX_CHAIN {
         return Err(Error::invalid(format!("{named}: the backing chain is deeper than {MAX_CHAIN} (a loop?)")));
     }
-    let bmeta = std::fs::metadata(&backing)
-        .map_err(|e| Error::io(e, format!("{named} cannot be opened (if it moved)")).advise(Advice::NameBacking))?;
-    if bmeta.is_dir() || !(bmeta.is_file() || bmeta.file_type().is_block_device()) {
-        return Err(Error::invalid(format!("{named} is not a regular file or block device")));
-    }
+    // Opened (beneath the roots, when confined) and type-checked first; the
+    // format's own open below opens the same path again through the same rules.
+    let bfile = crate::files::open(&backing, false, "backing file").map_err(|e| {
+        let what = if e.kind() == ErrorKind::NotFound { " (if it moved)" } else { "" };
+        Error::new(e.kind(), format!("{named} cannot be opened{what}: {e}")).advise(Advice::NameBacking)
+    })?;
+    let bmeta = bfile.metadata().map_err(|e| Error::io(e, format!("cannot stat {named}")))?;
     if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
         return Err(Error::invalid(format!("{named} is the image itself")));
     }
@@ -274,7 +268,7 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
                 format!("{named} is in format {f:?}, which vdisk does not serve (raw, qcow2 and cow are)"),
             ))
         }
-        None => probe(&backing),
+        None => probe(&bfile),
     };
     let image: Box<dyn Image> = match format {
         "qcow2" => Box::new(Qcow2Image::open_with(
@@ -297,9 +291,9 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
 
 /// The format of a backing file the header names no format for, by its
 /// magic, as qemu probes: qcow2, a UML COW overlay, or raw.
-fn probe(path: &Path) -> &'static str {
+fn probe(file: &File) -> &'static str {
     let mut magic = [0u8; 4];
-    let ok = File::open(path).and_then(|f| f.read_exact_at(&mut magic, 0)).is_ok();
+    let ok = file.read_exact_at(&mut magic, 0).is_ok();
     if ok && header::has_magic(&magic) {
         "qcow2"
     } else if ok && cow::has_magic(&magic) {
@@ -321,7 +315,7 @@ pub struct Inspection {
 
 /// Reads the header and the L2 tables of `path`, without opening its backing file.
 pub fn inspect(path: &Path) -> Result<Inspection> {
-    let file = File::open(path).map_err(|e| at(path, e, "cannot open image"))?;
+    let file = crate::files::open(path, false, "image")?;
     let (h, file_len) = read_header(&file, path)?;
     let l1 = read_l1(&h, &file, path, file_len)?;
     let cache = L2Cache::new(&h, l1, file_len, HashSet::new(), L2_CACHE_CAP);

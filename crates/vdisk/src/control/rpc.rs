@@ -1,0 +1,288 @@
+//! The control socket's JSON-RPC 2.0, with no socket and no daemon: one
+//! request line in, one response line out ([`answer`]). Parsing turns the
+//! untrusted line into a typed [`Method`] (every param checked for its type,
+//! unknown ones refused) and hands it to a [`Handler`]; what the handler
+//! answers becomes the response. The daemon is one handler, the fuzz target
+//! (fuzz/fuzz_targets/control_rpc.rs, which includes this file) another.
+//!
+//! Depends on serde_json alone, on purpose: the fuzz crate compiles this file.
+
+use serde_json::{json, Map, Value};
+
+pub const PARSE_ERROR: i64 = -32700;
+pub const INVALID_REQUEST: i64 = -32600;
+pub const METHOD_NOT_FOUND: i64 = -32601;
+pub const INVALID_PARAMS: i64 = -32602;
+
+/// The formats `export_add` takes, as the command line spells them.
+pub const FORMATS: [&str; 4] = ["auto", "raw", "cow", "qcow2"];
+
+/// QoS fields a request gave; an absent one keeps its value, 0 lifts it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Qos {
+    pub iops: Option<u64>,
+    pub bps: Option<u64>,
+    pub read_bps: Option<u64>,
+    pub write_bps: Option<u64>,
+}
+
+/// `export_add`'s params, type-checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddParams {
+    pub image: String,
+    pub name: Option<String>,
+    pub readonly: bool,
+    /// One of [`FORMATS`].
+    pub format: Option<String>,
+    pub backing: Option<String>,
+    pub ignore_backing_mtime: bool,
+    pub ceph_conf: Option<String>,
+    pub ceph_id: Option<String>,
+    pub fuse: Option<String>,
+    pub vhost_user_blk: Option<String>,
+    /// 1 to 64.
+    pub num_queues: Option<u16>,
+    pub qos: Qos,
+}
+
+/// One request, parsed (docs/control.md describes each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Method {
+    ExportAdd(AddParams),
+    ExportRemove { name: String, hard: bool },
+    ExportList,
+    ExportStats { name: Option<String> },
+    ExportSetQos { name: String, qos: Qos },
+    ServerInfo,
+    ConfigReload,
+}
+
+impl Method {
+    /// True for the requests that change what is served (only the server's
+    /// own user, root and the control group may send them).
+    pub fn changes_state(&self) -> bool {
+        !matches!(self, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo)
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::ExportAdd(_) => "export_add",
+            Method::ExportRemove { .. } => "export_remove",
+            Method::ExportList => "export_list",
+            Method::ExportStats { .. } => "export_stats",
+            Method::ExportSetQos { .. } => "export_set_qos",
+            Method::ServerInfo => "server_info",
+            Method::ConfigReload => "config_reload",
+        }
+    }
+}
+
+/// A JSON-RPC error: its code and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    pub code: i64,
+    pub message: String,
+}
+
+impl Fault {
+    pub fn new(code: i64, message: impl Into<String>) -> Fault {
+        Fault { code, message: message.into() }
+    }
+}
+
+/// What carries out a parsed request.
+pub trait Handler {
+    fn call(&self, method: Method) -> Result<Value, Fault>;
+}
+
+/// The response line (no newline) to one request line, or None for a
+/// notification (a request without `id`, which is still carried out).
+pub fn answer(handler: &dyn Handler, line: &[u8]) -> Option<String> {
+    respond(handler, line).map(|v| v.to_string())
+}
+
+/// As [`answer`], the response as a JSON value.
+pub fn respond(handler: &dyn Handler, line: &[u8]) -> Option<Value> {
+    let req: Value = match serde_json::from_slice(line) {
+        Ok(v) => v,
+        Err(e) => return Some(error(Value::Null, PARSE_ERROR, format!("parse error: {e}"))),
+    };
+    let Value::Object(mut req) = req else {
+        return Some(error(Value::Null, INVALID_REQUEST, "a request is one JSON object (batches are not supported)"));
+    };
+    let id = req.remove("id");
+    let reply_id = id.clone().unwrap_or(Value::Null);
+    if !matches!(reply_id, Value::Null | Value::String(_) | Value::Number(_)) {
+        return Some(error(Value::Null, INVALID_REQUEST, "id must be a string, a number or null"));
+    }
+    if req.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+        return Some(error(reply_id, INVALID_REQUEST, "\"jsonrpc\": \"2.0\" is missing"));
+    }
+    let Some(Value::String(method)) = req.remove("method") else {
+        return Some(error(reply_id, INVALID_REQUEST, "\"method\" must be a string"));
+    };
+    let params = match req.remove("params") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Some(error(reply_id, INVALID_PARAMS, "params must be an object (by name)")),
+    };
+    let result = parse(&method, Params(params)).and_then(|m| handler.call(m));
+    id.as_ref()?;
+    Some(match result {
+        Ok(v) => json!({"jsonrpc": "2.0", "id": reply_id, "result": v}),
+        Err(f) => error(reply_id, f.code, f.message),
+    })
+}
+
+/// An error response.
+pub fn error(id: Value, code: i64, message: impl Into<String>) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message.into()}})
+}
+
+/// The method and its params, every one checked; what is left over is an error.
+pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
+    let m = match method {
+        "export_add" => Method::ExportAdd(add_params(&mut p)?),
+        "export_remove" => Method::ExportRemove { name: p.name()?, hard: p.bool("hard")?.unwrap_or(false) },
+        "export_list" => Method::ExportList,
+        "export_stats" => Method::ExportStats { name: p.str("name")? },
+        "export_set_qos" => Method::ExportSetQos { name: p.name()?, qos: p.qos()? },
+        "server_info" => Method::ServerInfo,
+        "config_reload" => Method::ConfigReload,
+        _ => {
+            return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
+        }
+    };
+    p.done(method)?;
+    Ok(m)
+}
+
+fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
+    let image = p.str("image")?.ok_or_else(|| bad("\"image\" (the image's path) is required"))?;
+    let format = p.str("format")?;
+    if let Some(f) = &format {
+        if !FORMATS.contains(&f.as_str()) {
+            return Err(bad(format!("format {f:?} is not one of {}", FORMATS.join(", "))));
+        }
+    }
+    let num_queues = match p.u64("num_queues")? {
+        None => None,
+        Some(n @ 1..=64) => Some(n as u16),
+        Some(n) => return Err(bad(format!("num_queues {n} is not between 1 and 64"))),
+    };
+    Ok(AddParams {
+        image,
+        name: p.str("name")?,
+        readonly: p.bool("readonly")?.unwrap_or(false),
+        format,
+        backing: p.str("backing")?,
+        ignore_backing_mtime: p.bool("ignore_backing_mtime")?.unwrap_or(false),
+        ceph_conf: p.str("ceph_conf")?,
+        ceph_id: p.str("ceph_id")?,
+        fuse: p.str("fuse")?,
+        vhost_user_blk: p.str("vhost_user_blk")?,
+        num_queues,
+        qos: p.qos()?,
+    })
+}
+
+fn bad(message: impl Into<String>) -> Fault {
+    Fault::new(INVALID_PARAMS, message)
+}
+
+/// A request's params, taken out one by one.
+pub struct Params(pub Map<String, Value>);
+
+impl Params {
+    fn str(&mut self, key: &str) -> Result<Option<String>, Fault> {
+        match self.0.remove(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(bad(format!("{key} must be a string, not {}", short(&v)))),
+        }
+    }
+
+    fn name(&mut self) -> Result<String, Fault> {
+        self.str("name")?.ok_or_else(|| bad("\"name\" (the export's name) is required"))
+    }
+
+    fn bool(&mut self, key: &str) -> Result<Option<bool>, Fault> {
+        match self.0.remove(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(v) => Err(bad(format!("{key} must be true or false, not {}", short(&v)))),
+        }
+    }
+
+    fn u64(&mut self, key: &str) -> Result<Option<u64>, Fault> {
+        match self.0.remove(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => {
+                v.as_u64().map(Some).ok_or_else(|| bad(format!("{key} must be a whole number >= 0, not {}", short(&v))))
+            }
+        }
+    }
+
+    fn qos(&mut self) -> Result<Qos, Fault> {
+        Ok(Qos {
+            iops: self.u64("iops")?,
+            bps: self.u64("bps")?,
+            read_bps: self.u64("read_bps")?,
+            write_bps: self.u64("write_bps")?,
+        })
+    }
+
+    fn done(self, method: &str) -> Result<(), Fault> {
+        match self.0.keys().next() {
+            None => Ok(()),
+            Some(k) => Err(bad(format!("{method} takes no parameter {k:?} (docs/control.md lists its params)"))),
+        }
+    }
+}
+
+/// A value as an error message quotes it: at most 100 characters of it.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(100) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Answers every request with its method's name.
+    struct Echo;
+
+    impl Handler for Echo {
+        fn call(&self, m: Method) -> Result<Value, Fault> {
+            Ok(json!(m.name()))
+        }
+    }
+
+    fn ask(line: &str) -> Value {
+        serde_json::from_str(&answer(&Echo, line.as_bytes()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_line_in_gives_a_line_out() {
+        assert_eq!(ask(r#"{"jsonrpc":"2.0","id":1,"method":"export_list"}"#)["result"], "export_list");
+        assert_eq!(ask("{").get("error").unwrap()["code"], PARSE_ERROR);
+        assert_eq!(ask("[1]")["error"]["code"], INVALID_REQUEST);
+        let v = ask(r#"{"jsonrpc":"2.0","id":"a","method":"export_add","params":{"image":"/x","format":"vmdk"}}"#);
+        assert_eq!((v["id"].as_str(), v["error"]["code"].as_i64()), (Some("a"), Some(INVALID_PARAMS)));
+        assert!(answer(&Echo, br#"{"jsonrpc":"2.0","method":"server_info"}"#).is_none(), "a notification");
+        let long =
+            format!(r#"{{"jsonrpc":"2.0","id":1,"method":"export_remove","params":{{"name":"{}"}}}}"#, "x".repeat(9));
+        assert_eq!(ask(&long)["result"], "export_remove");
+    }
+
+    #[test]
+    fn changing_requests_are_told_apart() {
+        let add = Method::ExportAdd(AddParams { image: "/x".into(), ..Default::default() });
+        assert!(add.changes_state() && Method::ConfigReload.changes_state());
+        assert!(!Method::ExportList.changes_state() && !Method::ServerInfo.changes_state());
+    }
+}
