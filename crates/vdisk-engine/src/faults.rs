@@ -25,15 +25,20 @@
 //! - any rule may end in `=eio` (the default) or `=enospc`;
 //! - any rule may start with `EXPORT:` to apply only to the device of that
 //!   name (`a:panic#3,b:enter#20`); a rule without it applies to every device.
+//!   A `#N` rule naming a device fires once per process: a device started
+//!   again under that name (the export removed and added back) is spared it.
 //!
 //! Example: `VDISK_FAULTS=read@1048576+4096,write#5=enospc,flush#2,disk2:enter#40`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use vdisk_image::Error;
 
 pub const ENV: &str = "VDISK_FAULTS";
+
+/// The `EXPORT:` rules with `#N` that have fired in this process.
+static FIRED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -66,6 +71,8 @@ struct Rule {
     errno: i32,
     /// `eintr#N`: the enter is interrupted rather than failed.
     interrupt: bool,
+    /// The rule as written, for an `EXPORT:` rule with `#N`: it fires once per process.
+    once: Option<String>,
 }
 
 pub struct Faults {
@@ -97,12 +104,16 @@ impl Faults {
     /// `EXPORT:` prefix and those naming it (all of them when `device` is empty).
     pub fn parse_for(spec: &str, device: &str) -> Result<Faults, String> {
         let mut rules = Vec::new();
-        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let item = match item.rsplit_once(':') {
+        for written in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let item = match written.rsplit_once(':') {
                 Some((name, rule)) if name == device || device.is_empty() => rule,
                 Some(_) => continue,
-                None => item,
+                None => written,
             };
+            let once = (item != written && item.contains('#')).then(|| written.to_owned());
+            if once.as_ref().is_some_and(|w| FIRED.lock().unwrap().contains(w)) {
+                continue;
+            }
             let (rule, errno) = match item.split_once('=') {
                 Some((r, "eio")) => (r, libc::EIO),
                 Some((r, "enospc")) => (r, libc::ENOSPC),
@@ -131,7 +142,7 @@ impl Faults {
                 ("panic" | "enter" | "eintr", _) => return Err(format!("{item:?}: want {op}#N")),
                 _ => return Err(format!("{item:?}: the operation is read, write, flush, panic, enter or eintr")),
             };
-            rules.push(Rule { kind, target, errno, interrupt: op == "eintr" });
+            rules.push(Rule { kind, target, errno, interrupt: op == "eintr", once });
         }
         Ok(Faults { rules, counts: Default::default() })
     }
@@ -139,14 +150,18 @@ impl Faults {
     /// The rule, if any, that fails this request of `kind` (counting it).
     fn matching(&self, kind: Kind, offset: u64, len: u64) -> Option<&Rule> {
         let n = self.counts[kind as usize].fetch_add(1, Ordering::Relaxed) + 1;
-        self.rules.iter().find(|r| {
+        let rule = self.rules.iter().find(|r| {
             r.kind == kind
                 && match r.target {
                     Target::Range { start, end } => offset < end && start < offset + len,
                     Target::Nth(k) => k == n,
                     Target::Every => true,
                 }
-        })
+        })?;
+        if let Some(w) = &rule.once {
+            FIRED.lock().unwrap().push(w.clone());
+        }
+        Some(rule)
     }
 
     /// The error a read or write of `[offset, offset + len)` must fail with, if any.
@@ -222,5 +237,8 @@ mod tests {
         assert!(hit.is_err(), "the second delivery of b panics");
         b.check_delivery();
         assert!(Faults::parse_for("a:panic#1", "c").unwrap().rules.is_empty(), "rules for another device");
+        // Fired, b's rule is spared a new device b; a's is not (it never fired).
+        assert!(Faults::parse_for("a:enter#9,b:panic#2", "b").unwrap().rules.is_empty());
+        assert_eq!(Faults::parse_for("a:enter#9,b:panic#2", "a").unwrap().rules.len(), 1);
     }
 }

@@ -442,7 +442,7 @@ impl Device {
                     Ok(()) => "what it had acknowledged was flushed".to_owned(),
                     Err(e) => format!("and {e}"),
                 };
-                Err(vdisk_image::Error::io(std::io::Error::from_raw_os_error(libc::EIO), format!("{cause}; {flush}")))
+                Err(vdisk_image::Error::new(vdisk_image::ErrorKind::Io, format!("{cause}; {flush}")))
             }
         }
     }
