@@ -188,3 +188,19 @@ fn a_bounded_stop_gives_up_on_a_wedged_worker() {
     let read = rig.rx.recv_timeout(RECV).expect("the released read completes");
     assert!(read.error.is_none(), "{:?}", read.error);
 }
+
+#[test]
+fn a_leaked_request_is_answered_with_an_empty_buffer_and_its_data_forgotten() {
+    let e = vdisk_image::Error::io(std::io::Error::from_raw_os_error(libc::EIO), "device \"x\" failed");
+    let mut w = write(0, vec![7; 8192], 1);
+    health::leaked(&mut w, &e);
+    assert!(w.buf().is_empty(), "the data the kernel may still read is no longer the request's");
+    assert_eq!(w.error.as_ref().map(|e| e.errno()), Some(libc::EIO));
+    let mut r = Request::new(Op::Read, 0, 4096, 2);
+    r.error = Some(vdisk_image::Error::new(ErrorKind::NoSpace, "full"));
+    health::failed(&mut r, &e);
+    assert_eq!(r.error.as_ref().map(|e| e.kind()), Some(ErrorKind::NoSpace), "an error of its own stays");
+    let mut f = Request::new(Op::Flush, 0, 0, 3);
+    health::leaked(&mut f, &e);
+    assert_eq!(f.error.as_ref().map(|e| e.errno()), Some(libc::EIO), "no data: answered all the same");
+}
