@@ -308,9 +308,10 @@ impl Device {
     }
 
     /// Queues a batch; each request comes back through `sink` once done. Over
-    /// the device's QoS limits, this waits first.
+    /// the device's QoS limits, this waits first (not on a failed device, whose
+    /// requests are answered with EIO at once).
     pub fn submit(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
-        self.qos.admit(&batch);
+        self.admit(&batch);
         self.queue.push(batch, sink, std::time::Instant::now());
     }
 
@@ -319,11 +320,18 @@ impl Device {
     /// through `sink`. On an in-memory file everything finishes inline; on
     /// others, reads the page cache can serve in full.
     pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
-        self.qos.admit(&batch);
+        self.admit(&batch);
         let (started, first) = (std::time::Instant::now(), done.len());
         self.stats.submitted(batch.len());
         self.submit_inline_counted(batch, sink, done, started);
         self.stats.completed(done[first..].iter(), started);
+    }
+
+    /// Waits for QoS tokens, unless the device failed.
+    fn admit(&self, batch: &[Request]) {
+        if !self.queue.health().is_failed() {
+            self.qos.admit(batch);
+        }
     }
 
     /// [`Device::submit_inline`] once QoS admitted the batch and it was counted in.
