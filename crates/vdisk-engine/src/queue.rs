@@ -174,6 +174,14 @@ impl Queue {
         self.deliver(jobs);
     }
 
+    /// [`Queue::fail`] for requests whose data the kernel (or librbd) may
+    /// still touch: their data is forgotten (leaked), never freed.
+    pub(crate) fn fail_leaked(&self, jobs: &mut Vec<Job>) {
+        let e = self.health.error();
+        jobs.iter_mut().for_each(|(r, _, _)| health::leaked(r, &e));
+        self.deliver(jobs);
+    }
+
     /// What a worker of a failed device does until the device stops: answer
     /// every request pushed with EIO. Returns once the queue is closed.
     pub(crate) fn serve_failed(&self) {

@@ -217,9 +217,7 @@ impl RbdWorker {
         if !self.ops.is_empty() {
             return false;
         }
-        let e = self.queue.health().error();
         let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
-        held.iter_mut().for_each(|(r, _, _)| health::failed(r, &e));
         self.queue.fail(&mut held);
         true
     }
@@ -230,16 +228,14 @@ impl RbdWorker {
     fn leak(&mut self) {
         let (ops, name) = (self.ops.len(), self.planner.describe(0));
         std::mem::forget(std::mem::take(&mut self.ops));
-        let e = self.queue.health().error();
         let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
         held.extend(self.new.drain(..).chain(self.done.drain(..)));
-        held.iter_mut().for_each(|(r, _, _)| health::leaked(r, &e));
         log::error!(
             "{name}: {ops} librbd operation(s) still out {ABANDON_WAIT:?} after the failure; their memory is \
              leaked, never freed, and {} request(s) answered with EIO",
             held.len()
         );
-        self.queue.fail(&mut held);
+        self.queue.fail_leaked(&mut held);
     }
 
     fn rbd(&self, file: usize) -> &RbdImage {

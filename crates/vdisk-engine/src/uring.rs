@@ -301,9 +301,7 @@ impl RingWorker {
         if !self.ops.is_empty() || self.wake_armed {
             return false;
         }
-        let e = self.queue.health().error();
         let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
-        held.iter_mut().for_each(|(r, _, _)| health::failed(r, &e));
         self.queue.fail(&mut held);
         true
     }
@@ -325,16 +323,14 @@ impl RingWorker {
         let (ops, name) = (self.ops.len(), self.planner.describe(0));
         std::mem::forget(std::mem::take(&mut self.ops));
         std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
-        let e = self.queue.health().error();
         let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
         held.extend(self.new.drain(..).chain(self.done.drain(..)));
-        held.iter_mut().for_each(|(r, _, _)| health::leaked(r, &e));
         log::error!(
             "{name}: {ops} operation(s) still in the kernel {ABANDON_WAIT:?} after the failure; their memory and \
              the ring are leaked, never freed, and {} request(s) answered with EIO",
             held.len()
         );
-        self.queue.fail(&mut held);
+        self.queue.fail_leaked(&mut held);
     }
 
     /// Puts a batch of new requests into the ring (or completes them here when

@@ -150,3 +150,20 @@ fn a_failing_worker_gives_eio_at_once_and_the_others_serve() {
     assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
     assert!(!status.success(), "a failed export is an error of the stop: {status}");
 }
+
+#[test]
+fn a_panicking_thread_worker_fails_only_its_export() {
+    let dir = TempDir::new("engine-faults-threads");
+    for n in ["pan", "good"] {
+        create_image(&dir.path(&format!("{n}.img")), "16M");
+    }
+    let (pan, good) = (dir.path("pan.img"), dir.path("good.img"));
+    let args = [s(&pan), s(&good), "--engine", "threads", "--no-inline"];
+    let server = Server::start_env(&dir, &args, &[("VDISK_FAULTS", "pan:panic#3")]);
+    drive_until_eio(&server.socket, "pan", 40);
+    qemu_io(&server.uri("good"), &["write -P 3 0 1M", "flush", "read -P 3 0 1M"]);
+    let t = Instant::now();
+    let status = server.stop_with(libc::SIGTERM);
+    assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
+    assert!(!status.success(), "a failed export is an error of the stop: {status}");
+}
