@@ -186,9 +186,15 @@ impl Queue {
     /// every request pushed with EIO. Returns once the queue is closed.
     pub(crate) fn serve_failed(&self) {
         let mut none = Vec::new();
-        while self.take(1, &mut none) {
-            // A failed device's `take` answers what it finds and hands out nothing.
-            debug_assert!(none.is_empty());
+        // A failed device's `take` answers what it finds and hands out nothing; a
+        // panic in it (a sink's is caught already) must not leave the device without
+        // a worker to answer.
+        loop {
+            match catch_unwind(AssertUnwindSafe(|| self.take(1, &mut none))) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            }
         }
     }
 
@@ -199,11 +205,12 @@ impl Queue {
         if jobs.is_empty() {
             return;
         }
-        if let Some(f) = &self.faults {
+        let failed = self.health.is_failed();
+        if let (Some(f), false) = (&self.faults, failed) {
             // Before anything is handed over: the requests stay in `jobs`.
             f.check_delivery();
         }
-        if self.health.is_failed() {
+        if failed {
             let e = self.health.error();
             jobs.iter_mut().for_each(|(r, _, _)| health::failed(r, &e));
         }
