@@ -13,22 +13,50 @@
 //!   image and its metadata round, for one or more FLUSH requests) fails,
 //!   once, before it syncs anything; `flush`: every flush fails. The final
 //!   flush of a device being shut down is never failed;
-//! - any rule may end in `=eio` (the default) or `=enospc`.
+//! - `panic#N`: the Nth delivery of completions by a worker of the device
+//!   panics, as a panicking `Sink` would, but before the requests reach the
+//!   sink (so they must still be answered, with EIO, by the failure path);
+//! - `enter#N`: the Nth `io_uring_enter` of the device's rings (counted
+//!   together) fails with the rule's error instead of entering the kernel:
+//!   an unrecoverable ring error, which fails the device;
+//! - `eintr#N`: the Nth `io_uring_enter` returns EINTR instead of entering the
+//!   kernel, as when the process is stopped and continued: it must be retried
+//!   with no visible effect (`enter` and `eintr` share one count);
+//! - any rule may end in `=eio` (the default) or `=enospc`;
+//! - any rule may start with `EXPORT:` to apply only to the device of that
+//!   name (`a:panic#3,b:enter#20`); a rule without it applies to every device.
+//!   A `#N` rule naming a device fires once per process: a device started
+//!   again under that name (the export removed and added back) is spared it.
 //!
-//! Example: `VDISK_FAULTS=read@1048576+4096,write#5=enospc,flush#2`.
+//! Example: `VDISK_FAULTS=read@1048576+4096,write#5=enospc,flush#2,disk2:enter#40`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use vdisk_image::Error;
 
 pub const ENV: &str = "VDISK_FAULTS";
+
+/// The `EXPORT:` rules with `#N` that have fired in this process.
+static FIRED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     Read,
     Write,
     Flush,
+    Panic,
+    /// `enter#N` and `eintr#N`: one count of `io_uring_enter` calls.
+    Enter,
+}
+
+/// What an `io_uring_enter` must do instead of entering the kernel, if anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnterFault {
+    /// Fail with this errno (unrecoverable).
+    Fail(i32),
+    /// Return EINTR (to be retried).
+    Interrupt,
 }
 
 enum Target {
@@ -41,12 +69,16 @@ struct Rule {
     kind: Kind,
     target: Target,
     errno: i32,
+    /// `eintr#N`: the enter is interrupted rather than failed.
+    interrupt: bool,
+    /// The rule as written, for an `EXPORT:` rule with `#N`: it fires once per process.
+    once: Option<String>,
 }
 
 pub struct Faults {
     rules: Vec<Rule>,
-    /// How many reads, writes and flushes were checked, by [`Kind`].
-    counts: [AtomicU64; 3],
+    /// How many reads, writes, flushes, deliveries and enters were checked, by [`Kind`].
+    counts: [AtomicU64; 5],
 }
 
 impl Faults {
@@ -54,14 +86,34 @@ impl Faults {
     /// a test's mistake: it panics with the rule, rather than run without it.
     pub fn from_env(device: &str) -> Option<Arc<Faults>> {
         let spec = std::env::var(ENV).ok()?;
-        let faults = Faults::parse(&spec).unwrap_or_else(|e| panic!("{ENV}={spec:?}: {e}"));
+        let faults = Faults::parse_for(&spec, device).unwrap_or_else(|e| panic!("{ENV}={spec:?}: {e}"));
+        if faults.rules.is_empty() {
+            return None;
+        }
         log::warn!("{device}: fault injection on ({ENV}={spec}): requests will fail on purpose");
         Some(Arc::new(faults))
     }
 
+    /// Every rule of `spec`, whatever device it names.
+    #[cfg(test)]
     pub fn parse(spec: &str) -> Result<Faults, String> {
+        Self::parse_for(spec, "")
+    }
+
+    /// The rules of `spec` for the device `device`: those without an
+    /// `EXPORT:` prefix and those naming it (all of them when `device` is empty).
+    pub fn parse_for(spec: &str, device: &str) -> Result<Faults, String> {
         let mut rules = Vec::new();
-        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for written in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let item = match written.rsplit_once(':') {
+                Some((name, rule)) if name == device || device.is_empty() => rule,
+                Some(_) => continue,
+                None => written,
+            };
+            let once = (item != written && item.contains('#')).then(|| written.to_owned());
+            if once.as_ref().is_some_and(|w| FIRED.lock().unwrap().contains(w)) {
+                continue;
+            }
             let (rule, errno) = match item.split_once('=') {
                 Some((r, "eio")) => (r, libc::EIO),
                 Some((r, "enospc")) => (r, libc::ENOSPC),
@@ -85,9 +137,12 @@ impl Faults {
                 ("write", _) => Kind::Write,
                 ("flush", Target::Range { .. }) => return Err(format!("{item:?}: a flush has no range")),
                 ("flush", _) => Kind::Flush,
-                _ => return Err(format!("{item:?}: the operation is read, write or flush")),
+                ("panic", Target::Nth(_)) => Kind::Panic,
+                ("enter" | "eintr", Target::Nth(_)) => Kind::Enter,
+                ("panic" | "enter" | "eintr", _) => return Err(format!("{item:?}: want {op}#N")),
+                _ => return Err(format!("{item:?}: the operation is read, write, flush, panic, enter or eintr")),
             };
-            rules.push(Rule { kind, target, errno });
+            rules.push(Rule { kind, target, errno, interrupt: op == "eintr", once });
         }
         Ok(Faults { rules, counts: Default::default() })
     }
@@ -95,14 +150,18 @@ impl Faults {
     /// The rule, if any, that fails this request of `kind` (counting it).
     fn matching(&self, kind: Kind, offset: u64, len: u64) -> Option<&Rule> {
         let n = self.counts[kind as usize].fetch_add(1, Ordering::Relaxed) + 1;
-        self.rules.iter().find(|r| {
+        let rule = self.rules.iter().find(|r| {
             r.kind == kind
                 && match r.target {
                     Target::Range { start, end } => offset < end && start < offset + len,
                     Target::Nth(k) => k == n,
                     Target::Every => true,
                 }
-        })
+        })?;
+        if let Some(w) = &rule.once {
+            FIRED.lock().unwrap().push(w.clone());
+        }
+        Some(rule)
     }
 
     /// The error a read or write of `[offset, offset + len)` must fail with, if any.
@@ -119,6 +178,19 @@ impl Faults {
     pub fn check_flush(&self, what: &str) -> Option<Error> {
         let rule = self.matching(Kind::Flush, 0, 0)?;
         Some(Error::io(std::io::Error::from_raw_os_error(rule.errno), format!("flush of {what} (injected by {ENV})")))
+    }
+
+    /// Panics when this delivery of completions is the one a `panic#N` rule names.
+    pub fn check_delivery(&self) {
+        if self.matching(Kind::Panic, 0, 0).is_some() {
+            panic!("a delivery of completions panicked (injected by {ENV})");
+        }
+    }
+
+    /// What this `io_uring_enter` must do instead of entering the kernel, if anything.
+    pub fn check_enter(&self) -> Option<EnterFault> {
+        let rule = self.matching(Kind::Enter, 0, 0)?;
+        Some(if rule.interrupt { EnterFault::Interrupt } else { EnterFault::Fail(rule.errno) })
     }
 }
 
@@ -143,8 +215,30 @@ mod tests {
         assert!(f.check(true, 0, 1).is_none() && f.check(false, 0, 1).is_none(), "flushes only");
         let f = Faults::parse("flush").unwrap();
         assert!((0..3).all(|_| f.check_flush("x").is_some()));
-        for bad in ["read", "write", "flush@0+1", "fsync#1", "read@1", "read#x", "write#1=ebusy"] {
+        for bad in ["read", "write", "flush@0+1", "fsync#1", "read@1", "read#x", "write#1=ebusy", "panic", "enter@0+1"]
+        {
             assert!(Faults::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn ring_rules_count_enters_and_deliveries_per_device() {
+        let f = Faults::parse_for("a:enter#3,eintr#1,b:panic#1,eintr#2", "a").unwrap();
+        let got: Vec<_> = (0..4).map(|_| f.check_enter()).collect();
+        assert_eq!(
+            got,
+            [Some(EnterFault::Interrupt), Some(EnterFault::Interrupt), Some(EnterFault::Fail(libc::EIO)), None]
+        );
+        f.check_delivery();
+        let b = Faults::parse_for("a:enter#3,b:panic#2", "b").unwrap();
+        assert!(b.check_enter().is_none());
+        b.check_delivery();
+        let hit = std::panic::catch_unwind(|| b.check_delivery());
+        assert!(hit.is_err(), "the second delivery of b panics");
+        b.check_delivery();
+        assert!(Faults::parse_for("a:panic#1", "c").unwrap().rules.is_empty(), "rules for another device");
+        // Fired, b's rule is spared a new device b; a's is not (it never fired).
+        assert!(Faults::parse_for("a:enter#9,b:panic#2", "b").unwrap().rules.is_empty());
+        assert_eq!(Faults::parse_for("a:enter#9,b:panic#2", "a").unwrap().rules.len(), 1);
     }
 }

@@ -13,6 +13,15 @@
 //! drop that flag). A FLUSH syncs every file of the image and then its metadata, so
 //! every write completed before the FLUSH was submitted, on any connection, is
 //! durable when the FLUSH completes.
+//!
+//! Never hang, never free what the kernel owns: every blocking call of a
+//! worker retries EINTR (a stopped and continued process gets it); a worker
+//! that panics or meets an unrecoverable error is caught at its thread's edge,
+//! gives back what it held (cancelled and reaped, or leaked where the kernel
+//! or librbd may still touch it, see `uring` and `rbd`) and fails the device
+//! ([`Device::failure`]): its requests, then and later, complete with EIO,
+//! while every other device goes on. Stopping can be bounded
+//! ([`Device::shutdown_within`]).
 
 mod buf;
 #[cfg(feature = "faults")]
@@ -41,8 +50,24 @@ mod faults {
         pub fn check_flush(&self, _what: &str) -> Option<Error> {
             match *self {}
         }
+
+        pub fn check_delivery(&self) {
+            match *self {}
+        }
+
+        pub fn check_enter(&self) -> Option<EnterFault> {
+            match *self {}
+        }
+    }
+
+    /// Never made: only a [`Faults`] (which this build cannot have) makes one.
+    #[allow(dead_code)]
+    pub enum EnterFault {
+        Fail(i32),
+        Interrupt,
     }
 }
+mod health;
 pub mod inflight;
 mod lent;
 mod plan;
@@ -50,6 +75,7 @@ pub mod qos;
 mod queue;
 mod rbd;
 mod request;
+mod ring;
 pub mod slab;
 pub mod stats;
 pub mod submit;
@@ -61,6 +87,7 @@ pub mod wake;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use vdisk_image::{Image, Result};
 
@@ -186,7 +213,8 @@ impl Device {
         }
         .max(1);
         let stats = Arc::new(Stats::default());
-        let queue = Arc::new(Queue::new(consumers, stats.clone()));
+        let faults = faults::Faults::from_env(name);
+        let queue = Arc::new(Queue::new(consumers, stats.clone(), name, faults.clone()));
         let inline = if !config.inline || !image.direct_files().is_empty() || kind == EngineKind::Rbd {
             Inline::Never
         } else if image.files().iter().all(sys::in_memory) {
@@ -202,7 +230,7 @@ impl Device {
             sync: config.sync,
             coalesce: config.coalesce,
             image: image.clone(),
-            faults: faults::Faults::from_env(name),
+            faults,
             dsync_unreliable: image.files().first().is_some_and(sys::on_fuse),
             queue,
             workers: Mutex::new(Vec::new()),
@@ -261,6 +289,12 @@ impl Device {
         &self.image
     }
 
+    /// Why the device failed (naming it and the error), or None while it serves.
+    /// A failed device answers every request with EIO until it is shut down.
+    pub fn failure(&self) -> Option<String> {
+        self.queue.health().failure()
+    }
+
     /// What this device has done so far (every export's requests together).
     pub fn stats(&self) -> Snapshot {
         self.stats.snapshot()
@@ -276,9 +310,10 @@ impl Device {
     }
 
     /// Queues a batch; each request comes back through `sink` once done. Over
-    /// the device's QoS limits, this waits first.
+    /// the device's QoS limits, this waits first (not on a failed device, whose
+    /// requests are answered with EIO at once).
     pub fn submit(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>) {
-        self.qos.admit(&batch);
+        self.admit(&batch);
         self.queue.push(batch, sink, std::time::Instant::now());
     }
 
@@ -287,11 +322,18 @@ impl Device {
     /// through `sink`. On an in-memory file everything finishes inline; on
     /// others, reads the page cache can serve in full.
     pub fn submit_inline(&self, batch: Vec<Request>, sink: &Arc<dyn Sink>, done: &mut Vec<Request>) {
-        self.qos.admit(&batch);
+        self.admit(&batch);
         let (started, first) = (std::time::Instant::now(), done.len());
         self.stats.submitted(batch.len());
         self.submit_inline_counted(batch, sink, done, started);
         self.stats.completed(done[first..].iter(), started);
+    }
+
+    /// Waits for QoS tokens, unless the device failed.
+    fn admit(&self, batch: &[Request]) {
+        if !self.queue.health().is_failed() {
+            self.qos.admit(batch);
+        }
     }
 
     /// [`Device::submit_inline`] once QoS admitted the batch and it was counted in.
@@ -303,6 +345,10 @@ impl Device {
         started: std::time::Instant,
     ) {
         let submit = |batch: Vec<Request>| self.queue.push_counted(batch, sink, started);
+        if self.queue.health().is_failed() {
+            // Answered with EIO by a worker, like every request of a failed device.
+            return submit(batch);
+        }
         let mut planner = self.planner();
         match self.inline {
             Inline::Never => submit(batch),
@@ -358,31 +404,110 @@ impl Device {
 
     /// Finishes what is queued, stops the workers and makes every write durable.
     /// Submitting after this is a bug: those requests would never complete.
+    /// A failed device stops at once (what it holds is answered with EIO),
+    /// is flushed as far as it can be, and returns an error naming its failure.
     pub fn shutdown(&self) -> Result<()> {
-        self.stop_workers();
-        let r = plan::Planner::new(self.image.clone(), false, false).flush();
-        // An RBD image is closed now, not whenever the last reference goes: closing
-        // releases its exclusive lock, which another client would otherwise wait for.
-        for file in 0..2 {
-            if let Some(rbd) = self.image.rbd(file) {
-                rbd.close();
-            }
-        }
-        r
+        self.stop(None)
     }
 
-    fn stop_workers(&self) {
+    /// [`Device::shutdown`], giving up after `limit`: workers that have not
+    /// finished by then, or a flush that has not, are left running (detached)
+    /// and the error names them.
+    pub fn shutdown_within(&self, limit: Duration) -> Result<()> {
+        self.stop(Some(Instant::now() + limit))
+    }
+
+    fn stop(&self, deadline: Option<Instant>) -> Result<()> {
+        let left = self.stop_workers(deadline);
+        if !left.is_empty() {
+            let e = std::io::Error::from_raw_os_error(libc::ETIMEDOUT);
+            let what = format!(
+                "device {:?}: {} did not finish in time and {} left running; its last writes may not be durable",
+                self.name,
+                left.join(", "),
+                if left.len() == 1 { "is" } else { "are" }
+            );
+            return Err(vdisk_image::Error::io(e, what));
+        }
+        let image = self.image.clone();
+        let flushed = bounded(deadline, move || {
+            let r = plan::Planner::new(image.clone(), false, false).flush();
+            // An RBD image is closed now, not whenever the last reference goes: closing
+            // releases its exclusive lock, which another client would otherwise wait for.
+            for file in 0..2 {
+                if let Some(rbd) = image.rbd(file) {
+                    rbd.close();
+                }
+            }
+            r
+        });
+        let flushed = flushed.unwrap_or_else(|why| {
+            let what = format!("the final flush of device {:?} {why}; its last writes may not be durable", self.name);
+            Err(vdisk_image::Error::io(std::io::Error::from_raw_os_error(libc::EIO), what))
+        });
+        match self.failure() {
+            None => flushed,
+            Some(cause) => {
+                let flush = match flushed {
+                    Ok(()) => "what it had acknowledged was flushed".to_owned(),
+                    Err(e) => format!("and {e}"),
+                };
+                Err(vdisk_image::Error::new(vdisk_image::ErrorKind::Io, format!("{cause}; {flush}")))
+            }
+        }
+    }
+
+    /// Closes the queue and joins the workers (until `deadline`, if any).
+    /// Returns the names of those still running then, now detached.
+    fn stop_workers(&self, deadline: Option<Instant>) -> Vec<String> {
         self.queue.close();
         let workers = std::mem::take(&mut *self.workers.lock().unwrap());
+        let mut left = Vec::new();
         for w in workers {
+            if let Some(d) = deadline {
+                while !w.is_finished() && Instant::now() < d {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                if !w.is_finished() {
+                    left.push(w.thread().name().unwrap_or("a worker").to_owned());
+                    continue;
+                }
+            }
             let _ = w.join();
         }
+        left
+    }
+}
+
+/// Runs `f` (which must not panic the caller: a panic is its error), on a
+/// thread of its own when there is a deadline, which is then left running if
+/// it misses it.
+fn bounded<T: Send + 'static>(
+    deadline: Option<Instant>,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> std::result::Result<Result<T>, String> {
+    let caught = |f: Box<dyn FnOnce() -> Result<T> + Send>| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+            .map_err(|p| format!("failed ({})", health::panic_message(&*p)))
+    };
+    let Some(deadline) = deadline else { return caught(Box::new(f)) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("vdisk-stop".into())
+        .spawn(move || {
+            let _ = tx.send(caught(Box::new(f)));
+        })
+        .map_err(|e| format!("could not start ({e})"))?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    match rx.recv_timeout(left) {
+        Ok(r) => r,
+        Err(_) => Err("did not finish in time (left running, detached)".to_owned()),
     }
 }
 
 impl Drop for Device {
     fn drop(&mut self) {
-        self.stop_workers();
+        self.stop_workers(None);
     }
 }
 

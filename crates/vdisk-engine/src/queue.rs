@@ -3,12 +3,20 @@
 //! not per request. Ring consumers sleep in `io_uring_enter`, not on the
 //! condvar: they register a [`Waker`] (an eventfd the ring has a read armed on)
 //! and a push writes to it only when that ring said it was going idle.
+//!
+//! The queue also carries the device's [`Health`]: once failed, whatever a
+//! consumer takes is answered with EIO at once instead of handed to it, and
+//! [`Queue::deliver`] (the one place queued requests complete) answers with
+//! EIO too, and catches a sink that panics so the other sinks still get theirs.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use crate::faults::Faults;
+use crate::health::{self, Health};
 use crate::wake::EventFd;
 use crate::{Request, Sink, Stats};
 
@@ -34,6 +42,9 @@ pub(crate) struct Queue {
     wakers: Mutex<Vec<Arc<Waker>>>,
     /// Counts every request in ([`Queue::push`]) and out ([`Queue::deliver`]).
     stats: Arc<Stats>,
+    health: Health,
+    /// `panic#N` (tests only).
+    faults: Option<Arc<Faults>>,
 }
 
 struct State {
@@ -44,14 +55,20 @@ struct State {
 }
 
 impl Queue {
-    pub fn new(consumers: usize, stats: Arc<Stats>) -> Self {
+    pub fn new(consumers: usize, stats: Arc<Stats>, device: &str, faults: Option<Arc<Faults>>) -> Self {
         Queue {
             state: Mutex::new(State { jobs: VecDeque::new(), closed: false, waiting: 0 }),
             ready: Condvar::new(),
             consumers: consumers.max(1),
             wakers: Mutex::new(Vec::new()),
             stats,
+            health: Health::new(device),
+            faults,
         }
+    }
+
+    pub fn health(&self) -> &Health {
+        &self.health
     }
 
     pub fn add_waker(&self, w: Arc<Waker>) {
@@ -91,9 +108,17 @@ impl Queue {
 
     /// Takes a fair share of what is waiting (at least one, at most `max`),
     /// blocking while the queue is empty. Returns false once closed and drained.
+    /// On a failed device it answers what is waiting with EIO and waits on.
     pub fn take(&self, max: usize, into: &mut Vec<Job>) -> bool {
         let mut st = self.state.lock().unwrap();
         loop {
+            if !st.jobs.is_empty() && self.health.is_failed() {
+                let mut jobs: Vec<Job> = st.jobs.drain(..).collect();
+                drop(st);
+                self.fail(&mut jobs);
+                st = self.state.lock().unwrap();
+                continue;
+            }
             if !st.jobs.is_empty() {
                 self.share(&mut st, max, into);
                 return true;
@@ -108,8 +133,16 @@ impl Queue {
     }
 
     /// Like [`Queue::take`] without blocking: returns false once closed and drained.
+    /// On a failed device it answers what is waiting with EIO and takes nothing.
     pub fn try_take(&self, max: usize, into: &mut Vec<Job>) -> bool {
         let mut st = self.state.lock().unwrap();
+        if !st.jobs.is_empty() && self.health.is_failed() {
+            let mut jobs: Vec<Job> = st.jobs.drain(..).collect();
+            let open = !st.closed;
+            drop(st);
+            self.fail(&mut jobs);
+            return open;
+        }
         if !st.jobs.is_empty() {
             self.share(&mut st, max, into);
             return true;
@@ -134,9 +167,53 @@ impl Queue {
         }
     }
 
+    /// Answers `jobs` with the device's failure (EIO), through [`Queue::deliver`].
+    pub(crate) fn fail(&self, jobs: &mut Vec<Job>) {
+        let e = self.health.error();
+        jobs.iter_mut().for_each(|(r, _, _)| health::failed(r, &e));
+        self.deliver(jobs);
+    }
+
+    /// [`Queue::fail`] for requests whose data the kernel (or librbd) may
+    /// still touch: their data is forgotten (leaked), never freed.
+    pub(crate) fn fail_leaked(&self, jobs: &mut Vec<Job>) {
+        let e = self.health.error();
+        jobs.iter_mut().for_each(|(r, _, _)| health::leaked(r, &e));
+        self.deliver(jobs);
+    }
+
+    /// What a worker of a failed device does until the device stops: answer
+    /// every request pushed with EIO. Returns once the queue is closed.
+    pub(crate) fn serve_failed(&self) {
+        let mut none = Vec::new();
+        // A failed device's `take` answers what it finds and hands out nothing; a
+        // panic in it (a sink's is caught already) must not leave the device without
+        // a worker to answer.
+        loop {
+            match catch_unwind(AssertUnwindSafe(|| self.take(1, &mut none))) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            }
+        }
+    }
+
     /// Counts completed requests in the stats (once each: this is the one
     /// place queued requests complete), then hands each sink its own in one call.
+    /// On a failed device every request goes back with EIO.
     pub(crate) fn deliver(&self, jobs: &mut Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let failed = self.health.is_failed();
+        if let (Some(f), false) = (&self.faults, failed) {
+            // Before anything is handed over: the requests stay in `jobs`.
+            f.check_delivery();
+        }
+        if failed {
+            let e = self.health.error();
+            jobs.iter_mut().for_each(|(r, _, _)| health::failed(r, &e));
+        }
         let mut at = 0;
         while at < jobs.len() {
             let started = jobs[at].2;
@@ -144,20 +221,26 @@ impl Queue {
             self.stats.completed(jobs[at..end].iter().map(|j| &j.0), started);
             at = end;
         }
-        deliver(jobs);
+        self.hand_over(jobs);
     }
-}
 
-/// Hands each sink its completed requests in one call.
-fn deliver(jobs: &mut Vec<Job>) {
-    let mut groups: Vec<(Arc<dyn Sink>, Vec<Request>)> = Vec::new();
-    for (req, sink, _) in jobs.drain(..) {
-        match groups.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
-            Some((_, reqs)) => reqs.push(req),
-            None => groups.push((sink, vec![req])),
+    /// Hands each sink its completed requests in one call. A sink that panics
+    /// fails the device (its own requests are its own to answer) and the
+    /// other sinks still get theirs.
+    fn hand_over(&self, jobs: &mut Vec<Job>) {
+        let mut groups: Vec<(Arc<dyn Sink>, Vec<Request>)> = Vec::new();
+        for (req, sink, _) in jobs.drain(..) {
+            match groups.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
+                Some((_, reqs)) => reqs.push(req),
+                None => groups.push((sink, vec![req])),
+            }
         }
-    }
-    for (sink, reqs) in groups {
-        sink.complete(reqs);
+        for (sink, reqs) in groups {
+            // AssertUnwindSafe: a sink is Sync and takes concurrent calls anyway; after a
+            // panic the device is failed, so what the sink left behind only sees EIO.
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| sink.complete(reqs))) {
+                self.health.fail(format!("a sink taking its completions panicked ({})", health::panic_message(&*p)));
+            }
+        }
     }
 }

@@ -19,19 +19,30 @@
 //!
 //! The in-flight table (`ops`, `jobs`) owns every request, and with it every
 //! buffer librbd may touch, until that operation's completion is collected.
+//! On every way out of the loop that table is given back, never dropped: at
+//! shutdown nothing is in flight; a panic (caught at the thread's edge) fails
+//! the device, and the loop collects what librbd still holds for up to
+//! [`ABANDON_WAIT`] (librbd AIO cannot be cancelled) and answers it with EIO;
+//! what is not back by then is leaked (its data and iovecs forgotten, the
+//! requests answered with EIO and an empty buffer). The loop's one sleep,
+//! `poll`, retries EINTR; reading the eventfds never blocks.
 //! One loop per image, because librbd delivers an image's completions to one
 //! eventfd; librbd's own threads do the work, so one loop keeps many
 //! operations in flight.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use vdisk_image::{Error, ErrorKind, Extent, RbdImage};
 
+use crate::health;
 use crate::plan::{Jobs, Planner, Run};
 use crate::queue::{Job, Queue, Waker};
 use crate::slab::Slab;
+use crate::uring::ABANDON_WAIT;
 use crate::wake::EventFd;
 use crate::Op;
 
@@ -62,6 +73,8 @@ pub(crate) struct RbdWorker {
     waker: Arc<Waker>,
     /// The eventfd librbd signals when operations of the image finish.
     events: OwnedFd,
+    /// Taken from the queue, not yet started (a field, so a panic does not lose them).
+    new: Vec<Job>,
     jobs: Slab<JobSlot>,
     ops: Slab<OpKind>,
     done: Vec<Job>,
@@ -111,6 +124,7 @@ impl RbdWorker {
             queue,
             waker,
             events,
+            new: Vec::with_capacity(batch.max(1)),
             jobs: Slab::new(),
             ops: Slab::new(),
             done: Vec::new(),
@@ -119,13 +133,24 @@ impl RbdWorker {
         })
     }
 
+    /// Serves until the queue is closed and drained; a panic fails the
+    /// device (see the module's notes) and the loop then answers the
+    /// device's requests with EIO until it stops.
     pub fn run(mut self) {
-        let mut new = Vec::with_capacity(self.batch);
+        let Err(p) = catch_unwind(AssertUnwindSafe(|| self.serve())) else { return };
+        self.queue.health().fail(format!("its librbd loop stopped on a {}", health::panic_message(&*p)));
+        if !catch_unwind(AssertUnwindSafe(|| self.abandon())).unwrap_or(false) {
+            self.leak();
+        }
+        self.queue.serve_failed();
+    }
+
+    fn serve(&mut self) {
         loop {
-            let open = self.queue.try_take(self.batch, &mut new);
-            let took = !new.is_empty();
+            let open = self.queue.try_take(self.batch, &mut self.new);
+            let took = !self.new.is_empty();
             if took {
-                self.start(&mut new);
+                self.start();
             }
             let collected = self.collect();
             self.queue.deliver(&mut self.done);
@@ -137,26 +162,80 @@ impl RbdWorker {
             }
             // About to sleep: say so, then look once more so no push is missed.
             self.waker.idle.store(true, Ordering::SeqCst);
-            self.queue.try_take(self.batch, &mut new);
-            if new.is_empty() {
-                self.sleep();
+            self.queue.try_take(self.batch, &mut self.new);
+            if self.new.is_empty() {
+                self.sleep(-1);
             }
             self.waker.idle.store(false, Ordering::SeqCst);
             drain(self.waker.efd.fd());
-            if !new.is_empty() {
-                self.start(&mut new);
+            if !self.new.is_empty() {
+                self.start();
             }
         }
     }
 
-    /// Waits until a request is pushed or an operation finishes.
-    fn sleep(&self) {
+    /// Waits until a request is pushed or an operation finishes (or, with a
+    /// timeout in milliseconds, until it runs out). EINTR is waited out.
+    fn sleep(&self, timeout_ms: i32) {
         let mut fds = [
             libc::pollfd { fd: self.waker.efd.fd(), events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.events.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         ];
         // SAFETY: two valid pollfd entries on fds this worker owns.
-        unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        while unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) } < 0 && timeout_ms < 0 {
+            if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break;
+            }
+        }
+    }
+
+    /// After a panic: answers with EIO what the loop holds and collects what
+    /// librbd still has for up to [`ABANDON_WAIT`], answering the device's new
+    /// requests meanwhile. True when everything came back (then the requests
+    /// in flight are answered too); false when the loop must [`RbdWorker::leak`].
+    fn abandon(&mut self) -> bool {
+        self.waker.idle.store(false, Ordering::SeqCst);
+        let mut held: Vec<Job> = self.new.drain(..).collect();
+        held.append(&mut self.done);
+        self.queue.fail(&mut held);
+        let deadline = Instant::now() + ABANDON_WAIT;
+        let mut none = Vec::new();
+        while !self.ops.is_empty() && Instant::now() < deadline {
+            self.queue.try_take(1, &mut none);
+            self.sleep(20);
+            drain(self.events.as_raw_fd());
+            drain(self.waker.efd.fd());
+            for file in 0..2 {
+                if let Some(r) = self.planner.image.rbd(file) {
+                    r.poll_completions(64, &mut self.polled);
+                }
+            }
+            for (key, _) in self.polled.drain(..) {
+                self.ops.remove(key as usize);
+            }
+        }
+        if !self.ops.is_empty() {
+            return false;
+        }
+        let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
+        self.queue.fail(&mut held);
+        true
+    }
+
+    /// librbd still holds operations of this loop: their iovecs and the data
+    /// of every request in flight are leaked, never freed; the requests are
+    /// answered with EIO.
+    fn leak(&mut self) {
+        let (ops, name) = (self.ops.len(), self.planner.describe(0));
+        std::mem::forget(std::mem::take(&mut self.ops));
+        let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
+        held.extend(self.new.drain(..).chain(self.done.drain(..)));
+        log::error!(
+            "{name}: {ops} librbd operation(s) still out {ABANDON_WAIT:?} after the failure; their memory is \
+             leaked, never freed, and {} request(s) answered with EIO",
+            held.len()
+        );
+        self.queue.fail_leaked(&mut held);
     }
 
     fn rbd(&self, file: usize) -> &RbdImage {
@@ -164,13 +243,13 @@ impl RbdWorker {
     }
 
     /// Submits a batch of new requests (or completes here what needs no I/O or failed to map).
-    fn start(&mut self, new: &mut Vec<Job>) {
-        let runs = self.planner.plan(new.iter_mut().map(|(r, _, _)| r).enumerate());
+    fn start(&mut self) {
+        let runs = self.planner.plan(self.new.iter_mut().map(|(r, _, _)| r).enumerate());
         // Each job starts with one pending count of its own, dropped once everything it
         // needs is submitted: an operation that fails (or finishes) at once can then not
         // finish the job while more of it is still to be submitted.
         let keys: Vec<usize> =
-            new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 1, flush_after: false })).collect();
+            self.new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 1, flush_after: false })).collect();
         for mut run in runs {
             for j in run.jobs.iter_mut() {
                 *j = keys[*j];

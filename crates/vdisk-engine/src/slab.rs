@@ -47,6 +47,13 @@ impl<T> Slab<T> {
         Some(v)
     }
 
+    /// Takes every value out, freeing every key.
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.free.clear();
+        self.live = 0;
+        self.slots.drain(..).flatten()
+    }
+
     /// Values stored.
     pub fn len(&self) -> usize {
         self.live
@@ -86,5 +93,9 @@ mod tests {
         assert_eq!(s.insert("c"), a, "a freed key is reused");
         *s.get_mut(b).unwrap() = "B";
         assert_eq!((s[a], s[b], s.len()), ("c", "B", 2));
+        let mut all: Vec<_> = s.drain().collect();
+        all.sort();
+        assert_eq!((all, s.len()), (vec!["B", "c"], 0));
+        assert_eq!(s.insert("d"), 0, "keys start again from nothing");
     }
 }

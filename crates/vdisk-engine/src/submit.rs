@@ -1,6 +1,8 @@
-//! The one submission helper for io_uring: queue an entry, submitting what is
-//! already queued when the submission queue is full. The engine's rings (64-byte
-//! SQEs) and the FUSE ring queues (128-byte SQEs) both use it.
+//! A submission helper for io_uring: queue an entry, submitting what is
+//! already queued when the submission queue is full. The FUSE ring queues
+//! (128-byte SQEs) use it; the engine's rings have their own (`ring::Ring`),
+//! which also makes room in a full completion queue. The submission retries
+//! EINTR; any other error is the caller's.
 
 use io_uring::{squeue, IoUring};
 
@@ -19,6 +21,11 @@ pub unsafe fn push<S: squeue::EntryMarker, C: io_uring::cqueue::EntryMarker>(
         if unsafe { ring.submission().push(entry) }.is_ok() {
             return Ok(());
         }
-        ring.submit()?;
+        match ring.submit() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => {
+                r?;
+            }
+        }
     }
 }

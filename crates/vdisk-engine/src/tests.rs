@@ -520,3 +520,5 @@ fn stats_count_each_request_once_inline_or_queued() {
         assert_eq!((s.read_latency.count, s.write_latency.count, s.flush_latency.count), (16, 16, 1), "{name}");
     }
 }
+
+mod failure;

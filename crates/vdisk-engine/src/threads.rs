@@ -2,11 +2,19 @@
 //! of the queue, performing its runs with blocking `preadv`/`pwritev2`, then
 //! handing completions back grouped by sink. [`execute`] is also what runs a
 //! batch inline in the caller's thread.
+//!
+//! Every call a worker blocks in retries EINTR (`sys`; the queue's condvar
+//! has none). A panic is caught at the thread's edge: the blocking calls of
+//! the batch have returned by then, so its requests' data is the worker's
+//! again; they are answered with EIO, the device is failed, and the worker
+//! goes on answering the device's requests with EIO until it stops.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use crate::health;
 use crate::plan::Planner;
-use crate::queue::Queue;
+use crate::queue::{Job, Queue};
 use crate::{Op, Request};
 
 pub(crate) struct Worker {
@@ -21,11 +29,21 @@ impl Worker {
     }
 
     pub fn run(mut self) {
+        // Outside the unwinding: a panic leaves the batch here to be answered.
         let mut jobs = Vec::with_capacity(self.batch);
-        while self.queue.take(self.batch, &mut jobs) {
+        while let Err(p) = catch_unwind(AssertUnwindSafe(|| self.serve(&mut jobs))) {
+            let cause = format!("a worker thread of its thread engine stopped on a {}", health::panic_message(&*p));
+            self.queue.health().fail(cause);
+            self.queue.fail(&mut jobs);
+            // Serving again, on a failed queue: every request taken is answered with EIO.
+        }
+    }
+
+    fn serve(&mut self, jobs: &mut Vec<Job>) {
+        while self.queue.take(self.batch, jobs) {
             let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
             execute(&mut self.planner, &mut reqs);
-            self.queue.deliver(&mut jobs);
+            self.queue.deliver(jobs);
         }
     }
 }

@@ -7,6 +7,20 @@
 //! buffer and iovec array the kernel may touch, until that operation's
 //! completion has been reaped. All `unsafe` submission is in [`Ring::push`].
 //!
+//! The contract on every way out of the worker — the queue closed and
+//! drained (shutdown), an error from `io_uring_enter` that is not EINTR nor a
+//! full completion queue (see [`crate::ring`]), a panic anywhere in the loop
+//! (caught at the thread's edge): nothing the kernel may still read or write
+//! is ever freed. On shutdown nothing is in flight but the wake read, which is
+//! cancelled and reaped. After a failure the device is failed (its requests
+//! get EIO), everything in the ring is cancelled (`IORING_OP_ASYNC_CANCEL`,
+//! any) and reaped for up to [`ABANDON_WAIT`]; what was reaped is answered
+//! with EIO and freed as usual. If something is still in the kernel then, the
+//! ring, the operations' iovecs, the wake buffer and the requests' data are
+//! leaked (`mem::forget`), never dropped, and the requests are answered with
+//! EIO and an empty buffer. The worker then answers every later request of
+//! the device with EIO until the device stops.
+//!
 //! FLUSH is an `IORING_OP_FSYNC` (datasync) of the written file, not ordered against other
 //! operations in the ring: it must cover only writes *completed* before it was
 //! submitted, and those are already in the page cache. The image's metadata is
@@ -16,15 +30,20 @@
 //! linked to an `IORING_OP_FSYNC` (datasync) of its file, and completes only
 //! with that fsync.
 
+use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 use vdisk_image::{Error, Result};
 
+use crate::health;
 use crate::plan::{Jobs, Planner, Run};
 use crate::queue::{Job, Queue, Waker};
+use crate::ring::Ring;
 use crate::slab::Slab;
 use crate::wake::EventFd;
 use crate::Op;
@@ -47,8 +66,11 @@ macro_rules! on_file {
 
 /// user_data of the eventfd read that wakes an idle ring.
 const WAKE: u64 = u64::MAX;
-/// user_data of the cancel of that read at exit.
+/// user_data of the cancel of that read at exit, and of the cancel of everything after a failure.
 const CANCEL: u64 = u64::MAX - 1;
+/// How long a failed worker waits for the kernel to give back what it holds
+/// before it leaks it (requests pushed meanwhile are answered as it waits).
+pub(crate) const ABANDON_WAIT: Duration = Duration::from_secs(2);
 
 /// How rings are set up.
 #[derive(Debug, Clone, Copy)]
@@ -79,34 +101,24 @@ enum OpKind {
     WriteSync { run: Run, jobs: Jobs },
 }
 
-struct Ring {
-    ring: IoUring,
-    fixed_files: bool,
-}
-
-impl Ring {
-    /// Queues one SQE, submitting first if the submission queue is full.
-    ///
-    /// # Safety
-    /// Every buffer, iovec array and fd the entry refers to must stay valid and
-    /// untouched by anyone else until its completion is reaped. The callers
-    /// guarantee it by keeping the owner (the request and the `OpKind` holding
-    /// the iovecs, or the eventfd buffer) in the in-flight table until then.
-    unsafe fn push(&mut self, entry: &squeue::Entry) -> std::io::Result<()> {
-        // SAFETY: the caller's contract above is `submit::push`'s.
-        unsafe { crate::submit::push(&mut self.ring, entry) }
-    }
-}
-
 pub(crate) struct RingWorker {
-    // The ring is dropped first, after the wake read has been cancelled and reaped.
-    ring: Ring,
+    /// Dropped first (in `Drop`), once nothing is in flight; never when `leaked`.
+    ring: ManuallyDrop<Ring>,
+    /// Set when the kernel may still hold memory of this worker: the ring is never dropped.
+    leaked: bool,
     planner: Planner,
     queue: Arc<Queue>,
     waker: Arc<Waker>,
     wake_buf: Box<u64>,
+    /// A read of the eventfd into `wake_buf` is in the ring.
+    wake_armed: bool,
+    /// Taken from the queue, not yet in the ring (a field, so a panic does not lose them).
+    new: Vec<Job>,
     jobs: Slab<JobSlot>,
     ops: Slab<OpKind>,
+    /// Completions taken from the ring; those before `seen` are handled.
+    cqes: Vec<(u64, i32)>,
+    seen: usize,
     done: Vec<Job>,
     /// Positions in `done` of durable writes whose metadata is not yet durable.
     owed: Vec<usize>,
@@ -135,33 +147,50 @@ impl RingWorker {
         }
         let waker = Arc::new(Waker { efd: EventFd::new()?, idle: false.into() });
         queue.add_waker(waker.clone());
+        let faults = planner.faults.clone();
         Ok(RingWorker {
-            ring: Ring { ring, fixed_files },
+            ring: ManuallyDrop::new(Ring::new(ring, fixed_files, faults)),
+            leaked: false,
             planner,
             queue,
             waker,
             wake_buf: Box::new(0),
+            wake_armed: false,
+            new: Vec::with_capacity(batch.max(1)),
             jobs: Slab::new(),
             ops: Slab::new(),
+            cqes: Vec::new(),
+            seen: 0,
             done: Vec::new(),
             owed: Vec::new(),
             batch: batch.max(1),
         })
     }
 
+    /// Serves until the queue is closed and drained. A failure (an error or
+    /// a panic) fails the device; the worker gives back what it holds (see
+    /// the module's notes) and answers the device's requests with EIO until it stops.
     pub fn run(mut self) {
-        if let Err(e) = self.serve() {
-            log::error!("io_uring queue of {} failed: {e}", self.planner.describe(0));
+        let cause = match catch_unwind(AssertUnwindSafe(|| self.serve())) {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => format!("its io_uring queue failed: {e}"),
+            Err(p) => format!("its io_uring queue stopped on a {}", health::panic_message(&*p)),
+        };
+        self.queue.health().fail(cause);
+        if !catch_unwind(AssertUnwindSafe(|| self.abandon())).unwrap_or(false) {
+            self.leak();
         }
+        self.queue.serve_failed();
     }
 
     fn serve(&mut self) -> std::io::Result<()> {
-        self.arm_wake()?;
-        let mut new = Vec::with_capacity(self.batch);
+        if !self.wake_armed {
+            self.arm_wake()?;
+        }
         loop {
-            let mut open = self.queue.try_take(self.batch, &mut new);
-            if !new.is_empty() {
-                self.start(&mut new)?;
+            let mut open = self.queue.try_take(self.batch, &mut self.new);
+            if !self.new.is_empty() {
+                self.start()?;
             }
             self.queue.deliver(&mut self.done);
             if !open && self.jobs.is_empty() {
@@ -173,28 +202,35 @@ impl RingWorker {
             while open {
                 // Set before each look: a push after a look that found nothing sees it.
                 self.waker.idle.store(true, Ordering::SeqCst);
-                open = self.queue.try_take(self.batch, &mut new);
-                if new.is_empty() {
+                open = self.queue.try_take(self.batch, &mut self.new);
+                if self.new.is_empty() {
                     break;
                 }
-                self.start(&mut new)?;
+                self.start()?;
                 self.queue.deliver(&mut self.done);
             }
             // One call submits the whole batch and waits for the first completion.
-            self.ring.ring.submit_and_wait(1)?;
+            self.ring.enter(true)?;
             self.waker.idle.store(false, Ordering::SeqCst);
             self.reap()?;
         }
-        // Take the wake read back before the ring and its buffer go.
+        self.retire_wake()
+    }
+
+    /// Takes the wake read back (at a clean exit) before the ring and its buffer go.
+    fn retire_wake(&mut self) -> std::io::Result<()> {
         let cancel = opcode::AsyncCancel::new(WAKE).build().user_data(CANCEL);
         // SAFETY: the cancel entry refers to no memory.
         unsafe { self.ring.push(&cancel)? };
-        let mut outstanding = 2;
-        while outstanding > 0 {
-            self.ring.ring.submit_and_wait(1)?;
-            for cqe in self.ring.ring.completion() {
-                if matches!(cqe.user_data(), WAKE | CANCEL) {
-                    outstanding -= 1;
+        let mut cancelled = false;
+        while self.wake_armed || !cancelled {
+            self.ring.enter(true)?;
+            self.ring.completions(&mut self.cqes);
+            for (ud, _) in self.cqes.drain(..) {
+                match ud {
+                    WAKE => self.wake_armed = false,
+                    CANCEL => cancelled = true,
+                    _ => {}
                 }
             }
         }
@@ -206,15 +242,102 @@ impl RingWorker {
             .build()
             .user_data(WAKE);
         // SAFETY: wake_buf is a heap u64 owned by this worker, which waits for this
-        // read's completion (or its cancellation) before dropping it.
-        unsafe { self.ring.push(&read) }
+        // read's completion (or its cancellation) before dropping it, or leaks it.
+        unsafe { self.ring.push(&read)? };
+        self.wake_armed = true;
+        Ok(())
+    }
+
+    /// Queues the SQE of operation `op`. If it cannot be queued, the kernel
+    /// never saw it: the operation leaves the table.
+    ///
+    /// # Safety
+    /// As for [`Ring::push`].
+    unsafe fn push_op(&mut self, op: usize, entry: &squeue::Entry) -> std::io::Result<()> {
+        // SAFETY: the caller's contract is `Ring::push`'s.
+        let r = unsafe { self.ring.push(entry) };
+        if r.is_err() {
+            self.ops.remove(op);
+        }
+        r
+    }
+
+    /// After a failure: answers with EIO what the worker holds, cancels what
+    /// is in the ring and reaps it for up to [`ABANDON_WAIT`], answering the
+    /// device's new requests meanwhile. True when the kernel gave everything
+    /// back (then the requests in flight are answered too); false when the
+    /// worker must [`RingWorker::leak`].
+    fn abandon(&mut self) -> bool {
+        self.waker.idle.store(false, Ordering::SeqCst);
+        self.owed.clear();
+        let mut held: Vec<Job> = self.new.drain(..).collect();
+        held.append(&mut self.done);
+        self.queue.fail(&mut held);
+        // Completions taken but not handled: those operations are over.
+        let unseen: Vec<u64> = self.cqes[self.seen..].iter().map(|&(ud, _)| ud).collect();
+        self.cqes.clear();
+        self.seen = 0;
+        unseen.into_iter().for_each(|ud| self.forget_op(ud));
+        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
+        // SAFETY: a cancel refers to no memory.
+        let _ = unsafe { self.ring.push(&cancel) };
+        if self.wake_armed {
+            // The read completes even where the kernel knows no cancel-any (before 5.19).
+            self.waker.wake();
+        }
+        let deadline = Instant::now() + ABANDON_WAIT;
+        let mut none = Vec::new();
+        while (!self.ops.is_empty() || self.wake_armed) && Instant::now() < deadline {
+            // A failed device's queue answers what is waiting with EIO.
+            self.queue.try_take(1, &mut none);
+            if self.ring.wait_for(Duration::from_millis(20)).is_err() {
+                // The ring cannot be entered: wait out the deadline, then leak.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            self.ring.completions(&mut self.cqes);
+            let reaped: Vec<u64> = self.cqes.drain(..).map(|(ud, _)| ud).collect();
+            reaped.into_iter().for_each(|ud| self.forget_op(ud));
+        }
+        if !self.ops.is_empty() || self.wake_armed {
+            return false;
+        }
+        let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
+        self.queue.fail(&mut held);
+        true
+    }
+
+    /// A completion after a failure: its operation is over and leaves the table.
+    fn forget_op(&mut self, ud: u64) {
+        match ud {
+            WAKE => self.wake_armed = false,
+            CANCEL => {}
+            op => drop(self.ops.remove(op as usize)),
+        }
+    }
+
+    /// The kernel still holds memory of this worker: the ring, the iovecs of
+    /// the operations, the wake buffer and the data of every request in
+    /// flight are leaked, never freed; the requests are answered with EIO.
+    fn leak(&mut self) {
+        self.leaked = true;
+        let (ops, name) = (self.ops.len(), self.planner.describe(0));
+        std::mem::forget(std::mem::take(&mut self.ops));
+        std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
+        let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
+        held.extend(self.new.drain(..).chain(self.done.drain(..)));
+        log::error!(
+            "{name}: {ops} operation(s) still in the kernel {ABANDON_WAIT:?} after the failure; their memory and \
+             the ring are leaked, never freed, and {} request(s) answered with EIO",
+            held.len()
+        );
+        self.queue.fail_leaked(&mut held);
     }
 
     /// Puts a batch of new requests into the ring (or completes them here when
     /// they need no I/O or failed to map).
-    fn start(&mut self, new: &mut Vec<Job>) -> std::io::Result<()> {
-        let runs = self.planner.plan(new.iter_mut().map(|(r, _, _)| r).enumerate());
-        let keys: Vec<usize> = new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 0 })).collect();
+    fn start(&mut self) -> std::io::Result<()> {
+        let runs = self.planner.plan(self.new.iter_mut().map(|(r, _, _)| r).enumerate());
+        let keys: Vec<usize> = self.new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 0 })).collect();
         for mut run in runs {
             for j in run.jobs.iter_mut() {
                 *j = keys[*j];
@@ -260,24 +383,20 @@ impl RingWorker {
         let entry = entry.user_data(op as u64);
         if !linked {
             // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
-            // in `jobs`; both stay until this op's completion is reaped.
-            return unsafe { self.ring.push(&entry) };
+            // in `jobs`; both stay until this op's completion is reaped (or are leaked).
+            return unsafe { self.push_op(op, &entry) };
         }
         // Both entries must be in one submission for the link to hold.
-        let free = {
-            let sq = self.ring.ring.submission();
-            sq.capacity() - sq.len()
-        };
-        if free < 2 {
-            self.ring.ring.submit()?;
+        if self.ring.room() < 2 {
+            self.ring.enter(false)?;
         }
         // SAFETY: as above, for the write.
-        unsafe { self.ring.push(&entry.flags(squeue::Flags::IO_LINK))? };
+        unsafe { self.push_op(op, &entry.flags(squeue::Flags::IO_LINK))? };
         let sync = self.ops.insert(OpKind::WriteSync { run: sync_run, jobs: link_jobs });
         let entry = on_file!(self, fd, direct, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
             .user_data(sync as u64);
         // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
-        unsafe { self.ring.push(&entry) }
+        unsafe { self.push_op(sync, &entry) }
     }
 
     /// A FLUSH: an fsync of file 0 in the ring (its metadata round follows in
@@ -302,14 +421,22 @@ impl RingWorker {
         let entry = on_file!(self, 0, false, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
             .user_data(op as u64);
         // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
-        unsafe { self.ring.push(&entry) }
+        unsafe { self.push_op(op, &entry) }
     }
 
+    /// Handles every completion there is. `seen` moves past each before it
+    /// is handled, so after a panic the rest are known to be over too.
     fn reap(&mut self) -> std::io::Result<()> {
-        let cqes: Vec<(u64, i32)> = self.ring.ring.completion().map(|c| (c.user_data(), c.result())).collect();
-        for (ud, res) in cqes {
+        self.ring.completions(&mut self.cqes);
+        while self.seen < self.cqes.len() {
+            let (ud, res) = self.cqes[self.seen];
+            self.seen += 1;
             if ud == WAKE {
+                self.wake_armed = false;
                 self.arm_wake()?;
+                continue;
+            }
+            if ud == CANCEL {
                 continue;
             }
             match self.ops.remove(ud as usize).expect("a live slab key") {
@@ -341,6 +468,8 @@ impl RingWorker {
                 }
             }
         }
+        self.cqes.clear();
+        self.seen = 0;
         if !self.owed.is_empty() {
             // One metadata sync for every durable write this reap finished.
             let owed = std::mem::take(&mut self.owed);
@@ -380,6 +509,17 @@ impl RingWorker {
     fn finish(&mut self, k: usize) {
         let slot = self.jobs.remove(k).expect("a live slab key");
         self.done.push(slot.job);
+    }
+}
+
+impl Drop for RingWorker {
+    fn drop(&mut self) {
+        if self.leaked {
+            // The kernel may still write into memory the ring's requests point at.
+            return;
+        }
+        // SAFETY: dropped here only, once; `self` is not used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.ring) };
     }
 }
 

@@ -276,7 +276,7 @@ fn qos_text(q: &Value) -> String {
 }
 
 fn list_table(exports: &[Value]) -> String {
-    let header = ["NAME", "SIZE", "FORMAT", "MODE", "CONNS", "QOS", "TRANSPORTS", "IMAGE"];
+    let header = ["NAME", "STATE", "SIZE", "FORMAT", "MODE", "CONNS", "QOS", "TRANSPORTS", "IMAGE"];
     let rows: Vec<Vec<String>> = exports
         .iter()
         .map(|e| {
@@ -291,6 +291,7 @@ fn list_table(exports: &[Value]) -> String {
                 .collect();
             vec![
                 e["name"].as_str().unwrap_or("").to_owned(),
+                e["state"].as_str().unwrap_or("").to_owned(),
                 human(e["size"].as_u64().unwrap_or(0)),
                 e["format"].as_str().unwrap_or("").to_owned(),
                 if e["readonly"].as_bool().unwrap_or(false) { "ro" } else { "rw" }.to_owned(),
@@ -301,5 +302,11 @@ fn list_table(exports: &[Value]) -> String {
             ]
         })
         .collect();
-    crate::stats::render(&header, &rows)
+    let mut out = crate::stats::render(&header, &rows);
+    for e in exports {
+        if let Some(why) = e["failure"].as_str() {
+            out.push_str(&format!("{}: {why}\n", e["name"].as_str().unwrap_or("")));
+        }
+    }
+    out
 }

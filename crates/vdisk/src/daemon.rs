@@ -373,7 +373,15 @@ impl Daemon {
             exports.remove(at)
         };
         drop(export);
-        let stopped = stop_export(running).map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; ")));
+        let failed = running.device.failure().is_some();
+        let stopped = match stop_export(running) {
+            // Removing a failed export is how it is brought back: that is no error of the removal.
+            Err(errors) if failed => {
+                log::warn!(export:% = name; "export {name:?} had failed; stopped: {}", errors.join("; "));
+                Ok(())
+            }
+            r => r.map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; "))),
+        };
         log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
         stopped
     }
@@ -451,13 +459,20 @@ impl Daemon {
             "connections": self.nbd.connections_to(&e.name),
             "transports": transports,
             "qos": limits_json(e.device.limits()),
+            "state": state(&e.device),
+            "failure": e.device.failure(),
         })
     }
 
     /// The statistics of export `name`, or of every export.
     pub fn stats(&self, name: Option<&str>) -> Result<Value, Refusal> {
         let exports = self.exports.lock().unwrap();
-        let one = |e: &Running| crate::stats::to_json(&e.name, self.nbd.connections_to(&e.name), &e.device.stats());
+        let one = |e: &Running| {
+            let mut v = crate::stats::to_json(&e.name, self.nbd.connections_to(&e.name), &e.device.stats());
+            v["state"] = json!(state(&e.device));
+            v["failure"] = json!(e.device.failure());
+            v
+        };
         match name {
             Some(n) => exports.iter().find(|e| e.name == n).map(one).ok_or_else(|| not_found(n)),
             None => Ok(Value::Array(exports.iter().map(one).collect())),
@@ -513,13 +528,26 @@ fn stop_export(running: Running) -> Result<(), Vec<String>> {
             errors.push(format!("export {name:?}: {e}"));
         }
     }
-    if let Err(e) = device.shutdown() {
-        errors.push(format!("flush of export {name:?} failed: {e}"));
+    let failed = device.failure().is_some();
+    match device.shutdown() {
+        Err(e) if failed => errors.push(format!("export {name:?}: {e}")),
+        Err(e) => errors.push(format!("flush of export {name:?} failed: {e}")),
+        Ok(()) => {}
     }
     if errors.is_empty() {
         Ok(())
     } else {
         Err(errors)
+    }
+}
+
+/// "serving", or "failed" once the device's engine failed (its requests get
+/// EIO until the export is removed and added again).
+fn state(device: &Device) -> &'static str {
+    if device.failure().is_some() {
+        "failed"
+    } else {
+        "serving"
     }
 }
 

@@ -181,8 +181,13 @@ fn histogram(mut m: prometheus_client::encoding::MetricEncoder, l: &&Latency) ->
 
 impl Collector for Exports {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let devices = self.0.devices();
+        let failed: Vec<(Labels, u64)> = devices
+            .iter()
+            .map(|(name, dev, _)| (vec![("export", name.clone())], u64::from(dev.failure().is_some())))
+            .collect();
         let exports: Vec<(String, Snapshot, usize)> =
-            self.0.devices().into_iter().map(|(name, dev, conns)| (name, dev.stats(), conns)).collect();
+            devices.into_iter().map(|(name, dev, conns)| (name, dev.stats(), conns)).collect();
         let by = |f: &dyn Fn(&Snapshot, usize) -> u64| -> Vec<(Labels, u64)> {
             exports.iter().map(|(n, s, c)| (vec![("export", n.clone())], f(s, *c))).collect()
         };
@@ -210,6 +215,8 @@ impl Collector for Exports {
         family(&mut enc, "vdisk_in_flight", "Requests in the engine now", MetricType::Gauge, &in_flight, gauge)?;
         let conns = by(&|_, c| c as u64);
         family(&mut enc, "vdisk_connections", "NBD clients connected", MetricType::Gauge, &conns, gauge)?;
+        let help = "1 when the export's engine failed and its requests get EIO";
+        family(&mut enc, "vdisk_export_failed", help, MetricType::Gauge, &failed, gauge)?;
         let mut lat: Vec<(Labels, &Latency)> = Vec::new();
         for (n, s, _) in &exports {
             for (op, l) in [("read", &s.read_latency), ("write", &s.write_latency), ("flush", &s.flush_latency)] {
