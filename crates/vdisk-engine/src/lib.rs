@@ -24,6 +24,7 @@
 //! ([`Device::shutdown_within`]).
 
 mod buf;
+mod errlog;
 #[cfg(feature = "faults")]
 mod faults;
 /// Without the `faults` feature nothing is ever injected: a device holds `None`.
@@ -82,6 +83,7 @@ pub mod submit;
 mod sys;
 mod threads;
 mod uring;
+mod validate;
 pub mod wake;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -92,10 +94,12 @@ use std::time::{Duration, Instant};
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
+pub use errlog::{ErrorLog, ERROR_LOG_INTERVAL};
 pub use lent::Lent;
 pub use qos::Limits;
 pub use request::{Command, Data, Op, Request, Sink};
 pub use stats::{Snapshot, Stats};
+pub use validate::{validate, Bounds, Refusal};
 
 use queue::Queue;
 
@@ -183,6 +187,8 @@ pub struct Device {
     /// Shared with the queue, which counts completions.
     stats: Arc<Stats>,
     qos: qos::Qos,
+    /// Where the exports report the requests that failed (rate-limited).
+    errors: Arc<ErrorLog>,
 }
 
 impl Device {
@@ -236,6 +242,7 @@ impl Device {
             workers: Mutex::new(Vec::new()),
             stats,
             qos: qos::Qos::default(),
+            errors: Arc::new(ErrorLog::new(name)),
         };
         for i in 0..consumers {
             let (planner, queue) = (dev.planner(), dev.queue.clone());
@@ -285,6 +292,12 @@ impl Device {
         self.image.read_only()
     }
 
+    /// What [`validate`] judges this device's requests against: its size and
+    /// read-only state, with no limits of an export (an export adds its own).
+    pub fn bounds(&self) -> Bounds {
+        Bounds::new(self.size(), self.read_only())
+    }
+
     pub fn image(&self) -> &Arc<dyn Image> {
         &self.image
     }
@@ -293,6 +306,12 @@ impl Device {
     /// A failed device answers every request with EIO until it is shut down.
     pub fn failure(&self) -> Option<String> {
         self.queue.health().failure()
+    }
+
+    /// Where the exports report the requests the engine failed: the first is
+    /// logged, then at most one line per [`ERROR_LOG_INTERVAL`] with the count.
+    pub fn errors(&self) -> &Arc<ErrorLog> {
+        &self.errors
     }
 
     /// What this device has done so far (every export's requests together).

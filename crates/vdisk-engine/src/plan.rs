@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::sync::Arc;
 
-use vdisk_image::{Error, ErrorKind, Extent, Image, Result};
+use vdisk_image::{Error, Extent, Image, Result};
 
 use smallvec::{smallvec, SmallVec};
 
@@ -103,9 +103,8 @@ impl Planner {
 
     fn map_one(&mut self, io: Io, data: &mut Data, pieces: &mut Vec<Piece>) -> Result<()> {
         let Io { key, offset, len, write, fua } = io;
-        if write && self.image.read_only() {
-            return Err(read_only());
-        }
+        let op = if write { Op::Write { fua } } else { Op::Read };
+        crate::validate::debug_assert_valid(op, offset, len, &*self.image);
         if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, offset, len)) {
             return Err(e);
         }
@@ -268,6 +267,7 @@ impl Planner {
     /// Performs a request that is not a data transfer or a flush (those return
     /// `false`, untouched): trim, write zeroes, cache, block status.
     pub fn perform_other(&mut self, req: &mut Request) -> bool {
+        crate::validate::debug_assert_valid(req.op(), req.offset, req.len, &*self.image);
         let r = match &mut req.cmd {
             Command::Read { .. } | Command::Write { .. } | Command::Flush => return false,
             Command::Trim { .. } | Command::WriteZeroes { .. } => self.deallocate(req),
@@ -281,9 +281,6 @@ impl Planner {
     }
 
     fn deallocate(&mut self, req: &Request) -> Result<()> {
-        if self.image.read_only() {
-            return Err(read_only());
-        }
         let (trim, no_hole) = match req.op() {
             Op::WriteZeroes { no_hole, .. } => (false, no_hole),
             _ => (true, false),
@@ -375,12 +372,13 @@ impl Planner {
     }
 
     /// The fdatasync of file 0, unless a test build was told to break
-    /// durability ([`vdisk_image::breakage`]): then nothing.
+    /// durability ([`vdisk_image::breakage`]) or the image has no files (the
+    /// fuzzing image, which holds no data): then nothing.
     fn sync_data(&self) -> std::io::Result<()> {
-        if skips_data_sync() {
-            return Ok(());
+        match self.image.files().first() {
+            Some(file) if !skips_data_sync() => sys::fdatasync(file),
+            _ => Ok(()),
         }
-        sys::fdatasync(&self.image.files()[0])
     }
 
     /// Syncs the image's written file, then its metadata: data before the
@@ -420,10 +418,6 @@ impl Planner {
 /// True only in a test build told to skip the data sync (VDISK_BREAK=skip-data-sync).
 pub(crate) fn skips_data_sync() -> bool {
     vdisk_image::breakage::active(vdisk_image::breakage::Breakage::SkipDataSync)
-}
-
-fn read_only() -> Error {
-    Error::new(ErrorKind::ReadOnly, "the device is read-only")
 }
 
 /// Makes a range read as zeros: a punched hole where holes are allowed, else a

@@ -15,7 +15,7 @@ use std::io::{self, Read};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use vdisk_engine::{Buf, Command, Device, Op, Request, Sink};
+use vdisk_engine::{Bounds, Buf, Command, Device, Op, Refusal, Request, Sink};
 
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
@@ -63,23 +63,21 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
     if h.flags & CMD_FLAG_DF != 0 && !neg.structured {
         return Err(EINVAL);
     }
-    if op.writes() && read_only {
-        return Err(EPERM);
-    }
     if matches!(op, Op::BlockStatus { .. }) && neg.allocation_context.is_none() {
         return Err(EINVAL);
     }
-    if op == Op::Flush {
-        return if h.offset == 0 && h.len == 0 { Ok(Valid { op, dont_fragment: false }) } else { Err(EINVAL) };
+    if op == Op::Flush && (h.offset != 0 || h.len != 0) {
+        return Err(EINVAL);
     }
-    if op.is_data() && h.len > MAX_REQUEST {
-        return Err(if op == Op::Read && neg.structured { EOVERFLOW } else { EINVAL });
+    // Range, length and read-only: the engine's one check, mapped to the spec's errnos.
+    let bounds = Bounds { max_data: MAX_REQUEST as u64, ..Bounds::new(size, read_only) };
+    match vdisk_engine::validate(op, h.offset, h.len as u64, &bounds) {
+        Ok(()) => Ok(Valid { op, dont_fragment: flag(CMD_FLAG_DF) }),
+        Err(Refusal::ReadOnly) => Err(EPERM),
+        Err(Refusal::TooLong) if op == Op::Read && neg.structured => Err(EOVERFLOW),
+        Err(Refusal::OutOfRange) if matches!(op, Op::Write { .. } | Op::WriteZeroes { .. }) && h.len > 0 => Err(ENOSPC),
+        Err(Refusal::TooLong | Refusal::Misaligned | Refusal::OutOfRange | Refusal::Empty) => Err(EINVAL),
     }
-    let in_range = h.len > 0 && h.offset.checked_add(h.len as u64).is_some_and(|end| end <= size);
-    if !in_range {
-        return Err(if matches!(op, Op::Write { .. } | Op::WriteZeroes { .. }) && h.len > 0 { ENOSPC } else { EINVAL });
-    }
-    Ok(Valid { op, dont_fragment: flag(CMD_FLAG_DF) })
 }
 
 /// Serves requests on `stream` until the client disconnects, sends DISC, breaks
@@ -89,7 +87,11 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
 /// Without `batching` (an ablation for benchmarks), each request is submitted
 /// on its own, nothing runs inline, and each reply is sent with its own write.
 pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batching: bool) -> io::Result<()> {
-    let encoder = Encoder { structured: neg.structured, allocation_context: neg.allocation_context.unwrap_or(0) };
+    let encoder = Encoder {
+        structured: neg.structured,
+        allocation_context: neg.allocation_context.unwrap_or(0),
+        errors: device.errors().clone(),
+    };
     let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching));
     let writer = {
         let outbox = outbox.clone();
