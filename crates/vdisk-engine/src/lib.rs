@@ -85,6 +85,7 @@ mod threads;
 mod uring;
 mod validate;
 pub mod wake;
+mod zero;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -189,6 +190,8 @@ pub struct Device {
     qos: qos::Qos,
     /// Where the exports report the requests that failed (rate-limited).
     errors: Arc<ErrorLog>,
+    /// What the image's files refused of the zero ladder, for every planner.
+    zeros: Arc<zero::ZeroLadder>,
 }
 
 impl Device {
@@ -243,6 +246,7 @@ impl Device {
             stats,
             qos: qos::Qos::default(),
             errors: Arc::new(ErrorLog::new(name)),
+            zeros: Arc::new(zero::ZeroLadder::new(image.files().len())),
         };
         for i in 0..consumers {
             let (planner, queue) = (dev.planner(), dev.queue.clone());
@@ -269,7 +273,7 @@ impl Device {
 
     /// A planner for this device's requests.
     fn planner(&self) -> plan::Planner {
-        let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
+        let mut planner = plan::Planner::with_zeros(self.image.clone(), self.sync, self.coalesce, self.zeros.clone());
         planner.faults = self.faults.clone();
         planner.dsync_unreliable = self.dsync_unreliable;
         planner
