@@ -334,3 +334,7 @@ pub fn init_reply(init: &proto::InitIn, want_uring: bool) -> Result<proto::InitO
         ..Default::default()
     })
 }
+
+#[cfg(test)]
+#[path = "session_tests.rs"]
+mod tests;
