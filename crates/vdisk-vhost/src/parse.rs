@@ -1,6 +1,7 @@
 //! The virtio-blk request parser: one descriptor chain in, one decision out.
 //! It validates everything at the edge (directions, guest-memory bounds,
-//! header, range, size limits, read-only) so that only well-formed requests
+//! header, and through [`vdisk_engine::validate`] range, size limits,
+//! alignment and read-only) so that only well-formed requests
 //! ever reach the engine; everything else becomes a status to write back at
 //! once (IOERR or UNSUPP). It reads guest memory but never writes it, and
 //! knows nothing of the image.
