@@ -324,5 +324,22 @@ mod tests {
         let s = neg(true, true);
         assert_eq!(validate(&hdr(CMD_READ, 0, 0, MAX_REQUEST + 1), &s, u64::MAX, false).err(), Some(EOVERFLOW));
         assert!(validate(&hdr(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 0, 1), &s, 1 << 20, false).is_ok());
+        // Each refusal of the engine's check, as the spec names it.
+        assert_eq!(v(hdr(CMD_WRITE, 0, 0, 0)), Some(EINVAL), "an empty write");
+        assert_eq!(v(hdr(CMD_WRITE, 0, 2 << 20, 0)), Some(EINVAL), "an empty write past the end");
+        assert_eq!(v(hdr(CMD_WRITE, 0, u64::MAX, 1)), Some(ENOSPC), "a write overflowing the offset");
+        assert_eq!(v(hdr(CMD_WRITE_ZEROES, 0, 1 << 20, 1)), Some(ENOSPC));
+        assert_eq!(v(hdr(CMD_TRIM, 0, 1 << 20, 1)), Some(EINVAL), "a trim past the end");
+        assert_eq!(v(hdr(CMD_CACHE, 0, (1 << 20) - 1, 2)), Some(EINVAL));
+        assert_eq!(v(hdr(CMD_WRITE, 0, 0, MAX_REQUEST + 1)), Some(EINVAL), "a write too long");
+        assert_eq!(v(hdr(CMD_FLUSH, 0, 0, 1)), Some(EINVAL), "a flush with a range");
+        let big = |h| validate(&h, &n, 1 << 40, false).err();
+        assert_eq!(big(hdr(CMD_TRIM, 0, 0, u32::MAX)), None, "trims are not limited to 32 MiB");
+        assert_eq!(big(hdr(CMD_WRITE_ZEROES, 0, (1 << 40) - 4096, 4096)), None, "up to the very end");
+        let ro = |h| validate(&h, &n, 1 << 20, true).err();
+        assert_eq!(ro(hdr(CMD_WRITE, 0, 1 << 30, MAX_REQUEST + 1)), Some(EPERM), "read-only is named first");
+        assert_eq!(ro(hdr(CMD_WRITE_ZEROES, 0, 0, 0)), Some(EPERM));
+        assert_eq!(ro(hdr(CMD_READ, 0, 0, 4096)), None);
+        assert_eq!(ro(hdr(CMD_FLUSH, 0, 0, 0)), None);
     }
 }
