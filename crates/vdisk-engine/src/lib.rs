@@ -24,6 +24,7 @@
 //! ([`Device::shutdown_within`]).
 
 mod buf;
+mod errlog;
 #[cfg(feature = "faults")]
 mod faults;
 /// Without the `faults` feature nothing is ever injected: a device holds `None`.
@@ -82,7 +83,9 @@ pub mod submit;
 mod sys;
 mod threads;
 mod uring;
+mod validate;
 pub mod wake;
+mod zero;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -92,10 +95,12 @@ use std::time::{Duration, Instant};
 use vdisk_image::{Image, Result};
 
 pub use buf::{Buf, ALIGN};
+pub use errlog::{ErrorLog, ERROR_LOG_INTERVAL};
 pub use lent::Lent;
 pub use qos::Limits;
 pub use request::{Command, Data, Op, Request, Sink};
 pub use stats::{Snapshot, Stats};
+pub use validate::{validate, Bounds, Refusal};
 
 use queue::Queue;
 
@@ -183,6 +188,10 @@ pub struct Device {
     /// Shared with the queue, which counts completions.
     stats: Arc<Stats>,
     qos: qos::Qos,
+    /// Where the exports report the requests that failed (rate-limited).
+    errors: Arc<ErrorLog>,
+    /// What the image's files refused of the zero ladder, for every planner.
+    zeros: Arc<zero::ZeroLadder>,
 }
 
 impl Device {
@@ -236,6 +245,8 @@ impl Device {
             workers: Mutex::new(Vec::new()),
             stats,
             qos: qos::Qos::default(),
+            errors: Arc::new(ErrorLog::new(name)),
+            zeros: Arc::new(zero::ZeroLadder::new(image.files().len())),
         };
         for i in 0..consumers {
             let (planner, queue) = (dev.planner(), dev.queue.clone());
@@ -262,7 +273,7 @@ impl Device {
 
     /// A planner for this device's requests.
     fn planner(&self) -> plan::Planner {
-        let mut planner = plan::Planner::new(self.image.clone(), self.sync, self.coalesce);
+        let mut planner = plan::Planner::with_zeros(self.image.clone(), self.sync, self.coalesce, self.zeros.clone());
         planner.faults = self.faults.clone();
         planner.dsync_unreliable = self.dsync_unreliable;
         planner
@@ -285,6 +296,12 @@ impl Device {
         self.image.read_only()
     }
 
+    /// What [`validate`] judges this device's requests against: its size and
+    /// read-only state, with no limits of an export (an export adds its own).
+    pub fn bounds(&self) -> Bounds {
+        Bounds::new(self.size(), self.read_only())
+    }
+
     pub fn image(&self) -> &Arc<dyn Image> {
         &self.image
     }
@@ -293,6 +310,12 @@ impl Device {
     /// A failed device answers every request with EIO until it is shut down.
     pub fn failure(&self) -> Option<String> {
         self.queue.health().failure()
+    }
+
+    /// Where the exports report the requests the engine failed: the first is
+    /// logged, then at most one line per [`ERROR_LOG_INTERVAL`] with the count.
+    pub fn errors(&self) -> &Arc<ErrorLog> {
+        &self.errors
     }
 
     /// What this device has done so far (every export's requests together).

@@ -6,11 +6,12 @@
 use std::fs::File;
 use std::sync::Arc;
 
-use vdisk_image::{Error, ErrorKind, Extent, Image, Result};
+use vdisk_image::{Error, Extent, Image, Result};
 
 use smallvec::{smallvec, SmallVec};
 
 use crate::sys::{self, Segment, Segments, IOV_MAX};
+use crate::zero::ZeroLadder;
 use crate::ALIGN;
 use crate::{Command, Data, Op, Request};
 
@@ -71,12 +72,21 @@ pub(crate) struct Planner {
     /// file system (see [`sys::on_fuse`]): a durable write is followed by an
     /// explicit fdatasync.
     pub dsync_unreliable: bool,
+    /// What each file refused of the zero ladder (shared by the device's planners).
+    pub zeros: Arc<ZeroLadder>,
     extents: Vec<Extent>,
 }
 
 impl Planner {
+    /// A planner with a zero ladder of its own (one that remembers nothing yet).
     pub fn new(image: Arc<dyn Image>, sync: bool, coalesce: bool) -> Self {
-        Planner { image, sync, coalesce, faults: None, dsync_unreliable: false, extents: Vec::new() }
+        let zeros = Arc::new(ZeroLadder::new(image.files().len()));
+        Self::with_zeros(image, sync, coalesce, zeros)
+    }
+
+    /// A planner sharing a device's zero ladder.
+    pub fn with_zeros(image: Arc<dyn Image>, sync: bool, coalesce: bool, zeros: Arc<ZeroLadder>) -> Self {
+        Planner { image, sync, coalesce, faults: None, dsync_unreliable: false, zeros, extents: Vec::new() }
     }
 
     /// Maps the reads and writes among `jobs` (keyed by the caller's index) to
@@ -103,9 +113,8 @@ impl Planner {
 
     fn map_one(&mut self, io: Io, data: &mut Data, pieces: &mut Vec<Piece>) -> Result<()> {
         let Io { key, offset, len, write, fua } = io;
-        if write && self.image.read_only() {
-            return Err(read_only());
-        }
+        let op = if write { Op::Write { fua } } else { Op::Read };
+        crate::validate::debug_assert_valid(op, offset, len, &*self.image);
         if let Some(e) = self.faults.as_ref().and_then(|f| f.check(write, offset, len)) {
             return Err(e);
         }
@@ -268,6 +277,7 @@ impl Planner {
     /// Performs a request that is not a data transfer or a flush (those return
     /// `false`, untouched): trim, write zeroes, cache, block status.
     pub fn perform_other(&mut self, req: &mut Request) -> bool {
+        crate::validate::debug_assert_valid(req.op(), req.offset, req.len, &*self.image);
         let r = match &mut req.cmd {
             Command::Read { .. } | Command::Write { .. } | Command::Flush => return false,
             Command::Trim { .. } | Command::WriteZeroes { .. } => self.deallocate(req),
@@ -281,9 +291,6 @@ impl Planner {
     }
 
     fn deallocate(&mut self, req: &Request) -> Result<()> {
-        if self.image.read_only() {
-            return Err(read_only());
-        }
         let (trim, no_hole) = match req.op() {
             Op::WriteZeroes { no_hole, .. } => (false, no_hole),
             _ => (true, false),
@@ -310,16 +317,11 @@ impl Planner {
             let at = |e| {
                 Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op().name(), self.describe(f)))
             };
-            let Op::WriteZeroes { no_hole, fast_zero, .. } = req.op() else {
-                match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
-                    Ok(()) => {}
-                    // TRIM is advisory: a file system that cannot punch keeps the data.
-                    Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
-                    Err(e) => return Err(at(e)),
-                }
-                continue;
-            };
-            zero_range(file, offset, len, no_hole, fast_zero).map_err(at)?;
+            match req.op() {
+                Op::WriteZeroes { no_hole, fast_zero, .. } => self.zeros.zero(f, file, offset, len, no_hole, fast_zero),
+                _ => self.zeros.trim(f, file, offset, len),
+            }
+            .map_err(at)?;
         }
         Ok(())
     }
@@ -375,12 +377,13 @@ impl Planner {
     }
 
     /// The fdatasync of file 0, unless a test build was told to break
-    /// durability ([`vdisk_image::breakage`]): then nothing.
+    /// durability ([`vdisk_image::breakage`]) or the image has no files (the
+    /// fuzzing image, which holds no data): then nothing.
     fn sync_data(&self) -> std::io::Result<()> {
-        if skips_data_sync() {
-            return Ok(());
+        match self.image.files().first() {
+            Some(file) if !skips_data_sync() => sys::fdatasync(file),
+            _ => Ok(()),
         }
-        sys::fdatasync(&self.image.files()[0])
     }
 
     /// Syncs the image's written file, then its metadata: data before the
@@ -420,38 +423,4 @@ impl Planner {
 /// True only in a test build told to skip the data sync (VDISK_BREAK=skip-data-sync).
 pub(crate) fn skips_data_sync() -> bool {
     vdisk_image::breakage::active(vdisk_image::breakage::Breakage::SkipDataSync)
-}
-
-fn read_only() -> Error {
-    Error::new(ErrorKind::ReadOnly, "the device is read-only")
-}
-
-/// Makes a range read as zeros: a punched hole where holes are allowed, else a
-/// zeroed (allocated) range, else written zeros unless the caller wants fast only.
-fn zero_range(file: &File, offset: u64, len: u64, no_hole: bool, fast: bool) -> std::io::Result<()> {
-    let unsupported = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENODEV));
-    if !no_hole {
-        match sys::fallocate(file, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
-            Ok(()) => return Ok(()),
-            Err(e) if unsupported(&e) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    match sys::fallocate(file, libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
-        Ok(()) => return Ok(()),
-        Err(e) if unsupported(&e) && fast => return Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
-        Err(e) if unsupported(&e) => {}
-        Err(e) => return Err(e),
-    }
-    const CHUNK: u64 = 1 << 20;
-    let mut zeros = crate::Buf::zeroed(CHUNK.min(len) as usize);
-    let mut at = 0;
-    while at < len {
-        let n = CHUNK.min(len - at) as usize;
-        let seg = Segment { ptr: zeros.as_mut_ptr(), len: n };
-        // SAFETY: the segment is the first `n` bytes of `zeros`, ours until the loop ends.
-        unsafe { sys::pwritev_full(file, &[seg], offset + at, false)? };
-        at += n as u64;
-    }
-    Ok(())
 }

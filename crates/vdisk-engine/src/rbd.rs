@@ -36,7 +36,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use vdisk_image::{Error, ErrorKind, Extent, RbdImage};
+use vdisk_image::{Error, Extent, RbdImage};
 
 use crate::health;
 use crate::plan::{Jobs, Planner, Run};
@@ -311,10 +311,7 @@ impl RbdWorker {
                 }
             }
             Op::Trim { .. } | Op::WriteZeroes { .. } if on_rbd => {
-                if self.planner.image.read_only() {
-                    self.jobs[k].job.0.error = Some(Error::new(ErrorKind::ReadOnly, "the device is read-only"));
-                    return;
-                }
+                crate::validate::debug_assert_valid(op, offset, len, &*self.planner.image);
                 let mut extents = Vec::new();
                 if let Err(e) = self.planner.image.map_write(offset, len, &mut extents) {
                     self.jobs[k].job.0.error = Some(e);

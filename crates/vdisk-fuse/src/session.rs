@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use vdisk_engine::inflight::InFlight;
-use vdisk_engine::{Device, Op, Request};
+use vdisk_engine::{Bounds, Device, Op, Refusal, Request};
 
 use crate::proto::{self, Wire};
 
@@ -158,13 +158,25 @@ impl Session {
         }
     }
 
+    /// What [`vdisk_engine::validate`] judges this file's requests against:
+    /// the device, and reads and writes no longer than we negotiated.
+    fn bounds(&self) -> Bounds {
+        Bounds { max_data: MAX_IO as u64, ..self.device.bounds() }
+    }
+
     fn read(&self, h: &proto::InHeader, r: &proto::RwIn) -> Action {
         #[cfg(test)]
         if r.offset == TEST_PANIC_READ_AT {
             panic!("a test asked the READ at {} to panic", r.offset);
         }
-        // A read past the end is short, as on any file.
-        let len = (r.size as u64).min(self.size().saturating_sub(r.offset));
+        let mut len = r.size as u64;
+        match vdisk_engine::validate(Op::Read, r.offset, len, &self.bounds()) {
+            Ok(()) => {}
+            // A read past the end is short, as on any file.
+            Err(Refusal::OutOfRange) => len = len.min(self.size().saturating_sub(r.offset)),
+            Err(Refusal::TooLong) => return Action::Reply(libc::EINVAL, Vec::new()),
+            Err(_) => len = 0,
+        }
         if len == 0 {
             return Action::Reply(0, Vec::new());
         }
@@ -172,18 +184,21 @@ impl Session {
     }
 
     fn write(&self, h: &proto::InHeader, w: &proto::RwIn) -> Action {
-        if self.read_only {
-            return Action::Reply(libc::EROFS, Vec::new());
-        }
-        if w.offset.checked_add(w.size as u64).is_none_or(|end| end > self.size()) {
-            return Action::Reply(libc::ENOSPC, Vec::new());
-        }
         // With FOPEN_DIRECT_IO the kernel sends no FSYNC after an O_DSYNC or
         // O_SYNC write (nor one with RWF_DSYNC/RWF_SYNC): the flag is only
         // here, in the WRITE's flags (O_SYNC includes the O_DSYNC bit). Such a
         // write is durable before its reply.
-        let fua = w.flags as i32 & libc::O_DSYNC != 0;
-        Action::Submit(Request::new(Op::Write { fua }, w.offset, w.size as u64, h.unique))
+        let op = Op::Write { fua: w.flags as i32 & libc::O_DSYNC != 0 };
+        let errno = match vdisk_engine::validate(op, w.offset, w.size as u64, &self.bounds()) {
+            Ok(()) => return Action::Submit(Request::new(op, w.offset, w.size as u64, h.unique)),
+            Err(Refusal::ReadOnly) => libc::EROFS,
+            // The file is a disk: it cannot grow.
+            Err(Refusal::OutOfRange) => libc::ENOSPC,
+            Err(Refusal::TooLong | Refusal::Misaligned) => libc::EINVAL,
+            // Nothing to write: done.
+            Err(Refusal::Empty) => return Action::Reply(0, proto::WriteOut::default().bytes().to_vec()),
+        };
+        Action::Reply(errno, Vec::new())
     }
 
     fn lseek(&self, h: &proto::InHeader, l: &proto::LseekIn) -> Action {
@@ -214,13 +229,14 @@ impl Session {
             }
             _ => return Action::Reply(libc::EOPNOTSUPP, Vec::new()),
         };
-        if self.read_only {
-            return Action::Reply(libc::EROFS, Vec::new());
-        }
-        if end > size && f.mode & KEEP == 0 {
-            return Action::Reply(libc::EFBIG, Vec::new());
-        }
-        let len = end.min(size).saturating_sub(f.offset);
+        let len = match vdisk_engine::validate(op, f.offset, f.length, &self.bounds()) {
+            Ok(()) => f.length,
+            Err(Refusal::ReadOnly) => return Action::Reply(libc::EROFS, Vec::new()),
+            // Past the end: the file cannot grow; with KEEP_SIZE, what lies inside is done.
+            Err(Refusal::OutOfRange) if f.mode & KEEP == 0 => return Action::Reply(libc::EFBIG, Vec::new()),
+            Err(Refusal::OutOfRange) => end.min(size).saturating_sub(f.offset),
+            Err(Refusal::TooLong | Refusal::Misaligned | Refusal::Empty) => 0,
+        };
         if len == 0 {
             return Action::Reply(0, Vec::new());
         }
@@ -237,7 +253,7 @@ impl Session {
             _ => false,
         };
         if let Some(e) = &req.error {
-            log::debug!("fuse: {} at {} (+{}) failed: {e}", op.name(), req.offset, req.len);
+            self.device.errors().failed("fuse", req);
             return (e.errno(), ReplyBody::Empty);
         }
         match op {
@@ -318,3 +334,7 @@ pub fn init_reply(init: &proto::InitIn, want_uring: bool) -> Result<proto::InitO
         ..Default::default()
     })
 }
+
+#[cfg(test)]
+#[path = "session_tests.rs"]
+mod tests;

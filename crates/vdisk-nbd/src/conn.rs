@@ -15,7 +15,7 @@ use std::io::{self, Read};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use vdisk_engine::{Buf, Command, Device, Op, Request, Sink};
+use vdisk_engine::{Bounds, Buf, Command, Device, Op, Refusal, Request, Sink};
 
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
@@ -63,23 +63,21 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
     if h.flags & CMD_FLAG_DF != 0 && !neg.structured {
         return Err(EINVAL);
     }
-    if op.writes() && read_only {
-        return Err(EPERM);
-    }
     if matches!(op, Op::BlockStatus { .. }) && neg.allocation_context.is_none() {
         return Err(EINVAL);
     }
-    if op == Op::Flush {
-        return if h.offset == 0 && h.len == 0 { Ok(Valid { op, dont_fragment: false }) } else { Err(EINVAL) };
+    if op == Op::Flush && (h.offset != 0 || h.len != 0) {
+        return Err(EINVAL);
     }
-    if op.is_data() && h.len > MAX_REQUEST {
-        return Err(if op == Op::Read && neg.structured { EOVERFLOW } else { EINVAL });
+    // Range, length and read-only: the engine's one check, mapped to the spec's errnos.
+    let bounds = Bounds { max_data: MAX_REQUEST as u64, ..Bounds::new(size, read_only) };
+    match vdisk_engine::validate(op, h.offset, h.len as u64, &bounds) {
+        Ok(()) => Ok(Valid { op, dont_fragment: flag(CMD_FLAG_DF) }),
+        Err(Refusal::ReadOnly) => Err(EPERM),
+        Err(Refusal::TooLong) if op == Op::Read && neg.structured => Err(EOVERFLOW),
+        Err(Refusal::OutOfRange) if matches!(op, Op::Write { .. } | Op::WriteZeroes { .. }) && h.len > 0 => Err(ENOSPC),
+        Err(Refusal::TooLong | Refusal::Misaligned | Refusal::OutOfRange | Refusal::Empty) => Err(EINVAL),
     }
-    let in_range = h.len > 0 && h.offset.checked_add(h.len as u64).is_some_and(|end| end <= size);
-    if !in_range {
-        return Err(if matches!(op, Op::Write { .. } | Op::WriteZeroes { .. }) && h.len > 0 { ENOSPC } else { EINVAL });
-    }
-    Ok(Valid { op, dont_fragment: flag(CMD_FLAG_DF) })
 }
 
 /// Serves requests on `stream` until the client disconnects, sends DISC, breaks
@@ -89,7 +87,11 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
 /// Without `batching` (an ablation for benchmarks), each request is submitted
 /// on its own, nothing runs inline, and each reply is sent with its own write.
 pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batching: bool) -> io::Result<()> {
-    let encoder = Encoder { structured: neg.structured, allocation_context: neg.allocation_context.unwrap_or(0) };
+    let encoder = Encoder {
+        structured: neg.structured,
+        allocation_context: neg.allocation_context.unwrap_or(0),
+        errors: device.errors().clone(),
+    };
     let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching));
     let writer = {
         let outbox = outbox.clone();
@@ -322,5 +324,22 @@ mod tests {
         let s = neg(true, true);
         assert_eq!(validate(&hdr(CMD_READ, 0, 0, MAX_REQUEST + 1), &s, u64::MAX, false).err(), Some(EOVERFLOW));
         assert!(validate(&hdr(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 0, 1), &s, 1 << 20, false).is_ok());
+        // Each refusal of the engine's check, as the spec names it.
+        assert_eq!(v(hdr(CMD_WRITE, 0, 0, 0)), Some(EINVAL), "an empty write");
+        assert_eq!(v(hdr(CMD_WRITE, 0, 2 << 20, 0)), Some(EINVAL), "an empty write past the end");
+        assert_eq!(v(hdr(CMD_WRITE, 0, u64::MAX, 1)), Some(ENOSPC), "a write overflowing the offset");
+        assert_eq!(v(hdr(CMD_WRITE_ZEROES, 0, 1 << 20, 1)), Some(ENOSPC));
+        assert_eq!(v(hdr(CMD_TRIM, 0, 1 << 20, 1)), Some(EINVAL), "a trim past the end");
+        assert_eq!(v(hdr(CMD_CACHE, 0, (1 << 20) - 1, 2)), Some(EINVAL));
+        assert_eq!(v(hdr(CMD_WRITE, 0, 0, MAX_REQUEST + 1)), Some(EINVAL), "a write too long");
+        assert_eq!(v(hdr(CMD_FLUSH, 0, 0, 1)), Some(EINVAL), "a flush with a range");
+        let big = |h| validate(&h, &n, 1 << 40, false).err();
+        assert_eq!(big(hdr(CMD_TRIM, 0, 0, u32::MAX)), None, "trims are not limited to 32 MiB");
+        assert_eq!(big(hdr(CMD_WRITE_ZEROES, 0, (1 << 40) - 4096, 4096)), None, "up to the very end");
+        let ro = |h| validate(&h, &n, 1 << 20, true).err();
+        assert_eq!(ro(hdr(CMD_WRITE, 0, 1 << 30, MAX_REQUEST + 1)), Some(EPERM), "read-only is named first");
+        assert_eq!(ro(hdr(CMD_WRITE_ZEROES, 0, 0, 0)), Some(EPERM));
+        assert_eq!(ro(hdr(CMD_READ, 0, 0, 4096)), None);
+        assert_eq!(ro(hdr(CMD_FLUSH, 0, 0, 0)), None);
     }
 }

@@ -273,6 +273,30 @@ mod tests {
         }
     }
 
+    struct Collect(std::sync::mpsc::Sender<vdisk_engine::Request>);
+    impl vdisk_engine::Sink for Collect {
+        fn complete(&self, done: Vec<vdisk_engine::Request>) {
+            done.into_iter().for_each(|r| self.0.send(r).unwrap());
+        }
+    }
+
+    /// The fuzzing images hold no files: a FLUSH on them is a no-op that
+    /// succeeds (it used to index the first file and panic the worker).
+    #[test]
+    fn a_flush_of_an_image_without_files_succeeds() {
+        let exports = default_exports();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sink: Arc<dyn vdisk_engine::Sink> = Arc::new(Collect(tx));
+        for e in &exports {
+            let flush = vdisk_engine::Request::new(Op::Flush, 0, 0, 7);
+            e.device.submit(vec![flush], &sink);
+            let done = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the FLUSH completes");
+            assert!(done.error.is_none(), "{}: {:?}", e.name, done.error);
+            assert!(e.device.failure().is_none(), "{}: {:?}", e.name, e.device.failure());
+            e.device.shutdown().unwrap();
+        }
+    }
+
     #[test]
     fn nbd_handshake_never_panics() {
         let exports = default_exports();

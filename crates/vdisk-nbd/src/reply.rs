@@ -1,8 +1,10 @@
 //! Reply encoding: a completed request becomes the bytes of its NBD reply, as
 //! header bytes plus slices of the request's own buffer (no copy of the data).
 
+use std::sync::Arc;
+
 use smallvec::{smallvec, SmallVec};
-use vdisk_engine::{Buf, Op, Request};
+use vdisk_engine::{Buf, ErrorLog, Op, Request};
 use vdisk_image::{Allocation, Error, ErrorKind};
 
 use crate::proto::*;
@@ -59,11 +61,13 @@ fn wire_errno(e: &Error) -> u32 {
     }
 }
 
-/// How replies are shaped on this connection.
-#[derive(Clone, Copy)]
+/// How replies are shaped on this connection, and where failed requests are
+/// reported (the device's rate-limited log).
+#[derive(Clone)]
 pub struct Encoder {
     pub structured: bool,
     pub allocation_context: u32,
+    pub errors: Arc<ErrorLog>,
 }
 
 /// An error reply for a request refused at the edge.
@@ -86,9 +90,7 @@ impl Encoder {
         let cookie = req.tag;
         let mut head = Head::new();
         if let Some(e) = &req.error {
-            if e.kind() != ErrorKind::Unsupported {
-                log::warn!("{} of {} bytes at {} failed: {e}", op.name(), req.len, req.offset);
-            }
+            self.errors.failed("nbd", &req);
             if self.structured && matches!(op, Op::Read | Op::BlockStatus { .. }) {
                 error_chunk(&mut head, cookie, wire_errno(e), e.message());
             } else {

@@ -1,6 +1,7 @@
 //! The virtio-blk request parser: one descriptor chain in, one decision out.
 //! It validates everything at the edge (directions, guest-memory bounds,
-//! header, range, size limits, read-only) so that only well-formed requests
+//! header, and through [`vdisk_engine::validate`] range, size limits,
+//! alignment and read-only) so that only well-formed requests
 //! ever reach the engine; everything else becomes a status to write back at
 //! once (IOERR or UNSUPP). It reads guest memory but never writes it, and
 //! knows nothing of the image.
@@ -12,7 +13,7 @@
 
 use std::ops::Deref;
 
-use vdisk_engine::Op;
+use vdisk_engine::{Bounds, Op, Refusal};
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::DescriptorChain;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
@@ -154,14 +155,11 @@ fn decode_rw(write: bool, sector: u64, data_out: Vec<Seg>, writable: Vec<Seg>, l
     // Data the wrong way round (write data in writable buffers or the reverse).
     let (segs, stray) = if write { (data_out, writable) } else { (writable, data_out) };
     let len = total(&segs);
-    if total(&stray) != 0 || !len.is_multiple_of(SECTOR) || (write && limits.read_only) {
+    if total(&stray) != 0 {
         return Err(S_IOERR);
     }
-    let offset = in_range(sector, len, limits.size).ok_or(S_IOERR)?;
-    if len == 0 {
-        return Err(S_OK);
-    }
     let op = if write { Op::Write { fua: !limits.writeback } } else { Op::Read };
+    let offset = checked(op, sector, len, limits)?;
     Ok(Action::Io { op, offset, len, segs })
 }
 
@@ -188,17 +186,11 @@ fn decode_discard<M: GuestMemory + ?Sized>(
     if rflags & !allowed != 0 {
         return Err(S_UNSUPP);
     }
-    if limits.read_only || sectors > MAX_DISCARD_SECTORS {
-        return Err(S_IOERR);
-    }
     let len = u64::from(sectors) * SECTOR;
-    let offset = in_range(start, len, limits.size).ok_or(S_IOERR)?;
-    if len == 0 {
-        return Err(S_OK);
-    }
     let fua = !limits.writeback;
     let unmap = rflags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
     let op = if discard { Op::Trim { fua } } else { Op::WriteZeroes { fua, no_hole: !unmap, fast_zero: false } };
+    let offset = checked(op, start, len, limits)?;
     Ok(Action::Io { op, offset, len, segs: vec![] })
 }
 
@@ -206,10 +198,23 @@ fn total(segs: &[Seg]) -> u64 {
     segs.iter().map(|s| u64::from(s.1)).sum()
 }
 
-/// The byte range of `sectors`..+`len`, if inside the disk.
-fn in_range(sector: u64, len: u64, size: u64) -> Option<u64> {
-    let offset = sector.checked_mul(SECTOR)?;
-    (offset.checked_add(len)? <= size).then_some(offset)
+/// The byte offset of a request of `len` bytes at `sector`, once the
+/// engine's one check ([`vdisk_engine::validate`]) passed it: whole sectors,
+/// inside the disk, no longer than a discard or zeroing may be, nothing
+/// written to a read-only disk. Each refusal is IOERR, except an empty range
+/// inside the disk, which is done at once (OK).
+fn checked(op: Op, sector: u64, len: u64, limits: &Limits) -> Result<u64, u8> {
+    let offset = sector.checked_mul(SECTOR).ok_or(S_IOERR)?;
+    let bounds = Bounds {
+        max_zero: u64::from(MAX_DISCARD_SECTORS) * SECTOR,
+        align: SECTOR,
+        ..Bounds::new(limits.size, limits.read_only)
+    };
+    match vdisk_engine::validate(op, offset, len, &bounds) {
+        Ok(()) => Ok(offset),
+        Err(Refusal::Empty) => Err(S_OK),
+        Err(Refusal::ReadOnly | Refusal::TooLong | Refusal::Misaligned | Refusal::OutOfRange) => Err(S_IOERR),
+    }
 }
 
 /// Fills `out` from the start of `segs`; returns the segments after it, or

@@ -270,13 +270,8 @@ impl Sink for QueueCtx {
             for req in done {
                 let slot = req.tag as usize;
                 let Some(p) = slab.get_mut(slot) else { continue };
-                if let Some(e) = &req.error {
-                    log::warn!(
-                        "vhost-user-blk: {} of {} bytes at {} failed: {e}",
-                        req.op().name(),
-                        req.len,
-                        req.offset
-                    );
+                if req.error.is_some() {
+                    self.shared.device.errors().failed("vhost-user-blk", &req);
                     p.failed = true;
                 } else if !p.read_into.is_empty() && !copy_out(&p.mem, &p.read_into, req.buf()) {
                     p.failed = true;
