@@ -45,7 +45,7 @@ impl Step {
     /// For the log line of an export that did not stop in time.
     fn stuck(&self) -> &'static str {
         match self {
-            Step::Clients => "its NBD clients were still waiting for requests to finish (nothing flushed)",
+            Step::Clients => "its NBD clients were still waiting for requests to finish (not flushed)",
             Step::Frontends => "its FUSE file or vhost-user socket was still answering requests (not flushed)",
             Step::Flushing => "its device was still finishing requests and flushing (not flushed)",
             Step::Done | Step::Failed(_) => "stopped",
