@@ -161,7 +161,14 @@ fn read_all(dir: &TempDir, reads: &[(String, Vec<String>, String)]) -> Vec<Resul
 fn fio_common() -> Vec<String> {
     let runtime = format!("--runtime={WRITE_SECS}");
     let opts = ["--rw=randwrite", "--bs=4k", "--iodepth=8", "--size=32m", "--verify=crc32c"];
-    let more = ["--verify_backlog=512", "--verify_fatal=1", "--time_based", &runtime, "--end_fsync=1"];
+    let more = [
+        "--verify_backlog=512",
+        "--verify_fatal=1",
+        "--time_based",
+        &runtime,
+        "--end_fsync=1",
+        "--verify_state_save=0",
+    ];
     opts.iter().chain(&more).map(|s| s.to_string()).collect()
 }
 
@@ -181,6 +188,8 @@ fn fio(dir: &TempDir, tag: &str, targets: &[String], nbd: bool) -> (Child, PathB
     let f = File::create(&out).unwrap();
     let child = Command::new("fio")
         .args(&args)
+        // Its verify state files go there, not into the source tree.
+        .current_dir(&dir.0)
         .stdout(f.try_clone().unwrap())
         .stderr(f)
         .spawn()
