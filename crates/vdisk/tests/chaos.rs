@@ -43,10 +43,15 @@ struct Proc {
 
 impl Proc {
     fn start(dir: &TempDir, name: &'static str, args: &[&str]) -> Proc {
+        Self::start_with(dir, name, args, "20s")
+    }
+
+    /// [`Proc::start`] with `--stop-timeout STOP`.
+    fn start_with(dir: &TempDir, name: &'static str, args: &[&str], stop: &str) -> Proc {
         let log = dir.path(&format!("{name}.log"));
         let mut all = vec!["serve"];
         all.extend_from_slice(args);
-        all.extend_from_slice(&["--stop-timeout", "20s"]);
+        all.extend_from_slice(&["--stop-timeout", stop]);
         let mut child = Command::new(vdisk_bin())
             .args(&all)
             .stdout(Stdio::piped())
@@ -527,4 +532,80 @@ fn stop_continue_trace_and_freeze_under_checked_writers_on_every_export() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// Sends SIGCONT when dropped (a stopped storage server is continued whatever happens).
+struct Continue(i32);
+
+impl Drop for Continue {
+    fn drop(&mut self) {
+        signal(self.0, libc::SIGCONT);
+    }
+}
+
+/// The state letter of /proc/PID/stat ('Z' once the process has exited, even
+/// while the kernel still holds one of its threads).
+fn state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Issue 22, item 4, without a Ceph cluster: an image that is a file on a
+/// FUSE file system whose server is stopped (SIGSTOP: a hung network file
+/// system looks the same) cannot be flushed. SIGTERM must still end vdisk
+/// within `--stop-timeout 3s`, with status 3 and a log line naming the export.
+/// The kernel holds the thread that waits for the FUSE answer until the
+/// server is continued, so the process is a zombie until then: the bound is
+/// checked on the log and on the process state, the status after continuing.
+#[test]
+fn sigterm_with_the_image_on_a_stopped_fuse_server_ends_within_the_stop_timeout() {
+    // SAFETY: geteuid only returns a number.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "mounts a FUSE file: needs root (CI runs as root)");
+    let dir = TempDir::new("wedged-stop");
+    let p = |n: &str| dir.path(n).to_str().unwrap().to_owned();
+    let out = vdisk(&["create", &p("x.img"), "--size", "64M"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let mut storage = Proc::start(
+        &dir,
+        "storage",
+        &[&p("x.img"), "--fuse", &p("file"), "--engine", "threads", "--socket", &p("a.sock")],
+    );
+    let sock = p("b.sock");
+    let file = p("file");
+    let args = [file.as_str(), "--format", "raw", "--engine", "threads", "--socket", sock.as_str()];
+    let mut server = Proc::start_with(&dir, "server", &args, "3s");
+    let uri = format!("nbd+unix:///file?socket={sock}");
+    // Acknowledged into the page cache of the file; the stop's flush must write it to the FUSE server.
+    let wrote = common::qemu_io(&uri, &["write -P 0x37 0 8M"]);
+    assert!(wrote.contains("wrote"), "{wrote}");
+    signal(storage.pid(), libc::SIGSTOP);
+    let resume = Continue(storage.pid());
+    let t = Instant::now();
+    signal(server.pid(), libc::SIGTERM);
+    let pid = server.pid();
+    let given_up = loop {
+        let gave_up = server.log().contains("giving up the stop");
+        if gave_up && matches!(state(pid), Some('Z') | None) {
+            break t.elapsed();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "vdisk still stopping {:?} after SIGTERM with --stop-timeout 3s (state {:?}):\n{}",
+            t.elapsed(),
+            state(pid),
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    drop(resume);
+    let status = wait_bounded(&mut server.child, Duration::from_secs(30));
+    let log = server.log();
+    eprintln!("gave up after {given_up:?}, exit {status:?}:\n{log}");
+    assert!(given_up < Duration::from_secs(10), "the stop took {given_up:?} with a 3 s limit:\n{log}");
+    assert_eq!(status.and_then(|s| s.code()), Some(3), "the documented status of a stop that timed out:\n{log}");
+    assert!(
+        log.lines().any(|l| l.contains("export \"file\": not stopped") && l.contains("not flushed")),
+        "no log line names the export that could not be flushed:\n{log}"
+    );
+    let _ = storage.stop(Duration::from_secs(30));
 }
