@@ -2,11 +2,12 @@
 # Installs the real clients the integration tests drive. Idempotent; needs root (CI runs as root).
 set -euo pipefail
 # libssl-dev and pkg-config: the openssl crate builds against the system OpenSSL (TLS-PSK).
-# openssl: tests/tls.rs makes RSA keys of odd sizes with it. (The power-loss storage, fuser, mounts
+# openssl: tests/tls.rs makes RSA keys of odd sizes with it. strace: tests/chaos.rs attaches
+# and detaches it under load (as a debugger would). (The power-loss storage, fuser, mounts
 # with mount(2) as root and needs no fusermount.) user-mode-linux: the UML kernel (`linux`), which
 # tests/uml.rs boots to read an overlay vdisk wrote.
 pkgs=(qemu-utils libnbd-bin python3-libnbd nbdkit fio uml-utilities util-linux mount e2fsprogs libssl-dev pkg-config
-    openssl python3-prometheus-client user-mode-linux)
+    openssl python3-prometheus-client strace user-mode-linux)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,7 +18,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio uml_mkcow uml_moo mount umount losetup fallocate mkfs.ext4 \
-    fsck.ext4 qemu-storage-daemon nbdfuse openssl linux; do
+    fsck.ext4 qemu-storage-daemon nbdfuse openssl strace linux; do
     command -v "$tool" >/dev/null || { echo "missing $tool after install" >&2; exit 1; }
 done
 # systemd-analyze and systemd-socket-activate (crates/vdisk/tests/service.rs) come with

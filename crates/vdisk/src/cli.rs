@@ -367,6 +367,12 @@ pub struct ServeArgs {
     /// Virtqueues offered to the VM for --vhost-user-blk (default: one per CPU).
     #[arg(long, value_name = "N", requires = "vhost_user_blk", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub num_queues: Option<u16>,
+    /// How long SIGTERM/SIGINT may take to finish requests, flush and stop
+    /// (30s, 500ms, 2m; default 30s). Past it, what could not be flushed is
+    /// logged by export and vdisk exits with status 3 without waiting for
+    /// storage that does not answer; a second signal gives up at once.
+    #[arg(long, value_name = "DURATION", value_parser = crate::stopping::parse_duration)]
+    pub stop_timeout: Option<std::time::Duration>,
     /// Refuse every write, trim and zero.
     #[arg(long)]
     pub readonly: bool,

@@ -59,6 +59,8 @@ pub struct ServerTable {
     /// "0600" (a string, as on the command line) or 0o600 (a TOML octal number).
     pub socket_mode: Option<Spanned<Mode>>,
     pub max_connections: Option<Spanned<u32>>,
+    /// "30s", "500ms", "2m", or a number of seconds.
+    pub stop_timeout: Option<Spanned<Seconds>>,
     pub engine: Option<EngineArg>,
     pub tls: Option<TlsArg>,
     pub tls_certificates: Option<PathBuf>,
@@ -67,6 +69,23 @@ pub struct ServerTable {
     pub tls_ca: Option<PathBuf>,
     pub tls_verify_peer: Option<bool>,
     pub tls_psk: Option<PathBuf>,
+}
+
+/// A duration: a number of seconds, or a string with a unit ("30s").
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[serde(untagged)]
+pub enum Seconds {
+    Number(u64),
+    Text(String),
+}
+
+impl Seconds {
+    fn duration(&self) -> Result<std::time::Duration, String> {
+        match self {
+            Seconds::Number(n) => crate::stopping::parse_duration(&n.to_string()),
+            Seconds::Text(s) => crate::stopping::parse_duration(s),
+        }
+    }
 }
 
 #[derive(Deserialize, Debug, Clone, PartialEq)]
@@ -172,6 +191,9 @@ fn check_server(s: &ServerTable) -> Result<(), (Range<usize>, String)> {
             crate::serve::parse_listen(v.get_ref(), key, example).map_err(|e| (v.span(), e.to_string()))?;
         }
     }
+    if let Some(t) = &s.stop_timeout {
+        t.get_ref().duration().map_err(|e| (t.span(), format!("stop_timeout: {e}")))?;
+    }
     if let Some(n) = &s.max_connections {
         if *n.get_ref() == 0 {
             return Err((n.span(), "max_connections must be at least 1 (leave it out for no limit)".into()));
@@ -264,6 +286,9 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
     if a.max_connections.is_none() {
         a.max_connections = s.max_connections.as_ref().map(|n| *n.get_ref());
     }
+    if a.stop_timeout.is_none() {
+        a.stop_timeout = s.stop_timeout.as_ref().and_then(|t| t.get_ref().duration().ok());
+    }
     let t = &a.security;
     let cli_tls = t.tls.is_some()
         || t.tls_certificates.is_some()
@@ -327,6 +352,21 @@ mod tests {
         assert_eq!(a.socket_mode(), 0o600);
         assert_eq!(a.listen.as_deref(), Some(":1"), "not on the command line: the file's");
         assert_eq!(a.engine, Some(EngineArg::Threads));
+    }
+
+    #[test]
+    fn stop_timeout_takes_units_or_seconds() {
+        let (_, c) = file("[server]\nstop_timeout = \"5s\"\n");
+        let mut a = serve_args(&[]);
+        merge(&mut a, &c.unwrap().server);
+        assert_eq!(a.stop_timeout, Some(std::time::Duration::from_secs(5)));
+        let (_, c) = file("[server]\nstop_timeout = 7\n");
+        let mut a = serve_args(&["--stop-timeout", "500ms"]);
+        merge(&mut a, &c.unwrap().server);
+        assert_eq!(a.stop_timeout, Some(std::time::Duration::from_millis(500)), "the command line wins");
+        let (path, c) = file("[server]\nstop_timeout = \"soon\"\n");
+        let e = c.unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}:2: stop_timeout: \"soon\"", path.display())), "{e}");
     }
 
     #[test]

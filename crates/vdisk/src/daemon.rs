@@ -29,6 +29,7 @@ use vdisk_nbd::{Export, Server};
 use crate::cli::{BackingArgs, FormatArg};
 use crate::formats::{self, Opened};
 use crate::serve::Frontend;
+use crate::stopping::{Step, StopProgress};
 use crate::Failure;
 
 /// What every export of this daemon shares: how devices run and sockets are made.
@@ -374,7 +375,7 @@ impl Daemon {
         };
         drop(export);
         let failed = running.device.failure().is_some();
-        let stopped = match stop_export(running) {
+        let stopped = match stop_export(running, &|_| {}) {
             // Removing a failed export is how it is brought back: that is no error of the removal.
             Err(errors) if failed => {
                 log::warn!(export:% = name; "export {name:?} had failed; stopped: {}", errors.join("; "));
@@ -497,19 +498,44 @@ impl Daemon {
         })
     }
 
-    /// Stops every export, last added first, once the NBD server has stopped
-    /// (no connection left). Refuses further changes. Every failure is reported.
-    pub fn shutdown(&self) -> Result<(), Failure> {
+    /// Stops every export once the NBD server stops accepting: each export's
+    /// clients finish their requests, its frontends stop, its device flushes.
+    /// Exports stop in parallel, so one whose storage does not answer keeps no
+    /// other from being flushed; `progress` follows each (the stop watchdog
+    /// reads it). Refuses further changes. Every failure is reported.
+    pub fn shutdown(&self, progress: &StopProgress) -> Result<(), Failure> {
         let mut closed = self.changes.lock().unwrap();
         *closed = true;
         let all = std::mem::take(&mut *self.exports.lock().unwrap());
-        let mut errors = Vec::new();
-        for running in all.into_iter().rev() {
-            self.nbd.remove_export(&running.name);
-            if let Err(mut e) = stop_export(running) {
-                errors.append(&mut e);
-            }
+        for running in &all {
+            progress.begin(&running.name, running.spec.fuse.clone());
         }
+        let errors: Vec<String> = std::thread::scope(|scope| {
+            let stopping: Vec<_> = all
+                .into_iter()
+                .rev()
+                .map(|running| {
+                    scope.spawn(move || {
+                        let name = running.name.clone();
+                        self.nbd.remove_export(&name);
+                        self.nbd.disconnect(&name);
+                        let stopped = stop_export(running, &|step| progress.step(&name, step));
+                        progress.step(
+                            &name,
+                            match &stopped {
+                                Ok(()) => Step::Done,
+                                Err(e) => Step::Failed(e.join("; ")),
+                            },
+                        );
+                        stopped.err().unwrap_or_default()
+                    })
+                })
+                .collect();
+            stopping
+                .into_iter()
+                .flat_map(|t| t.join().unwrap_or_else(|_| vec!["a stop thread panicked".into()]))
+                .collect()
+        });
         if errors.is_empty() {
             Ok(())
         } else {
@@ -519,15 +545,17 @@ impl Daemon {
 }
 
 /// Stops an export's FUSE file and vhost socket, then finishes and flushes its
-/// device. Goes on past failures and returns all of them.
-fn stop_export(running: Running) -> Result<(), Vec<String>> {
+/// device, telling `step` as it goes. Goes on past failures and returns all of them.
+fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<String>> {
     let Running { name, device, frontends, .. } = running;
     let mut errors = Vec::new();
+    step(Step::Frontends);
     for f in frontends.into_iter().rev() {
         if let Err(e) = f.stop() {
             errors.push(format!("export {name:?}: {e}"));
         }
     }
+    step(Step::Flushing);
     let failed = device.failure().is_some();
     match device.shutdown() {
         Err(e) if failed => errors.push(format!("export {name:?}: {e}")),

@@ -20,6 +20,7 @@ mod serve;
 mod size;
 mod soak;
 mod stats;
+mod stopping;
 mod systemd;
 mod vhost;
 

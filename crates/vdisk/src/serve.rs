@@ -9,6 +9,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use vdisk_engine::{EngineConfig, EngineKind};
 use vdisk_image::RawImage;
@@ -16,6 +17,7 @@ use vdisk_nbd::{Listener, Server, ServerOptions};
 
 use crate::cli::{EngineArg, ServeArgs};
 use crate::daemon::{export_name, Daemon, ExportSpec, Settings};
+use crate::stopping::{StopProgress, Watchdog};
 use crate::systemd::{Inherited, PidFile};
 use crate::Failure;
 
@@ -54,7 +56,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
         Ok(l) => l,
         Err(e) => {
             // Unmount and close what did start; its failures are logged, the first cause reported.
-            if let Err(more) = daemon.shutdown() {
+            if let Err(more) = daemon.shutdown(&StopProgress::default()) {
                 log::warn!("{more}");
             }
             return Err(e);
@@ -70,7 +72,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
         println!("{line}");
     }
     if let Some(Err(e)) = pid_file.as_mut().map(PidFile::write_pid) {
-        if let Err(more) = daemon.shutdown() {
+        if let Err(more) = daemon.shutdown(&StopProgress::default()) {
             log::warn!("{more}");
         }
         return Err(e);
@@ -82,7 +84,10 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     println!("vdisk: ready");
     // Every listener is bound and listening: a client that connects now waits in its queue.
     crate::systemd::notify(&format!("READY=1\nMAINPID={}\nSTATUS={}", std::process::id(), daemon.status()));
-    serve_until_signal(&server, &daemon, listeners, signals)
+    let limit = a.stop_timeout.unwrap_or(crate::stopping::DEFAULT_STOP_TIMEOUT);
+    let mut remove: Vec<PathBuf> = listeners.socket.iter().cloned().collect();
+    remove.extend(a.pid_file.iter().cloned());
+    serve_until_signal(&server, &daemon, listeners, signals, (limit, remove))
 }
 
 /// `--check`: everything start-up would check, without serving: the file, the
@@ -146,36 +151,53 @@ fn start_config(
 
 /// Serves until the first signal, then stops everything: NBD clients finish,
 /// every export is stopped and flushed. Every failure on the way is reported.
+/// The stop is bounded (`bound`: the limit, and files to remove if it is
+/// reached): past it the watchdog ends the process (crate::stopping).
 fn serve_until_signal(
     server: &Arc<Server>,
     daemon: &Arc<Daemon>,
     listeners: Listeners,
     signals: libc::sigset_t,
+    bound: (Duration, Vec<PathBuf>),
 ) -> Result<(), Failure> {
     let stop = Arc::new(Stop::default());
     {
         let (server, stop, daemon) = (server.clone(), stop.clone(), daemon.clone());
         std::thread::Builder::new()
             .name("signals".into())
-            .spawn(move || wait_for_signals(signals, &server, &daemon, &stop))
+            .spawn(move || wait_for_signals(signals, &server, &daemon, &stop, bound))
             .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
     }
     let Listeners { nbd, socket, control, metrics, .. } = listeners;
-    // Returns at once without listeners; the other exports run until the signal.
-    let served = server.serve(nbd);
+    // Accepts until the signal, then waits for the last connection to end:
+    // beside the exports' stop below, which disconnects each export's clients.
+    let serving = {
+        let server = server.clone();
+        std::thread::Builder::new()
+            .name("nbd-serve".into())
+            .spawn(move || server.serve(nbd))
+            .map_err(|e| Failure::runtime(format!("cannot start the NBD server thread: {e}")))?
+    };
+    let watchdog = stop.wait();
+    let progress = watchdog.progress();
+    progress.phase("closing the control socket and the metrics endpoint");
+    drop(control);
+    drop(metrics);
+    progress.phase("stopping the exports");
+    let mut errors = Vec::new();
+    if let Err(e) = daemon.shutdown(progress) {
+        errors.push(format!("at shutdown: {e}"));
+    }
+    progress.phase("waiting for the last NBD connections to end");
+    match serving.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => errors.insert(0, format!("server failed: {e}")),
+        Err(_) => errors.insert(0, "the NBD server thread panicked".into()),
+    }
     if let Some(path) = &socket {
         let _ = std::fs::remove_file(path);
     }
-    stop.wait();
-    drop(control);
-    drop(metrics);
-    let mut errors = Vec::new();
-    if let Err(e) = served {
-        errors.push(format!("server failed: {e}"));
-    }
-    if let Err(e) = daemon.shutdown() {
-        errors.push(format!("at shutdown: {e}"));
-    }
+    watchdog.disarm();
     if errors.is_empty() {
         log::info!("stopped cleanly");
         Ok(())
@@ -494,28 +516,37 @@ impl Drop for Frontends {
     }
 }
 
-/// Set once by the signal thread; the main thread waits for it.
+/// Set once by the signal thread (with the armed stop watchdog); the main thread waits for it.
 #[derive(Default)]
 struct Stop {
-    stopped: std::sync::Mutex<bool>,
+    stopped: std::sync::Mutex<Option<Watchdog>>,
     cond: std::sync::Condvar,
 }
 
 impl Stop {
-    fn trigger(&self) {
-        *self.stopped.lock().unwrap() = true;
+    fn trigger(&self, watchdog: Watchdog) {
+        *self.stopped.lock().unwrap() = Some(watchdog);
         self.cond.notify_all();
     }
 
-    fn wait(&self) {
+    fn wait(&self) -> Watchdog {
         let stopped = self.stopped.lock().unwrap();
-        drop(self.cond.wait_while(stopped, |s| !*s).unwrap());
+        self.cond.wait_while(stopped, |s| s.is_none()).unwrap().clone().expect("set before the wait ends")
     }
 }
 
-/// SIGHUP: reload the config. First SIGINT/SIGTERM: stop cleanly; second: give
-/// up at once. Between signals, every few seconds, the status line for systemd.
-fn wait_for_signals(set: libc::sigset_t, server: &Server, daemon: &Daemon, stop: &Stop) {
+/// SIGHUP: reload the config. First SIGINT/SIGTERM: stop cleanly, within the
+/// limit of `bound`; second: give up on what has not stopped yet (the watchdog
+/// logs it and exits). Between signals, every few seconds, the status line for systemd.
+fn wait_for_signals(
+    set: libc::sigset_t,
+    server: &Server,
+    daemon: &Daemon,
+    stop: &Stop,
+    bound: (Duration, Vec<PathBuf>),
+) {
+    let (limit, remove) = bound;
+    let mut watchdog = None;
     let mut count = 0;
     let mut status = String::new();
     loop {
@@ -537,15 +568,20 @@ fn wait_for_signals(set: libc::sigset_t, server: &Server, daemon: &Daemon, stop:
         }
         count += 1;
         if count == 1 {
-            log::warn!("signal {sig}: finishing requests, flushing and stopping (again to quit at once)");
+            log::warn!(
+                "signal {sig}: finishing requests, flushing and stopping (within {}; again to quit at once)",
+                crate::stopping::show(limit)
+            );
             crate::systemd::notify("STOPPING=1\nSTATUS=stopping: finishing requests and flushing");
+            let w = Watchdog::arm(limit, remove.clone());
+            watchdog = Some(w.clone());
             // Requests waiting for QoS tokens are in flight too: let them finish now.
             daemon.lift_limits();
             server.stop();
-            stop.trigger();
-        } else {
-            log::warn!("second signal: quitting without waiting");
-            std::process::exit(1);
+            stop.trigger(w);
+        } else if let Some(w) = &watchdog {
+            log::warn!("second signal: giving up on what has not stopped yet");
+            w.hurry();
         }
     }
 }

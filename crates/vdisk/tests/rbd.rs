@@ -609,3 +609,90 @@ print('written')
         }
     }
 }
+
+/// Issue 22, item 4: SIGTERM ends the server within `--stop-timeout` even when
+/// an export's storage does not answer. An RBD export with writes in flight
+/// and its only OSD stopped, beside a file export with unflushed writes: the
+/// process exits within the limit with status 3, the log names the RBD export
+/// as not flushed, and the file export was flushed all the same.
+#[test]
+fn sigterm_with_the_osd_stopped_exits_within_the_stop_timeout() {
+    let c = cluster();
+    let _alone = OSD.write().unwrap_or_else(|e| e.into_inner());
+    let dir = TempDir::new("rbd-wedged-stop");
+    let img = name("wedged");
+    create(c, &img, "16M");
+    let local = dir.path("local.img");
+    common::create_image(&local, "16M");
+    let socket = dir.path("nbd.sock");
+    let log = dir.path("vdisk.log");
+    let spec = format!("rbd:rbd/{img}");
+    let args = ["serve", &spec, s(&local), "--socket", s(&socket), "--stop-timeout", "5s"];
+    let mut child = Command::new(common::vdisk_bin())
+        .args(args)
+        .env("CEPH_CONF", &c.conf)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let uri = |export: &str| format!("nbd+unix:///{export}?socket={}", socket.display());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "vdisk never listened: {}", std::fs::read_to_string(&log).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    qemu_io(&uri(&img), &["write -P 0x21 0 1M", "flush"]);
+    // Acknowledged, not flushed: the stop must flush it even though the RBD export cannot be.
+    qemu_io(&uri("local"), &["write -P 0x5a 0 2M"]);
+
+    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
+    // SAFETY: kill only reads its integer arguments.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Stopped(pid);
+    // Writes in flight on the RBD export, waiting for the OSD; the client is cut at the stop.
+    let writer = {
+        let uri = uri(&img);
+        std::thread::spawn(move || output("qemu-io", &["-f", "raw", "-c", "write -P 0x42 1M 4M", "-c", "flush", &uri]))
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!writer.is_finished(), "RBD writes completed with the OSD stopped");
+    let t = Instant::now();
+    // SAFETY: kill only reads its integer arguments.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "vdisk still stopping {:?} after SIGTERM with --stop-timeout 5s:\n{}",
+                t.elapsed(),
+                std::fs::read_to_string(&log).unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = t.elapsed();
+    let text = std::fs::read_to_string(&log).unwrap();
+    eprintln!("stopped in {took:?} with {status}:\n{text}");
+    assert_eq!(status.code(), Some(3), "the documented status of a stop that timed out:\n{text}");
+    // 5 s, with headroom for a loaded machine; without the bound it never ends.
+    assert!(took < Duration::from_secs(12), "the stop took {took:?}");
+    assert!(
+        text.lines().any(|l| l.contains(&format!("export {img:?}: not stopped")) && l.contains("not flushed")),
+        "no log line names the wedged export:\n{text}"
+    );
+    assert!(text.contains("export \"local\": flushed and stopped"), "{text}");
+    assert!(!socket.exists(), "the socket file is left behind");
+    drop(stopped);
+    let _ = writer.join();
+    let mut want = vec![0u8; 16 * MIB];
+    want[..2 * MIB].fill(0x5a);
+    assert_same("the file export, flushed at the stop", &read_file(&local), &want);
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
