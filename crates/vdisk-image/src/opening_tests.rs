@@ -136,8 +136,8 @@ fn a_format_or_option_that_does_not_fit_is_refused() {
         let e = open(p, &o).err().expect("refused").to_string();
         assert!(e.contains(&p.display().to_string()) && e.contains(says), "{e}");
     };
-    refused(&base, OpenOptions { format: Some(Format::Qcow2), ..ro() }, "");
-    refused(&base, OpenOptions { format: Some(Format::Cow), ..ro() }, "");
+    refused(&base, OpenOptions { format: Some(Format::Qcow2), ..ro() }, "not a qcow2 image");
+    refused(&base, OpenOptions { format: Some(Format::Cow), ..ro() }, "not a COW overlay");
     refused(&base, OpenOptions { format: Some(Format::Rbd), ..ro() }, "rbd:POOL/IMAGE");
     refused(&base, OpenOptions { backing: Some(q.clone()), ..ro() }, "is a raw image");
     refused(&q, OpenOptions { ignore_backing_mtime: true, ..ro() }, "COW overlays only");
@@ -171,4 +171,27 @@ fn rbd_names_are_parsed_here() {
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
     assert_eq!(Format::from_name("qcow2"), Some(Format::Qcow2));
     assert_eq!(Format::from_name("vmdk"), None);
+}
+
+#[test]
+fn with_roots_the_image_and_its_chain_stay_beneath_them() {
+    let d = dir("roots");
+    let root = d.join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let outside = raw(&d, 5);
+    let inside = root.join("in.img");
+    std::fs::copy(&outside, &inside).unwrap();
+    let over_out = root.join("out.qcow2");
+    qcow2_over(&over_out, Some((&outside, "raw")));
+    let over_in = root.join("in.qcow2");
+    qcow2_over(&over_in, Some((&inside, "raw")));
+    let roots = Some(Arc::new(Roots::open(std::slice::from_ref(&root)).unwrap()));
+    let confined = OpenOptions { roots, ..ro() };
+    assert_eq!(read(&*open(&over_in, &confined).unwrap().image, 512), vec![5u8; 512]);
+    for p in [&outside, &over_out] {
+        let e = open(p, &confined).err().expect("refused").to_string();
+        assert!(e.contains("outside the image roots"), "{p:?}: {e}");
+    }
+    assert!(open(&over_out, &ro()).is_ok(), "unconfined, the same chain opens");
+    let _ = std::fs::remove_dir_all(&d);
 }
