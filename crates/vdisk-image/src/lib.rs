@@ -10,6 +10,7 @@ pub mod breakage;
 pub mod cow;
 mod error;
 pub mod files;
+mod opening;
 pub mod qcow2;
 pub mod raw;
 pub mod rbd;
@@ -21,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 pub use cow::CowImage;
 pub use error::{Advice, Error, ErrorKind, Result};
+pub use opening::{detect, detect_bytes, detect_file, open, Backing, Format, OpenOptions, Opened, Target};
 pub use qcow2::Qcow2Image;
 pub use raw::RawImage;
 pub use rbd::RbdImage;

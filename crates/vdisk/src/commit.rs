@@ -4,26 +4,35 @@ use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use vdisk_image::cow::OverlayOptions;
-use vdisk_image::{CowImage, Image};
+use vdisk_image::{CowImage, Format, Image};
 
 use crate::cli::CommitArgs;
-use crate::formats::{is_cow, is_qcow2};
 use crate::size::human;
 use crate::Failure;
 
 pub fn run(a: CommitArgs) -> Result<(), Failure> {
-    if is_qcow2(&a.overlay) {
-        return qcow2(&a);
-    }
-    if !is_cow(&a.overlay) {
-        // Opening it says what is wrong: missing, unreadable, or not an overlay.
-        if !a.overlay.exists() {
+    // The format's own open below needs concrete types (for the merge), so
+    // it is detected here and the format opened directly.
+    match vdisk_image::detect(&a.overlay) {
+        Ok(Format::Qcow2) => return qcow2(&a),
+        Ok(Format::Cow) => {}
+        Err(_) if !a.overlay.exists() => {
             return Err(Failure::usage(format!("{} does not exist", a.overlay.display())));
         }
-        return Err(Failure::usage(format!(
-            "{} is not a COW overlay or a qcow2 image (no COW or qcow2 magic at its start); only overlays can be committed",
-            a.overlay.display()
-        )));
+        Err(e) => return Err(e.into()),
+        Ok(Format::Rbd) => {
+            return Err(Failure::usage(format!(
+                "{} is an RBD image, not an overlay: only COW and qcow2 overlays can be committed",
+                a.overlay.display()
+            )));
+        }
+        Ok(Format::Raw) => {
+            return Err(Failure::usage(format!(
+                "{} is not a COW overlay or a qcow2 image (no COW or qcow2 magic at its start); only overlays can \
+                 be committed",
+                a.overlay.display()
+            )));
+        }
     }
     let options = OverlayOptions {
         read_only: true,

@@ -4,10 +4,9 @@ use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
-use vdisk_image::{CowImage, Image, Qcow2Image, RawImage, RbdImage};
+use vdisk_image::{CowImage, Format, Image, Qcow2Image, RawImage, RbdImage};
 
 use crate::cli::{CreateArgs, CreateFormat};
-use crate::formats::{is_cow, is_qcow2};
 use crate::size::human;
 use crate::Failure;
 
@@ -59,6 +58,14 @@ fn cow(a: &CreateArgs) -> Result<(), Failure> {
         println!("created {} (cow overlay over RBD snapshot {spec}, {})", a.image.display(), human(spec_size(a)?));
         return Ok(());
     }
+    // A COW overlay reads its backing file as raw bytes: an image format there would be served as data.
+    if let Ok(format @ (Format::Cow | Format::Qcow2)) = vdisk_image::detect(base) {
+        return Err(Failure::usage(format!(
+            "{} is a {format} image, and a COW overlay reads its backing file as raw bytes: make a qcow2 overlay \
+             over it (--format qcow2)",
+            base.display()
+        )));
+    }
     CowImage::create(&a.image, base)?;
     let image = CowImage::open(&a.image, true, None, false)?;
     println!(
@@ -72,13 +79,8 @@ fn cow(a: &CreateArgs) -> Result<(), Failure> {
 
 /// The format and virtual size of a base image, as a qcow2 overlay records it.
 fn probe_base(base: &Path) -> Result<(&'static str, u64), Failure> {
-    if is_qcow2(base) {
-        return Ok(("qcow2", Qcow2Image::open(base, true)?.size()));
-    }
-    if is_cow(base) {
-        return Ok(("cow", CowImage::open(base, true, None, false)?.size()));
-    }
-    Ok(("raw", RawImage::open(base, true)?.size()))
+    let opened = vdisk_image::open(base, &vdisk_image::OpenOptions { read_only: true, ..Default::default() })?;
+    Ok((opened.format.name(), opened.image.size()))
 }
 
 fn qcow2(a: &CreateArgs) -> Result<(), Failure> {

@@ -1,38 +1,18 @@
-//! Opening an image in whichever format it is: an RBD image on Ceph for an
-//! `rbd:POOL/IMAGE[@SNAP]` name; qcow2 or a UML COW overlay when the file
-//! starts with their magic (or `--format qcow2` / `--format cow`); raw otherwise.
+//! The command line's side of opening an image: its flags turned into
+//! [`vdisk_image::OpenOptions`], the image's one-line description for the
+//! export list, and exit codes. Which format a file is, what an `rbd:` name
+//! means and which options fit which format are decided by
+//! [`vdisk_image::open`], once, for every command.
 
-use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
-use vdisk_image::qcow2::{self, Qcow2Options};
-use vdisk_image::rbd::{self, ConnectOptions, Spec};
-use vdisk_image::{cow, CowImage, Image, Qcow2Image, RawImage, RbdImage};
+use vdisk_image::rbd::{ConnectOptions, Spec};
+use vdisk_image::{Format, Image, Target};
 
 use crate::cli::{BackingArgs, FormatArg};
 use crate::size::human;
 use crate::Failure;
-
-/// The first 4 bytes of the file, or None when it cannot be opened (through
-/// the one open helper: never blocking, only files and block devices, beneath
-/// the roots when confined) or read. Opening it as raw then reports why.
-fn magic(path: &Path) -> Option<[u8; 4]> {
-    let mut magic = [0u8; 4];
-    let mut f = vdisk_image::files::open(path, false, "image").ok()?;
-    f.read_exact(&mut magic).ok().map(|()| magic)
-}
-
-/// True when the file starts with the COW magic. A file that cannot be read
-/// is "not COW".
-pub fn is_cow(path: &Path) -> bool {
-    magic(path).is_some_and(|m| cow::has_magic(&m))
-}
-
-/// True when the file starts with the qcow2 magic.
-pub fn is_qcow2(path: &Path) -> bool {
-    magic(path).is_some_and(|m| qcow2::has_magic(&m))
-}
 
 /// An opened image and a one-line description of it for the export list.
 pub struct Opened {
@@ -40,23 +20,44 @@ pub struct Opened {
     pub description: String,
 }
 
+/// The format `--format` forces, or None to detect it.
+pub fn forced(format: FormatArg) -> Option<Format> {
+    match format {
+        FormatArg::Auto => None,
+        FormatArg::Raw => Some(Format::Raw),
+        FormatArg::Cow => Some(Format::Cow),
+        FormatArg::Qcow2 => Some(Format::Qcow2),
+    }
+}
+
+/// The open options the flags of `serve` (and an export's spec) ask for.
+pub fn options(format: FormatArg, read_only: bool, direct: bool, backing: &BackingArgs) -> vdisk_image::OpenOptions {
+    vdisk_image::OpenOptions {
+        format: forced(format),
+        read_only,
+        direct,
+        backing: backing.backing.clone(),
+        ignore_backing_mtime: backing.ignore_backing_mtime,
+        ceph: backing.ceph.options(),
+        roots: None,
+    }
+}
+
 /// The RBD image an `rbd:` name means, or None for a path.
 pub fn rbd_spec(name: &Path, defaults: &ConnectOptions) -> Result<Option<Spec>, Failure> {
-    if !rbd::is_rbd(name) {
-        return Ok(None);
+    match Target::parse(name, defaults)? {
+        Target::Rbd(spec) => Ok(Some(spec)),
+        Target::File(_) => Ok(None),
     }
-    let Some(text) = name.to_str() else {
-        return Err(Failure::usage(format!("{} is not valid UTF-8", name.display())));
-    };
-    Ok(Some(Spec::parse(text, defaults)?))
 }
 
 /// The export name an image gets by default: an RBD image's name (and
 /// snapshot), a file's stem. None: the caller's own rule.
 pub fn export_name(name: &Path) -> Option<String> {
-    rbd_spec(name, &ConnectOptions::default()).ok().flatten().map(|s| s.export_name())
+    Target::parse(name, &ConnectOptions::default()).ok()?.export_name()
 }
 
+/// Opens an image for serving (within the caller's image roots, if any).
 pub fn open(
     path: &Path,
     format: FormatArg,
@@ -64,81 +65,27 @@ pub fn open(
     direct: bool,
     backing: &BackingArgs,
 ) -> Result<Opened, Failure> {
-    if let Some(spec) = rbd_spec(path, &backing.ceph.options())? {
-        if matches!(format, FormatArg::Cow | FormatArg::Qcow2)
-            || backing.backing.is_some()
-            || backing.ignore_backing_mtime
-        {
-            return Err(Failure::usage(format!(
-                "{spec} is an RBD image: --format cow or qcow2, --backing and --ignore-backing-mtime apply to COW overlay files"
-            )));
+    let opened = vdisk_image::open(path, &options(format, read_only, direct, backing)).map_err(|e| {
+        // The file system cannot do what --direct asked: the user's choice, exit 2.
+        if direct && e.kind() == vdisk_image::ErrorKind::Unsupported {
+            Failure::usage(crate::advised(&e))
+        } else {
+            Failure::from(e)
         }
-        if direct {
-            return Err(Failure::usage(format!(
-                "{spec} is an RBD image: --direct applies to files (librbd's cache is off already)"
-            )));
-        }
-        let image = RbdImage::open(&spec, read_only)?;
-        let ro = if spec.snap.is_some() { ", snapshot" } else { "" };
-        let description = format!("{spec} (rbd{ro}, {})", human(image.size()));
-        return Ok(Opened { image: Arc::new(image), description });
-    }
-    let direct_err = |e: vdisk_image::Error| Failure::usage(crate::advised(&e));
-    if format == FormatArg::Qcow2 || (format == FormatArg::Auto && is_qcow2(path)) {
-        return open_qcow2(path, read_only, direct, backing);
-    }
-    let cow = match format {
-        FormatArg::Auto => is_cow(path),
-        FormatArg::Raw => false,
-        FormatArg::Cow => true,
-        FormatArg::Qcow2 => unreachable!("opened above"),
-    };
-    if !cow {
-        if backing.backing.is_some() || backing.ignore_backing_mtime {
-            return Err(Failure::usage(format!(
-                "{} is a raw image: --backing and --ignore-backing-mtime apply to COW overlays only",
-                path.display()
-            )));
-        }
-        let mut image = RawImage::open(path, read_only)?;
-        if direct {
-            image = image.with_direct_io().map_err(direct_err)?;
-        }
-        let description = format!("{} ({}, {})", path.display(), image.format(), human(image.size()));
-        return Ok(Opened { image: Arc::new(image), description });
-    }
-    let options = cow::OverlayOptions {
-        read_only,
-        backing: backing.backing.clone(),
-        ignore_mtime: backing.ignore_backing_mtime,
-        backing_writable: false,
-        ceph: backing.ceph.options(),
-    };
-    let mut image = CowImage::open_with(path, &options)?;
-    if direct {
-        image = image.with_direct_io().map_err(direct_err)?;
-    }
-    let description =
-        format!("{} (cow over {}, {})", path.display(), image.backing_path().display(), human(image.size()));
-    Ok(Opened { image: Arc::new(image), description })
+    })?;
+    let description = describe(&opened);
+    Ok(Opened { image: opened.image, description })
 }
 
-fn open_qcow2(path: &Path, read_only: bool, direct: bool, backing: &BackingArgs) -> Result<Opened, Failure> {
-    if backing.ignore_backing_mtime {
-        return Err(Failure::usage(format!(
-            "{} is a qcow2 image: --ignore-backing-mtime applies to COW overlays only",
-            path.display()
-        )));
-    }
-    let options = Qcow2Options { read_only, backing: backing.backing.clone(), ..Default::default() };
-    let mut image = Qcow2Image::open_with(path, &options)?;
-    if direct {
-        image = image.with_direct_io().map_err(|e| Failure::usage(crate::advised(&e)))?;
-    }
-    let over = match (image.backing_path(), image.backing_format()) {
-        (Some(p), Some(f)) => format!(" over {} ({f})", p.display()),
-        _ => String::new(),
+/// "disk.qcow2 (qcow2 over /srv/base.img (raw), 10 GiB)": what the export
+/// list shows of an image. Presentation, so the binary's: sizes in its units.
+pub fn describe(o: &vdisk_image::Opened) -> String {
+    let size = human(o.image.size());
+    let kind = match (&o.target, &o.backing) {
+        (Target::Rbd(spec), _) if spec.snap.is_some() => "rbd, snapshot".to_owned(),
+        (_, Some(b)) if o.format == Format::Qcow2 => format!("qcow2 over {} ({})", b.name.display(), b.format),
+        (_, Some(b)) => format!("{} over {}", o.format, b.name.display()),
+        (_, None) => o.format.to_string(),
     };
-    let description = format!("{} (qcow2{over}, {})", path.display(), human(image.size()));
-    Ok(Opened { image: Arc::new(image), description })
+    format!("{} ({kind}, {size})", o.target)
 }

@@ -3,10 +3,9 @@
 use std::os::unix::fs::MetadataExt;
 
 use vdisk_image::rbd::Spec;
-use vdisk_image::{cow, Image, RawImage, RbdImage};
+use vdisk_image::{cow, Format, Image, RawImage, RbdImage};
 
 use crate::cli::InfoArgs;
-use crate::formats::{is_cow, is_qcow2};
 use crate::size::human;
 use crate::Failure;
 
@@ -14,11 +13,11 @@ pub fn run(a: InfoArgs) -> Result<(), Failure> {
     if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
         return rbd_info(&spec, a.json);
     }
-    if is_cow(&a.image) {
-        return cow_info(&a);
-    }
-    if is_qcow2(&a.image) {
-        return qcow2_info(&a);
+    // A file that cannot be opened is "raw": opening it below says why.
+    match vdisk_image::detect(&a.image).unwrap_or(Format::Raw) {
+        Format::Cow => return cow_info(&a),
+        Format::Qcow2 => return qcow2_info(&a),
+        Format::Raw | Format::Rbd => {}
     }
     let image = RawImage::open(&a.image, true)?;
     let allocated = allocated(&a)?;

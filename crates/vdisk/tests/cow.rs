@@ -326,6 +326,27 @@ fn bad_overlays_are_refused_with_exit_2_naming_the_file() {
     assert_refused(&["commit", s(&raw)], &[s(&raw), "not a COW overlay"]);
 }
 
+/// A COW overlay reads its backing file as raw bytes: `create` refuses an
+/// image format there (a qcow2 or another overlay) and says what to make
+/// instead.
+#[test]
+fn a_cow_overlay_over_an_image_format_is_refused() {
+    let dir = TempDir::new("cow-over-format");
+    let base = dir.path("base.img");
+    make_base(&base, 4 * MIB, 3);
+    let q = dir.path("base.qcow2");
+    assert!(vdisk(&["create", "--format", "qcow2", "--size", "4M", s(&q)]).status.success());
+    let cow = dir.path("mid.cow");
+    assert!(vdisk(&["create", "--backing", s(&base), s(&cow)]).status.success());
+    for b in [&q, &cow] {
+        let new = dir.path("new.cow");
+        assert_refused(&["create", "--backing", s(b), s(&new)], &[s(b), "--format qcow2"]);
+        assert!(!new.exists(), "nothing is left behind");
+    }
+    let out = vdisk(&["info", "--json", s(&cow)]);
+    assert!(text(&out).contains("\"format\": \"cow\""), "{}", text(&out));
+}
+
 #[test]
 fn many_overlays_over_one_base_served_at_once() {
     const N: usize = 4;

@@ -268,7 +268,8 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
                 format!("{named} is in format {f:?}, which vdisk does not serve (raw, qcow2 and cow are)"),
             ))
         }
-        None => probe(&bfile),
+        // Probed by magic only when the header names no format, as qemu does.
+        None => crate::detect_file(&bfile).name(),
     };
     let image: Box<dyn Image> = match format {
         "qcow2" => Box::new(Qcow2Image::open_with(
@@ -287,20 +288,6 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
     let canonical = backing.canonicalize().unwrap_or(backing);
     log::info!("{}: backing file {} ({format})", path.display(), canonical.display());
     Ok((Some(image), Some(canonical), Some(format)))
-}
-
-/// The format of a backing file the header names no format for, by its
-/// magic, as qemu probes: qcow2, a UML COW overlay, or raw.
-fn probe(file: &File) -> &'static str {
-    let mut magic = [0u8; 4];
-    let ok = file.read_exact_at(&mut magic, 0).is_ok();
-    if ok && header::has_magic(&magic) {
-        "qcow2"
-    } else if ok && cow::has_magic(&magic) {
-        "cow"
-    } else {
-        "raw"
-    }
 }
 
 /// What `vdisk info` shows of a qcow2 image, read without locking it.
