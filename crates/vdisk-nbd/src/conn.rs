@@ -9,13 +9,16 @@
 //!
 //! Memory per connection is bounded: requests in flight (read but not yet
 //! replied to) may hold at most [`MAX_INFLIGHT_BYTES`]; past that the reader
-//! stops reading until the client takes its replies.
+//! stops reading until the client takes its replies. All connections together
+//! hold at most the server's [`Budget`]; a request it does not admit yet
+//! waits the same way, after the pending batch went to the engine.
 
 use std::io::{self, Read};
 use std::sync::Arc;
 
 use vdisk_engine::{Buf, Command, Device, Op, Request, Sink};
 
+use crate::budget::{Account, Budget};
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
 pub use crate::outbox::MAX_INFLIGHT_BYTES;
@@ -87,14 +90,30 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
 ///
 /// Without `batching` (an ablation for benchmarks), each request is submitted
 /// on its own, nothing runs inline, and each reply is sent with its own write.
-pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batching: bool) -> io::Result<()> {
+pub fn transmission(
+    stream: Stream,
+    device: Arc<Device>,
+    neg: Negotiated,
+    batching: bool,
+    budget: Arc<Budget>,
+    account: Arc<Account>,
+) -> io::Result<()> {
     let encoder = Encoder { structured: neg.structured, allocation_context: neg.allocation_context.unwrap_or(0) };
-    let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching));
+    let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone()));
     let writer = {
         let outbox = outbox.clone();
         std::thread::Builder::new().name("nbd-writer".into()).spawn(move || outbox.write_queued())?
     };
-    let mut reader = Reader { stream, device: &device, neg: &neg, outbox: &outbox, batching, batch: Vec::new() };
+    let mut reader = Reader {
+        stream,
+        device: &device,
+        neg: &neg,
+        outbox: &outbox,
+        batching,
+        batch: Vec::new(),
+        budget: &budget,
+        account: &account,
+    };
     let result = reader.run();
     // Requests already charged to the outbox must finish, even when the
     // stream broke mid-payload: until they do, the writer (and this
@@ -113,6 +132,8 @@ struct Reader<'a> {
     outbox: &'a Arc<Outbox>,
     batching: bool,
     batch: Vec<Request>,
+    budget: &'a Budget,
+    account: &'a Arc<Account>,
 }
 
 impl Reader<'_> {
@@ -134,12 +155,17 @@ impl Reader<'_> {
         }
     }
 
-    /// Charges a request against the in-flight bound, submitting what is
-    /// pending first if it has to wait (those requests must be able to finish).
+    /// Charges a request against the connection's in-flight bound and the
+    /// server's budget, submitting what is pending first if it has to wait
+    /// (those requests must be able to finish).
     fn charge(&mut self, cost: usize) {
         if !self.outbox.charge(cost, false) {
             self.submit();
             self.outbox.charge(cost, true);
+        }
+        if !self.budget.try_charge(cost, self.account) {
+            self.submit();
+            self.budget.charge(cost, self.account);
         }
     }
 

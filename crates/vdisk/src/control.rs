@@ -246,6 +246,7 @@ fn export_spec(p: &mut Params) -> Result<ExportSpec, Refusal> {
         vhost_user_blk: p.str("vhost_user_blk")?.map(PathBuf::from),
         num_queues,
         limits: p.limits(Limits::default())?,
+        allow: p.strings("allow")?,
     })
 }
 
@@ -262,6 +263,21 @@ impl Params {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
             Some(v) => Err(bad(format!("{key} must be a string, not {v}"))),
+        }
+    }
+
+    /// A list of strings (absent: empty).
+    fn strings(&mut self, key: &str) -> Result<Vec<String>, Refusal> {
+        match self.0.remove(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    v => Err(bad(format!("{key} must be a list of strings, not one holding {v}"))),
+                })
+                .collect(),
+            Some(v) => Err(bad(format!("{key} must be a list of strings, not {v}"))),
         }
     }
 

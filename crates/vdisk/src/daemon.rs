@@ -42,6 +42,8 @@ pub struct ExportSpec {
     pub vhost_user_blk: Option<PathBuf>,
     pub num_queues: Option<u16>,
     pub limits: Limits,
+    /// TLS identities that may open it over NBD (vdisk_nbd::allow); empty: anyone.
+    pub allow: Vec<String>,
 }
 
 /// An export being served.
@@ -64,6 +66,10 @@ pub struct Daemon {
     /// `--config FILE` and the exports it started; held through a reload.
     config: Mutex<Option<crate::reload::Source>>,
 }
+
+/// Why an allow list cannot work on this server.
+pub const NO_IDENTITIES: &str = "this server does not learn who its NBD clients are: allow lists need TLS \
+     with client certificates (--tls-verify-peer or --tls-ca) or pre-shared keys (--tls-psk)";
 
 /// A change refused because of what the caller asked (exit 1 in `vdisk ctl`,
 /// a JSON-RPC error with this code on the control socket).
@@ -150,6 +156,7 @@ impl Daemon {
         }
         let name = spec.name.clone().unwrap_or_else(|| export_name(&spec.image));
         check_name(&name)?;
+        let allow = self.allow_list(&name, &spec.allow)?;
         if self.exports.lock().unwrap().iter().any(|e| e.name == name) {
             return Err(Refusal::new(
                 ERR_EXISTS,
@@ -182,7 +189,7 @@ impl Daemon {
             let mode = self.settings.socket_mode;
             frontends.0.push(crate::vhost::start(socket, &device, spec.num_queues, mode, &mut notes)?);
         }
-        let export = Export { name: name.clone(), description, device: device.clone() };
+        let export = Export { name: name.clone(), description, device: device.clone(), allow: allow.clone() };
         if self.nbd.add_export(export).is_err() {
             return Err(Refusal::new(ERR_EXISTS, format!("export {name:?} is already served over NBD")));
         }
@@ -191,6 +198,17 @@ impl Daemon {
         self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends });
         drop(closed);
         Ok(notes)
+    }
+
+    /// An export's allow list, checked: the patterns parse, and the server
+    /// learns who its clients are (else the list could never admit anyone).
+    fn allow_list(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Refusal> {
+        let allow = vdisk_nbd::allow::Allow::new(patterns)
+            .map_err(|e| Refusal::new(ERR_INVALID, format!("export {name:?}: {e}")))?;
+        if !allow.is_open() && !self.nbd.identifies_clients() {
+            return Err(Refusal::new(ERR_INVALID, format!("export {name:?} has an allow list, but {}", NO_IDENTITIES)));
+        }
+        Ok(allow)
     }
 
     fn describe(&self, name: &str, description: &str, device: &Device) -> String {
@@ -306,6 +324,7 @@ impl Daemon {
             "connections": self.nbd.connections_to(&e.name),
             "transports": transports,
             "qos": limits_json(e.device.limits()),
+            "allow": e.spec.allow,
         })
     }
 
