@@ -19,7 +19,13 @@
 //! in a queue; whenever bytes are released, the queue is served holding the
 //! fewest unread replies first, so those holding the most wait longest. The
 //! budget never drops data: a waiting connection whose client goes away is
-//! let through (its request still runs, its reply is dropped).
+//! let through (its request still runs, its reply is dropped); of what it
+//! sent after, writes still run and reads are skipped.
+//!
+//! What frees the budget when clients stop reading is the server's send
+//! watchdog (lib.rs): a client that takes no byte of its replies for
+//! `--send-timeout` is disconnected, and while others wait for the budget,
+//! after a sixth of it.
 //!
 //! It must never block while holding a connection's lock, and never takes one.
 
@@ -122,14 +128,14 @@ impl Budget {
 
     /// Charges `cost`, waiting (in the queue) until it is admitted or the
     /// connection is cancelled; then it is charged anyway, so the request read
-    /// still runs to its end.
-    pub fn charge(&self, cost: usize, a: &Arc<Account>) {
+    /// still runs to its end, and false says: read no more from this client.
+    pub fn charge(&self, cost: usize, a: &Arc<Account>) -> bool {
         {
             let mut waiters = self.waiters.lock().unwrap();
             self.waiting.fetch_add(1, Ordering::SeqCst);
             if self.try_add(cost, a) {
                 self.waiting.fetch_sub(1, Ordering::SeqCst);
-                return;
+                return true;
             }
             let mut gate = a.gate.lock().unwrap();
             if gate.cancelled {
@@ -137,7 +143,7 @@ impl Budget {
                 self.waiting.fetch_sub(1, Ordering::SeqCst);
                 drop(waiters);
                 self.force(cost, a);
-                return;
+                return false;
             }
             gate.want = cost;
             gate.granted = false;
@@ -147,23 +153,31 @@ impl Budget {
         while !gate.granted && !gate.cancelled {
             gate = a.opened.wait(gate).unwrap();
         }
-        let granted = gate.granted;
-        gate.want = 0;
-        drop(gate);
-        if !granted {
-            let mut waiters = self.waiters.lock().unwrap();
-            let before = waiters.len();
-            waiters.retain(|w| !Arc::ptr_eq(w, a));
-            let removed = waiters.len() < before;
-            if removed {
-                self.waiting.fetch_sub(1, Ordering::SeqCst);
-            }
-            drop(waiters);
-            if removed {
-                self.force(cost, a);
-            }
-            // Not removed: a grant raced the cancel and charged it already.
+        if gate.granted {
+            gate.want = 0;
+            return true;
         }
+        drop(gate);
+        // Cancelled: leave the queue (unless a grant took it out first), then
+        // see whether that grant charged it.
+        let mut waiters = self.waiters.lock().unwrap();
+        let before = waiters.len();
+        waiters.retain(|w| !Arc::ptr_eq(w, a));
+        if waiters.len() < before {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+        let mut gate = a.gate.lock().unwrap();
+        drop(waiters);
+        if !gate.granted {
+            self.force(cost, a);
+        }
+        gate.want = 0;
+        false
+    }
+
+    /// Connections waiting for the budget now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
     }
 
     fn force(&self, cost: usize, a: &Account) {
@@ -209,6 +223,11 @@ impl Budget {
             let Some((i, _)) = best else { return };
             let w = waiters.swap_remove(i);
             let mut gate = w.gate.lock().unwrap();
+            if gate.cancelled {
+                // It charges itself (over the budget) and leaves: not a grant.
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                continue;
+            }
             if !self.try_add(gate.want, &w) {
                 // Raced a fast-path charge; put it back and stop for now.
                 drop(gate);
@@ -277,7 +296,7 @@ mod tests {
         assert!(!b.try_charge(50, &reader), "never past the budget");
         // A waiter is let in when bytes come back; a cancelled one is let through.
         let (b2, hog2) = (b.clone(), hog.clone());
-        let t = std::thread::spawn(move || b2.charge(30, &hog2));
+        let t = std::thread::spawn(move || assert!(b2.charge(30, &hog2)));
         while b.waiting.load(Ordering::SeqCst) == 0 {
             std::thread::yield_now();
         }
@@ -289,7 +308,7 @@ mod tests {
         let b3 = b.clone();
         let r2 = reader.clone();
         assert!(b.try_charge(60, &reader));
-        let t = std::thread::spawn(move || b3.charge(50, &r2));
+        let t = std::thread::spawn(move || assert!(!b3.charge(50, &r2)));
         while b.waiting.load(Ordering::SeqCst) == 0 {
             std::thread::yield_now();
         }

@@ -113,6 +113,7 @@ pub fn transmission(
         batch: Vec::new(),
         budget: &budget,
         account: &account,
+        gone: false,
     };
     let result = reader.run();
     // Requests already charged to the outbox must finish, even when the
@@ -134,6 +135,9 @@ struct Reader<'a> {
     batch: Vec<Request>,
     budget: &'a Budget,
     account: &'a Arc<Account>,
+    /// The client is gone (found waiting for the budget): what it sent still
+    /// runs, except what only makes a reply (reads), which nobody would get.
+    gone: bool,
 }
 
 impl Reader<'_> {
@@ -165,7 +169,7 @@ impl Reader<'_> {
         }
         if !self.budget.try_charge(cost, self.account) {
             self.submit();
-            self.budget.charge(cost, self.account);
+            self.gone |= !self.budget.charge(cost, self.account);
         }
     }
 
@@ -256,6 +260,9 @@ impl Reader<'_> {
                 return;
             }
         };
+        if self.gone && matches!(v.op, Op::Read | Op::Cache | Op::BlockStatus { .. }) {
+            return;
+        }
         let req = Request::new(Command::new(v.op, data.into()), h.offset, h.len as u64, h.cookie);
         if v.dont_fragment {
             self.outbox.dont_fragment(h.cookie);

@@ -288,19 +288,35 @@ impl Server {
         Ok(())
     }
 
-    /// Disconnects clients that take no reply for the send timeout; their
-    /// requests still run to their end (writes complete), replies are dropped.
+    /// Disconnects clients that take no reply for the send timeout (a sixth of
+    /// it while others wait for the memory budget); their requests still run
+    /// to their end (writes complete), replies are dropped.
     fn watch_senders(&self) {
-        let timeout = self.options.send_timeout.as_millis() as u64;
+        let full = self.options.send_timeout.as_millis() as u64;
         let tick = (self.options.send_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let mut last = usize::MAX;
         while !self.watchdog_done.load(Ordering::SeqCst) {
             std::thread::sleep(tick);
+            let used = self.budget.used();
+            if used != last {
+                log::debug!(
+                    "buffer budget: {} of {} MiB held, {} clients",
+                    used >> 20,
+                    self.budget.max() >> 20,
+                    self.connections()
+                );
+                last = used;
+            }
+            let pressed = self.budget.waiting() > 0;
+            let timeout = if pressed { full / 6 } else { full };
             for c in self.conns.lock().unwrap().values() {
                 let stalled = self.budget.stalled_ms(&c.account);
                 if stalled > timeout {
+                    let why = if pressed { ", while others wait for the memory budget" } else { "" };
                     log::warn!(client:% = c.stream.peer();
-                        "{}: took none of its replies for {} s (--send-timeout); disconnecting it ({} bytes of replies dropped, its requests still complete)",
-                        c.stream.peer(), stalled / 1000, c.account.held());
+                        "{}: took none of its replies for {:.1} s (--send-timeout {} s{why}); disconnecting it \
+                         ({} bytes of replies dropped, its requests still complete)",
+                        c.stream.peer(), stalled as f64 / 1000.0, full / 1000, c.account.held());
                     c.stream.shutdown(Shutdown::Both);
                     self.budget.idle(&c.account);
                 }
