@@ -11,13 +11,15 @@
 //! - below half the budget, anyone (each connection still within its own
 //!   per-connection bound);
 //! - in the upper half, only connections that take their replies: none of
-//!   theirs waits unread, and what they would hold is at most an eighth of
-//!   what their socket has taken so far;
+//!   theirs waits unread, and what they would hold is at most what their
+//!   socket has taken so far (so a new client's share grows like TCP's slow
+//!   start: each round of replies taken doubles it);
 //! - never past the budget (one request always runs when nothing is held).
 //!
 //! A connection that cannot be admitted stops reading (backpressure) and waits
 //! in a queue; whenever bytes are released, the queue is served holding the
-//! fewest unread replies first, so those holding the most wait longest. The
+//! fewest unread replies first (then: whose socket took the most), so those
+//! holding the most wait longest. The
 //! budget never drops data: a waiting connection whose client goes away is
 //! let through (its request still runs, its reply is dropped); of what it
 //! sent after, writes still run and reads are skipped.
@@ -101,7 +103,7 @@ impl Budget {
             return true;
         }
         a.unread.load(Ordering::Acquire) == 0
-            && (a.held.load(Ordering::Acquire) + cost) as u64 <= a.sent.load(Ordering::Acquire) / 8
+            && (a.held.load(Ordering::Acquire) + cost) as u64 <= a.sent.load(Ordering::Acquire)
     }
 
     /// Adds `cost` to the budget if `a` may have it now.
@@ -211,14 +213,20 @@ impl Budget {
     fn grant(&self) {
         let mut waiters = self.waiters.lock().unwrap();
         loop {
-            let mut best: Option<(usize, usize)> = None;
+            // Fewest unread replies first; among equals, the one whose socket
+            // has taken the most (a client that reads), then the one holding least.
+            let mut best: Option<(usize, (usize, std::cmp::Reverse<u64>, usize))> = None;
             for (i, w) in waiters.iter().enumerate() {
                 let want = w.gate.lock().unwrap().want;
-                let unread = w.unread.load(Ordering::Acquire);
-                if best.is_some_and(|(_, u)| u <= unread) || !self.admits(self.used(), want, w) {
+                let rank = (
+                    w.unread.load(Ordering::Acquire),
+                    std::cmp::Reverse(w.sent.load(Ordering::Acquire)),
+                    w.held.load(Ordering::Acquire),
+                );
+                if best.as_ref().is_some_and(|(_, r)| *r <= rank) || !self.admits(self.used(), want, w) {
                     continue;
                 }
-                best = Some((i, unread));
+                best = Some((i, rank));
             }
             let Some((i, _)) = best else { return };
             let w = waiters.swap_remove(i);
@@ -307,6 +315,7 @@ mod tests {
         assert_eq!((b.used(), hog.held()), (30, 30));
         let b3 = b.clone();
         let r2 = reader.clone();
+        reader.sent.store(1000, Ordering::Release);
         assert!(b.try_charge(60, &reader));
         let t = std::thread::spawn(move || assert!(!b3.charge(50, &r2)));
         while b.waiting.load(Ordering::SeqCst) == 0 {
