@@ -35,6 +35,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+/// A waiter's place in the queue: (unread replies, taken by its socket reversed, held).
+type Rank = (usize, std::cmp::Reverse<u64>, usize);
+
 /// The budget shared by every connection of a server.
 pub struct Budget {
     max: usize,
@@ -215,7 +218,7 @@ impl Budget {
         loop {
             // Fewest unread replies first; among equals, the one whose socket
             // has taken the most (a client that reads), then the one holding least.
-            let mut best: Option<(usize, (usize, std::cmp::Reverse<u64>, usize))> = None;
+            let mut best: Option<(usize, Rank)> = None;
             for (i, w) in waiters.iter().enumerate() {
                 let want = w.gate.lock().unwrap().want;
                 let rank = (
