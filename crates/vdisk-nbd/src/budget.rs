@@ -217,7 +217,9 @@ impl Budget {
         let mut waiters = self.waiters.lock().unwrap();
         loop {
             // Fewest unread replies first; among equals, the one whose socket
-            // has taken the most (a client that reads), then the one holding least.
+            // has taken the most (a client that reads), then the one holding
+            // least, then the newest: clients that never took a byte and wait
+            // longest are the likeliest never to read.
             let mut best: Option<(usize, Rank)> = None;
             for (i, w) in waiters.iter().enumerate() {
                 let want = w.gate.lock().unwrap().want;
@@ -226,13 +228,13 @@ impl Budget {
                     std::cmp::Reverse(w.sent.load(Ordering::Acquire)),
                     w.held.load(Ordering::Acquire),
                 );
-                if best.as_ref().is_some_and(|(_, r)| *r <= rank) || !self.admits(self.used(), want, w) {
+                if best.as_ref().is_some_and(|(_, r)| *r < rank) || !self.admits(self.used(), want, w) {
                     continue;
                 }
                 best = Some((i, rank));
             }
             let Some((i, _)) = best else { return };
-            let w = waiters.swap_remove(i);
+            let w = waiters.remove(i);
             let mut gate = w.gate.lock().unwrap();
             if gate.cancelled {
                 // It charges itself (over the budget) and leaves: not a grant.
