@@ -372,6 +372,54 @@ fn allow_lists_admit_the_certificates_they_name_and_hide_from_others() {
     server.stop();
 }
 
+/// One JSON-RPC request on the control socket at `path`; the answer.
+fn control(path: &Path, line: &str) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    let s = std::os::unix::net::UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let mut c = std::io::BufReader::new(s);
+    writeln!(c.get_mut(), "{line}").unwrap();
+    let mut answer = String::new();
+    c.read_line(&mut answer).unwrap();
+    json(&answer)
+}
+
+#[test]
+fn export_add_takes_an_allow_list() {
+    let (dir, pki, img) = pki_and_disk("tls-allow-ctl", "4M");
+    let vm = pki.client(&dir, "vm", "vm-1", &[]);
+    let db = pki.client(&dir, "db", "db-1", &[]);
+    let ctl = dir.path("ctl.sock");
+    let server =
+        Server::start(&dir, &["--tls-certificates", s(&pki.server), "--tls-verify-peer", "--control", s(&ctl)]);
+    let add = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"export_add","params":{{"image":"{}","name":"vm","allow":["CN=vm-*"]}}}}"#,
+        img.display()
+    );
+    let v = control(&ctl, &add);
+    assert_eq!(v["result"]["name"], "vm", "{v}");
+    let v = control(&ctl, r#"{"jsonrpc":"2.0","id":2,"method":"export_list"}"#);
+    assert_eq!(v["result"][0]["allow"], serde_json::json!(["CN=vm-*"]), "{v}");
+    assert!(opened(&nbds_uri(&server, "vm", &vm), "vm").0, "vm-1 opens the export added with its pattern");
+    assert!(!opened(&nbds_uri(&server, "vm", &db), "vm").0, "db-1 opened it");
+    assert!(listed(&nbds_uri(&server, "", &db)).is_empty(), "db-1 sees it listed");
+    for (params, code) in [
+        (r#"{"image":"/x","allow":"CN=a"}"#, -32602),
+        (r#"{"image":"/x","allow":[1]}"#, -32602),
+        (r#"{"image":"/x","name":"y","allow":["CN="]}"#, -32004),
+    ] {
+        let v = control(&ctl, &format!(r#"{{"jsonrpc":"2.0","id":3,"method":"export_add","params":{params}}}"#));
+        assert_eq!(v["error"]["code"], code, "{params} -> {v}");
+    }
+    server.stop();
+    // Without TLS the list could never admit anyone: refused, with the reason.
+    let plain = Server::start(&dir, &["--control", s(&ctl)]);
+    let v = control(&ctl, &add);
+    assert_eq!(v["error"]["code"], -32004, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--tls-verify-peer"), "{v}");
+    plain.stop();
+}
+
 #[test]
 fn allow_lists_need_clients_the_server_can_identify() {
     let (_dir, pki, img) = pki_and_disk("tls-allow-usage", "1M");
