@@ -9,7 +9,9 @@
 //!
 //! Memory per connection is bounded: requests in flight (read but not yet
 //! replied to) may hold at most [`MAX_INFLIGHT_BYTES`]; past that the reader
-//! stops reading until the client takes its replies.
+//! stops reading until the client takes its replies. All connections together
+//! hold at most the server's [`Budget`]; a request it does not admit yet
+//! waits the same way, after the pending batch went to the engine.
 
 use std::io::{self, Read};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -17,6 +19,7 @@ use std::sync::Arc;
 
 use vdisk_engine::{Bounds, Buf, Command, Device, Op, Refusal, Request, Sink};
 
+use crate::budget::{Account, Budget};
 use crate::handshake::Negotiated;
 use crate::outbox::Outbox;
 pub use crate::outbox::MAX_INFLIGHT_BYTES;
@@ -86,13 +89,20 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
 ///
 /// Without `batching` (an ablation for benchmarks), each request is submitted
 /// on its own, nothing runs inline, and each reply is sent with its own write.
-pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batching: bool) -> io::Result<()> {
+pub fn transmission(
+    stream: Stream,
+    device: Arc<Device>,
+    neg: Negotiated,
+    batching: bool,
+    budget: Arc<Budget>,
+    account: Arc<Account>,
+) -> io::Result<()> {
     let encoder = Encoder {
         structured: neg.structured,
         allocation_context: neg.allocation_context.unwrap_or(0),
         errors: device.errors().clone(),
     };
-    let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching));
+    let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone()));
     let writer = {
         let outbox = outbox.clone();
         let shut = stream.try_clone()?;
@@ -107,7 +117,17 @@ pub fn transmission(stream: Stream, device: Arc<Device>, neg: Negotiated, batchi
             }
         })?
     };
-    let mut reader = Reader { stream, device: &device, neg: &neg, outbox: &outbox, batching, batch: Vec::new() };
+    let mut reader = Reader {
+        stream,
+        device: &device,
+        neg: &neg,
+        outbox: &outbox,
+        batching,
+        batch: Vec::new(),
+        budget: &budget,
+        account: &account,
+        gone: false,
+    };
     // The connection's panic edge: a panic while reading or submitting ends
     // this connection (the socket is shut, so the client sees the end at once)
     // and nothing else; what was read is still answered below.
@@ -160,6 +180,11 @@ struct Reader<'a> {
     outbox: &'a Arc<Outbox>,
     batching: bool,
     batch: Vec<Request>,
+    budget: &'a Budget,
+    account: &'a Arc<Account>,
+    /// The client is gone (found waiting for the budget): what it sent still
+    /// runs, except what only makes a reply (reads), which nobody would get.
+    gone: bool,
 }
 
 impl Reader<'_> {
@@ -181,12 +206,17 @@ impl Reader<'_> {
         }
     }
 
-    /// Charges a request against the in-flight bound, submitting what is
-    /// pending first if it has to wait (those requests must be able to finish).
+    /// Charges a request against the connection's in-flight bound and the
+    /// server's budget, submitting what is pending first if it has to wait
+    /// (those requests must be able to finish).
     fn charge(&mut self, cost: usize) {
         if !self.outbox.charge(cost, false) {
             self.submit();
             self.outbox.charge(cost, true);
+        }
+        if !self.budget.try_charge(cost, self.account) {
+            self.submit();
+            self.gone |= !self.budget.charge(cost, self.account);
         }
     }
 
@@ -281,6 +311,9 @@ impl Reader<'_> {
                 return;
             }
         };
+        if self.gone && matches!(v.op, Op::Read | Op::Cache | Op::BlockStatus { .. }) {
+            return;
+        }
         let req = Request::new(Command::new(v.op, data.into()), h.offset, h.len as u64, h.cookie);
         if v.dont_fragment {
             self.outbox.dont_fragment(h.cookie);

@@ -49,7 +49,12 @@ pub fn exports(list: &[(&str, u64, bool)]) -> Vec<Export> {
             let image: Arc<dyn Image> =
                 Arc::new(SizeOnly { base: ImageBase::new("fuzz".into(), size, read_only, Vec::new()) });
             let device = Device::start(name, image, &config).expect("start a fuzzing device");
-            Export { name: name.to_owned(), description: format!("fuzz export {name}"), device: Arc::new(device) }
+            Export {
+                name: name.to_owned(),
+                description: format!("fuzz export {name}"),
+                device: Arc::new(device),
+                allow: Default::default(),
+            }
         })
         .collect()
 }

@@ -5,11 +5,15 @@
 //! It also enforces the server's [`Policy`]: with TLS required, nothing but
 //! STARTTLS and ABORT is answered before TLS is up, so a plain client learns no
 //! export name and reaches no data; export listing and the default export ("")
-//! can be switched off.
+//! can be switched off. An export with an allow list ([`crate::allow`]) exists
+//! only for the clients on it: any other client gets the answers an unknown
+//! name gets (NBD_REP_ERR_UNKNOWN, a hang-up for NBD_OPT_EXPORT_NAME) and does
+//! not see the name in NBD_OPT_LIST.
 
 use std::io::{self, Read, Write};
 use std::sync::Arc;
 
+use crate::allow::PeerIdentity;
 use crate::proto::*;
 use crate::tls::{Tls, TlsMode};
 use crate::Export;
@@ -18,6 +22,10 @@ use crate::Export;
 /// upgraded to TLS in place (after which every byte goes through TLS).
 pub trait Transport: Read + Write {
     fn start_tls(&mut self, tls: &Tls) -> io::Result<()>;
+    /// Who the client proved to be in the TLS handshake (None: no TLS, or anonymous).
+    fn peer_identity(&self) -> Option<PeerIdentity> {
+        None
+    }
 }
 
 /// What clients may do during the handshake.
@@ -92,6 +100,8 @@ struct Haggle<'a, S> {
     shutting_down: &'a dyn Fn() -> bool,
     policy: &'a Policy,
     tls_up: bool,
+    /// What TLS proved about the client, for the exports' allow lists.
+    identity: Option<PeerIdentity>,
 }
 
 /// Runs the handshake on `s`. On success the stream is positioned at the first request.
@@ -119,6 +129,7 @@ pub fn handshake<S: Transport>(
         shutting_down,
         policy,
         tls_up: false,
+        identity: None,
     };
     loop {
         let mut head = [0u8; 16];
@@ -194,7 +205,8 @@ impl<S: Transport> Haggle<'_, S> {
                     self.reply(opt, REP_ERR_INVALID, b"NBD_OPT_LIST takes no data")?;
                     return Ok(None);
                 }
-                for e in self.exports {
+                let (exports, who) = (self.exports, self.identity.clone());
+                for e in exports.iter().filter(|e| e.allow.admits(who.as_ref())) {
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());
@@ -240,10 +252,14 @@ impl<S: Transport> Haggle<'_, S> {
         self.reply(OPT_STARTTLS, REP_ACK, &[])?;
         self.s.start_tls(&tls).map_err(|e| HandshakeEnd::Violation(format!("TLS handshake failed: {e}")))?;
         self.tls_up = true;
+        self.identity = self.s.peer_identity();
         // Nothing agreed in the clear carries over into the TLS session.
         self.structured = false;
         self.meta = None;
-        log::debug!("TLS session established");
+        match &self.identity {
+            Some(who) => log::debug!("TLS session established: {who}"),
+            None => log::debug!("TLS session established (anonymous client)"),
+        }
         Ok(())
     }
 
@@ -334,12 +350,21 @@ impl<S: Transport> Haggle<'_, S> {
         }
     }
 
-    /// The export a client names; "" is the first one (unless the policy says no).
+    /// The export a client names; "" is the first one (unless the policy says
+    /// no). An export whose allow list does not admit this client is not found.
     fn find(&self, name: &str) -> Option<usize> {
-        if name.is_empty() && !self.exports.is_empty() && self.policy.default_export {
-            return Some(0);
+        let idx = if name.is_empty() && !self.exports.is_empty() && self.policy.default_export {
+            0
+        } else {
+            self.exports.iter().position(|e| e.name == name)?
+        };
+        let export = &self.exports[idx];
+        if !export.allow.admits(self.identity.as_ref()) {
+            let who = self.identity.as_ref().map_or_else(|| "an anonymous client".to_owned(), |w| w.to_string());
+            log::info!(export:% = export.name; "{who} is not on the allow list of export {:?}; answered as for an unknown export", export.name);
+            return None;
         }
-        self.exports.iter().position(|e| e.name == name)
+        Some(idx)
     }
 
     fn reply(&mut self, opt: u32, kind: u32, data: &[u8]) -> io::Result<()> {

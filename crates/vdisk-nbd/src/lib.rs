@@ -6,6 +6,8 @@
 //! writer thread; many connections to one export share one device, which is
 //! what makes multi-conn safe (a FLUSH syncs the files all of them write).
 
+pub mod allow;
+pub mod budget;
 pub mod client;
 mod conn;
 #[doc(hidden)]
@@ -29,6 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use budget::{Account, Budget};
 use vdisk_engine::inflight::InFlight;
 use vdisk_engine::Device;
 
@@ -43,6 +46,8 @@ pub struct Export {
     pub name: String,
     pub description: String,
     pub device: Arc<Device>,
+    /// Who may open it (TLS identities); empty: every client.
+    pub allow: allow::Allow,
 }
 
 /// A socket the server accepts clients on.
@@ -59,7 +64,7 @@ impl Listener {
         }
     }
 
-    fn accept(&self) -> io::Result<Stream> {
+    fn accept(&self, buffer: usize) -> io::Result<Stream> {
         let stream = match self {
             Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
             Listener::Tcp(l) => {
@@ -68,14 +73,36 @@ impl Listener {
                 Stream::Tcp(s)
             }
         };
-        stream.set_buffer_sizes(SOCKET_BUFFER);
+        stream.set_buffer_sizes(buffer);
+        set_send_timeout(&stream, SEND_WAKE);
         Ok(stream)
     }
 }
 
 /// Socket buffer size asked for: room for several large requests and replies
-/// per wake-up (the kernel caps it at net.core.[rw]mem_max).
+/// per wake-up (the kernel caps it at net.core.[rw]mem_max). Smaller when the
+/// memory budget shared by `max_connections` clients is: the kernel's buffers
+/// (twice what is asked) are memory a client can pin too.
 const SOCKET_BUFFER: usize = 4 << 20;
+const MIN_SOCKET_BUFFER: usize = 128 << 10;
+
+/// A blocking send returns at least this often, so a writer on a socket that
+/// takes nothing shows it ([`budget::Budget::stalled_ms`]).
+const SEND_WAKE: Duration = Duration::from_secs(1);
+
+fn set_send_timeout(stream: &Stream, t: Duration) {
+    let tv = libc::timeval { tv_sec: t.as_secs() as libc::time_t, tv_usec: t.subsec_micros() as libc::suseconds_t };
+    // SAFETY: setsockopt reads a timeval from a valid pointer for the given length.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+}
 
 /// How long a client may take over its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -90,13 +117,23 @@ pub struct ServerOptions {
     pub batching: bool,
     /// Clients served at once; one more is disconnected right after accept.
     pub max_connections: Option<usize>,
+    /// Bytes all connections together may hold in request and reply buffers.
+    pub max_buffer_memory: usize,
+    /// A client whose replies the socket has not taken for this long is disconnected.
+    pub send_timeout: Duration,
     /// TLS, export listing, the default export.
     pub policy: Policy,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        ServerOptions { batching: true, max_connections: None, policy: Policy::default() }
+        ServerOptions {
+            batching: true,
+            max_connections: None,
+            max_buffer_memory: 1 << 30,
+            send_timeout: Duration::from_secs(60),
+            policy: Policy::default(),
+        }
     }
 }
 
@@ -105,6 +142,8 @@ impl Default for ServerOptions {
 struct Conn {
     stream: Stream,
     export: Option<(String, Arc<InFlight>)>,
+    /// Its standing against the memory budget; its writer's stalls.
+    account: Arc<Account>,
 }
 
 pub struct Server {
@@ -119,8 +158,14 @@ pub struct Server {
     next_id: AtomicU64,
     /// Connections open (each counts as one in flight).
     live: InFlight,
+    /// Set once `serve` is done: the send watchdog stops.
+    watchdog_done: AtomicBool,
     /// Connections open per export name, for [`Server::disconnect`].
     trackers: Mutex<HashMap<String, Arc<InFlight>>>,
+    /// Request and reply buffers of every connection together.
+    budget: Arc<Budget>,
+    /// Socket buffer size asked for each client.
+    socket_buffer: usize,
 }
 
 impl Server {
@@ -134,16 +179,29 @@ impl Server {
         let read_end = unsafe { OwnedFd::from_raw_fd(fds[0]) };
         // SAFETY: the same for fds[1].
         let wake = (read_end, unsafe { OwnedFd::from_raw_fd(fds[1]) });
+        let budget = Arc::new(Budget::new(options.max_buffer_memory));
+        let socket_buffer = options
+            .max_connections
+            .map_or(SOCKET_BUFFER, |n| (options.max_buffer_memory / n.max(1)).clamp(MIN_SOCKET_BUFFER, SOCKET_BUFFER));
         Ok(Arc::new(Server {
             exports: RwLock::new(exports),
             options,
+            budget,
+            socket_buffer,
             stopping: AtomicBool::new(false),
             wake,
             conns: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
             live: InFlight::new(),
+            watchdog_done: AtomicBool::new(false),
             trackers: Mutex::new(HashMap::new()),
         }))
+    }
+
+    /// Every client that completes TLS is identified (client certificates or
+    /// PSK): export allow lists can work.
+    pub fn identifies_clients(&self) -> bool {
+        self.options.policy.tls.as_ref().is_some_and(|t| t.identifies_clients())
     }
 
     /// The exports served now.
@@ -211,6 +269,10 @@ impl Server {
             let me = self.clone();
             acceptors.push(std::thread::Builder::new().name("nbd-accept".into()).spawn(move || me.accept_loop(l))?);
         }
+        let watchdog = {
+            let me = self.clone();
+            std::thread::Builder::new().name("nbd-watchdog".into()).spawn(move || me.watch_senders())?
+        };
         for a in acceptors {
             let _ = a.join();
         }
@@ -221,7 +283,50 @@ impl Server {
             }
             self.live.wait_idle();
         }
+        self.watchdog_done.store(true, Ordering::SeqCst);
+        let _ = watchdog.join();
         Ok(())
+    }
+
+    /// Disconnects clients that take no reply for the send timeout (a sixth of
+    /// it while others wait for the memory budget); their requests still run
+    /// to their end (writes complete), replies are dropped.
+    fn watch_senders(&self) {
+        let full = self.options.send_timeout.as_millis() as u64;
+        let tick = (self.options.send_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let mut last = usize::MAX;
+        while !self.watchdog_done.load(Ordering::SeqCst) {
+            std::thread::sleep(tick);
+            let used = self.budget.used();
+            if used != last {
+                log::debug!(
+                    "buffer budget: {} of {} MiB held, {} clients",
+                    used >> 20,
+                    self.budget.max() >> 20,
+                    self.connections()
+                );
+                last = used;
+            }
+            let pressed = self.budget.waiting() > 0;
+            let timeout = if pressed { full / 6 } else { full };
+            for c in self.conns.lock().unwrap().values() {
+                let stalled = self.budget.stalled_ms(&c.account);
+                if stalled > timeout {
+                    let why = if pressed { ", while others wait for the memory budget" } else { "" };
+                    log::warn!(client:% = c.stream.peer();
+                        "{}: took none of its replies for {:.1} s (--send-timeout {} s{why}); disconnecting it \
+                         ({} bytes of replies dropped, its requests still complete)",
+                        c.stream.peer(), stalled as f64 / 1000.0, full / 1000, c.account.held());
+                    c.stream.shutdown(Shutdown::Both);
+                    self.budget.idle(&c.account);
+                }
+            }
+        }
+    }
+
+    /// The server-wide memory budget (for metrics and tests).
+    pub fn budget(&self) -> &Budget {
+        &self.budget
     }
 
     /// Stops accepting and asks every connection to finish. Safe from any thread, repeatable.
@@ -253,7 +358,7 @@ impl Server {
             if r < 0 || pfd[1].revents != 0 {
                 continue;
             }
-            match listener.accept() {
+            match listener.accept(self.socket_buffer) {
                 Ok(stream) => self.spawn_connection(stream),
                 Err(e) if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) => {
                     log::warn!("cannot accept a client: {e}");
@@ -273,7 +378,8 @@ impl Server {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let Ok(handle) = stream.try_clone() else { return };
-        self.conns.lock().unwrap().insert(id, Conn { stream: handle, export: None });
+        let account = Account::new();
+        self.conns.lock().unwrap().insert(id, Conn { stream: handle, export: None, account: account.clone() });
         self.live.begin(1, 0);
         if self.stopping.load(Ordering::SeqCst) {
             stream.shutdown(Shutdown::Read);
@@ -284,7 +390,9 @@ impl Server {
             move || {
                 // The thread's panic edge (the handshake, or what the transmission's own
                 // edge let through): this client's socket is shut, others go on.
-                if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.connection(stream, id))) {
+                if let Err(p) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| me.connection(stream, id, account)))
+                {
                     me.panicked(id, &conn::panic_text(&*p));
                 }
                 me.forget(id);
@@ -330,7 +438,7 @@ impl Server {
         true
     }
 
-    fn connection(&self, mut stream: Stream, id: u64) {
+    fn connection(&self, mut stream: Stream, id: u64, account: Arc<Account>) {
         let peer = stream.peer();
         let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
         let stopping = || self.stopping.load(Ordering::SeqCst);
@@ -354,7 +462,8 @@ impl Server {
             return;
         }
         log::debug!(client:% = peer, export:% = export.name; "{peer}: connected to export {:?}{}", export.name, if stream.is_tls() { " over TLS" } else { "" });
-        if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching) {
+        let budget = self.budget.clone();
+        if let Err(e) = conn::transmission(stream, export.device.clone(), neg, self.options.batching, budget, account) {
             if e.get_ref().is_some_and(|inner| inner.is::<conn::Panicked>()) {
                 log::error!(client:% = peer, export:% = export.name; "{peer}: export {:?}: {e}; closed the connection", export.name);
             } else if e.kind() == io::ErrorKind::InvalidData {

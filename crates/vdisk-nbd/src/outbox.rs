@@ -8,17 +8,24 @@
 //! replies queue up and the connection's writer thread sends them, blocking as
 //! needed. So in the common case a reply costs no thread hand-off, and a client
 //! that stops reading only ever blocks its own writer.
+//!
+//! Every reply is also accounted against the server-wide [`Budget`]: unread
+//! from completion until the socket takes it, released then (or when dropped
+//! with a broken client). While the writer is blocked on a full socket it
+//! says so ([`Budget::sending`]), so the server can cut off a client that
+//! takes nothing for `--send-timeout`.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use smallvec::SmallVec;
 use vdisk_engine::inflight::Counts;
 use vdisk_engine::{Op, Request, Sink};
 
+use crate::budget::{Account, Budget};
 use crate::reply::{Encoder, OutMsg};
 use crate::stream::Stream;
 
@@ -35,6 +42,8 @@ pub struct Outbox {
     /// lets every other read skip the lock.
     df: Mutex<HashMap<u64, usize>>,
     df_count: AtomicUsize,
+    budget: Arc<Budget>,
+    account: Arc<Account>,
 }
 
 #[derive(Default)]
@@ -68,7 +77,7 @@ impl Sink for Outbox {
 }
 
 impl Outbox {
-    pub fn new(stream: Stream, encoder: Encoder, batching: bool) -> Self {
+    pub fn new(stream: Stream, encoder: Encoder, batching: bool, budget: Arc<Budget>, account: Arc<Account>) -> Self {
         Outbox {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -77,6 +86,8 @@ impl Outbox {
             batching,
             df: Mutex::new(HashMap::new()),
             df_count: AtomicUsize::new(0),
+            budget,
+            account,
         }
     }
 
@@ -117,9 +128,10 @@ impl Outbox {
         if msgs.is_empty() {
             return;
         }
+        self.budget.completed(&self.account, msgs.iter().map(|m| m.cost).sum());
         let mut st = self.state.lock().unwrap();
         if st.broken {
-            self.release(&mut st, &msgs);
+            self.release(&mut st, &msgs, false);
             self.notify(&st);
             return;
         }
@@ -130,17 +142,17 @@ impl Outbox {
         }
         st.sending = true;
         drop(st);
-        let r = send(&self.stream, &msgs, 0, false);
+        let r = send(&self.stream, &msgs, 0, false, &|| {});
         let owed = matches!(r, Ok(Sent::All)) && self.stream.needs_flush();
         let mut st = self.state.lock().unwrap();
         st.sending = false;
         match r {
             Ok(Sent::All) => {
                 st.flush_owed |= owed;
-                self.release(&mut st, &msgs)
+                self.release(&mut st, &msgs, true)
             }
             Ok(Sent::Partly { done, skip }) => {
-                self.release(&mut st, &msgs[..done]);
+                self.release(&mut st, &msgs[..done], true);
                 // The writer finishes the rest, before anything queued meanwhile.
                 let mut rest: Vec<OutMsg> = msgs.into_iter().skip(done).collect();
                 rest.append(&mut st.queue);
@@ -149,7 +161,7 @@ impl Outbox {
             }
             Err(e) => {
                 self.fail(&mut st, e);
-                self.release(&mut st, &msgs);
+                self.release(&mut st, &msgs, false);
             }
         }
         self.notify(&st);
@@ -160,11 +172,16 @@ impl Outbox {
             log::info!("{}: cannot send replies ({e}); dropping the connection", self.stream.peer());
             st.broken = true;
             self.stream.shutdown(Shutdown::Both);
+            // A reader waiting for the server-wide budget goes on to its end.
+            self.budget.cancel(&self.account);
         }
     }
 
-    fn release(&self, st: &mut State, msgs: &[OutMsg]) {
-        st.inflight.remove(msgs.len(), msgs.iter().map(|m| m.cost).sum::<usize>());
+    /// Replies that left (`sent`) or were dropped: their requests no longer count.
+    fn release(&self, st: &mut State, msgs: &[OutMsg], sent: bool) {
+        let bytes = msgs.iter().map(|m| m.cost).sum::<usize>();
+        st.inflight.remove(msgs.len(), bytes);
+        self.budget.release(&self.account, bytes, bytes, sent);
     }
 
     /// Adds a request to the in-flight count. Without `wait`, refuses (false)
@@ -212,7 +229,9 @@ impl Outbox {
                 }
                 st.sending = true;
                 drop(st);
+                self.budget.sending(&self.account);
                 let r = self.stream.flush_pending();
+                self.budget.idle(&self.account);
                 st = self.state.lock().unwrap();
                 st.sending = false;
                 if let Err(e) = r {
@@ -224,23 +243,28 @@ impl Outbox {
             let msgs = std::mem::take(&mut st.queue);
             let skip = std::mem::take(&mut st.sent);
             if st.broken {
-                self.release(&mut st, &msgs);
+                self.release(&mut st, &msgs, false);
                 continue;
             }
             st.sending = true;
             drop(st);
+            let progress = || self.budget.sending(&self.account);
+            progress();
             let r = if self.batching {
-                send(&self.stream, &msgs, skip, true).map(|_| ())
+                send(&self.stream, &msgs, skip, true, &progress).map(|_| ())
             } else {
-                (0..msgs.len())
-                    .try_for_each(|i| send(&self.stream, &msgs[i..=i], if i == 0 { skip } else { 0 }, true).map(|_| ()))
+                (0..msgs.len()).try_for_each(|i| {
+                    send(&self.stream, &msgs[i..=i], if i == 0 { skip } else { 0 }, true, &progress).map(|_| ())
+                })
             };
+            self.budget.idle(&self.account);
             st = self.state.lock().unwrap();
             st.sending = false;
+            let sent = r.is_ok();
             if let Err(e) = r {
                 self.fail(&mut st, e);
             }
-            self.release(&mut st, &msgs);
+            self.release(&mut st, &msgs, sent);
             self.notify(&st);
         }
     }
@@ -256,8 +280,10 @@ enum Sent {
 }
 
 /// Sends `msgs` (skipping `skip` bytes of the first) with vectored `sendmsg`.
-/// Blocking: until all is sent. Non-blocking: until the socket is full.
-fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool) -> io::Result<Sent> {
+/// Blocking: until all is sent (a send timeout on the socket only makes it
+/// report `progress` more often; the server decides when to give up).
+/// Non-blocking: until the socket is full.
+fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool, progress: &dyn Fn()) -> io::Result<Sent> {
     // A batch of replies to a queue of 32 fits on the stack.
     let mut slices: SmallVec<[&[u8]; 64]> = SmallVec::with_capacity(msgs.len() * 2);
     let mut ends: SmallVec<[usize; 32]> = SmallVec::with_capacity(msgs.len());
@@ -272,8 +298,12 @@ fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool) -> io::Re
     let mut at = skip;
     while at < total {
         match stream.send_from(&slices, at, blocking) {
-            Ok(n) => at += n,
+            Ok(n) => {
+                at += n;
+                progress();
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && blocking => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock && !blocking => {
                 let done = ends.iter().take_while(|&&end| end <= at).count();
                 let start = if done == 0 { 0 } else { ends[done - 1] };

@@ -32,6 +32,7 @@ use openssl::ssl::{
     ErrorCode, Ssl, SslContext, SslContextBuilder, SslMethod, SslOptions, SslSessionCacheMode, SslStream, SslVersion,
 };
 
+use crate::allow::PeerIdentity;
 use crate::tls::{CredentialError, CredentialErrorKind, Engine};
 
 /// TLS 1.3 suites with SHA-256: the hash OpenSSL's PSK callback gives TLS 1.3
@@ -48,6 +49,17 @@ const MAX_KEY: usize = 512;
 /// Where the PSK callback leaves an unknown username, for the handshake's error
 /// (OpenSSL itself only says "no suitable signature algorithm" in TLS 1.3).
 fn unknown_user_slot() -> Result<Index<Ssl, String>, openssl::error::ErrorStack> {
+    static SLOT: OnceLock<Index<Ssl, String>> = OnceLock::new();
+    if let Some(i) = SLOT.get() {
+        return Ok(*i);
+    }
+    let i = Ssl::new_ex_index()?;
+    Ok(*SLOT.get_or_init(|| i))
+}
+
+/// Where the PSK callback leaves the username whose key it gave: the
+/// client's identity once the handshake succeeds (the key proved it).
+fn user_slot() -> Result<Index<Ssl, String>, openssl::error::ErrorStack> {
     static SLOT: OnceLock<Index<Ssl, String>> = OnceLock::new();
     if let Some(i) = SLOT.get() {
         return Ok(*i);
@@ -136,6 +148,7 @@ impl PskServer {
             CredentialError::new(CredentialErrorKind::Setup, format!("OpenSSL PSK setup: {e}"))
         };
         let unknown = unknown_user_slot().map_err(setup)?;
+        let user = user_slot().map_err(setup)?;
         let mut b = SslContextBuilder::new(SslMethod::tls_server()).map_err(setup)?;
         b.set_min_proto_version(Some(SslVersion::TLS1_2)).map_err(setup)?;
         b.set_cipher_list(TLS12_SUITES).map_err(setup)?;
@@ -154,6 +167,7 @@ impl PskServer {
             match keys.0.get(id) {
                 Some(key) if key.len() <= out.len() => {
                     log::debug!("TLS-PSK: user {:?}", String::from_utf8_lossy(id));
+                    ssl.set_ex_data(user, String::from_utf8_lossy(id).into_owned());
                     out[..key.len()].copy_from_slice(key);
                     Ok(key.len())
                 }
@@ -317,6 +331,14 @@ impl Engine for PskSession {
 
     fn send_close_notify(&mut self) {
         let _ = self.s.shutdown();
+    }
+
+    fn peer_identity(&self) -> Option<PeerIdentity> {
+        if self.is_handshaking() {
+            return None;
+        }
+        let user = self.s.ssl().ex_data(user_slot().ok()?)?;
+        Some(PeerIdentity::Psk(user.clone()))
     }
 }
 

@@ -217,4 +217,11 @@ impl Transport for Stream {
         *self = Stream::Tls(Arc::new(TlsStream::accept(plain, tls)?));
         Ok(())
     }
+
+    fn peer_identity(&self) -> Option<crate::allow::PeerIdentity> {
+        match self {
+            Stream::Tls(t) => t.peer_identity(),
+            _ => None,
+        }
+    }
 }

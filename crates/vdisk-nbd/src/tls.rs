@@ -28,6 +28,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig, ServerConnection};
 
+use crate::allow::PeerIdentity;
 #[cfg(feature = "psk")]
 use crate::psk::{PskKeys, PskServer};
 use crate::stream::Stream;
@@ -45,6 +46,8 @@ pub enum TlsMode {
 pub struct Tls {
     pub mode: TlsMode,
     creds: Creds,
+    /// X.509 with a client CA: every client shows a verified certificate.
+    verifies_peers: bool,
     /// One line for the startup banner.
     pub summary: String,
 }
@@ -72,6 +75,8 @@ pub(crate) trait Engine: Send {
     /// Encrypts plaintext; returns the bytes taken (fewer when its buffer is full).
     fn write_plain(&mut self, iov: &[IoSlice<'_>]) -> io::Result<usize>;
     fn send_close_notify(&mut self);
+    /// Who the client proved to be, once the handshake is done (None: anonymous).
+    fn peer_identity(&self) -> Option<PeerIdentity>;
 }
 
 impl Engine for ServerConnection {
@@ -108,6 +113,11 @@ impl Engine for ServerConnection {
 
     fn send_close_notify(&mut self) {
         (**self).send_close_notify()
+    }
+
+    fn peer_identity(&self) -> Option<PeerIdentity> {
+        // rustls hands out the chain only after verifying it against the client CA.
+        PeerIdentity::from_certificate(self.peer_certificates()?.first()?)
     }
 }
 
@@ -302,7 +312,8 @@ impl Tls {
                 None => String::new(),
             }
         );
-        Ok(Tls { mode, creds: Creds::X509(Arc::new(config)), summary })
+        let verifies_peers = files.client_ca.is_some();
+        Ok(Tls { mode, creds: Creds::X509(Arc::new(config)), verifies_peers, summary })
     }
 
     /// Pre-shared keys from a psktool-style file (`username:hexkey` lines), served with OpenSSL.
@@ -316,7 +327,7 @@ impl Tls {
             if keys.len() == 1 { "" } else { "s" },
             file.display()
         );
-        Ok(Tls { mode, creds: Creds::Psk(PskServer::new(keys)?), summary })
+        Ok(Tls { mode, creds: Creds::Psk(PskServer::new(keys)?), verifies_peers: false, summary })
     }
 
     /// This build has no OpenSSL: say how to get one that has.
@@ -330,6 +341,16 @@ impl Tls {
             file.display()
         ),
         ))
+    }
+
+    /// Every client that completes TLS has a [`PeerIdentity`]: PSK, or
+    /// certificates with a client CA (what export allow lists need).
+    pub fn identifies_clients(&self) -> bool {
+        match &self.creds {
+            Creds::X509(_) => self.verifies_peers,
+            #[cfg(feature = "psk")]
+            Creds::Psk(_) => true,
+        }
     }
 
     fn session(&self) -> io::Result<Box<dyn Engine>> {
@@ -600,6 +621,11 @@ impl TlsStream {
             }
             self.feed(&mut rx)?;
         }
+    }
+
+    /// Who the client proved to be during the TLS handshake.
+    pub fn peer_identity(&self) -> Option<PeerIdentity> {
+        self.conn.lock().unwrap().peer_identity()
     }
 
     /// Says goodbye (close_notify), if the socket takes it now.

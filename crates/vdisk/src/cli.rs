@@ -217,6 +217,13 @@ pub struct SecurityArgs {
     /// Clients must name an export: the empty name no longer selects the first one.
     #[arg(long)]
     pub no_default_export: bool,
+    /// Only TLS clients matching PATTERN may open export NAME (repeat for more
+    /// patterns or exports); others are told it does not exist and do not see it
+    /// listed. PATTERN: `CN=vm-*` (certificate subject: ATTR=GLOB[,ATTR=GLOB]),
+    /// or a GLOB matched against the certificate's alternative names
+    /// (`*.example.org`) or the PSK username. Needs --tls-verify-peer or --tls-psk.
+    #[arg(long, value_name = "NAME=PATTERN")]
+    pub export_allow: Vec<String>,
 }
 
 /// How to find a COW or qcow2 overlay's backing file.
@@ -316,9 +323,20 @@ pub struct ServeArgs {
     /// none by default when --fuse or --vhost-user-blk is given).
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// Clients served at once; more are disconnected as they connect.
+    /// Clients served at once; more are disconnected as they connect, with a
+    /// log line [default: 1024].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: Option<u32>,
+    /// Memory all NBD connections together may hold in request and reply
+    /// buffers (e.g. 512M, 2G). Past it clients are no longer read until
+    /// replies drain; those holding the most unread replies wait first
+    /// (docs/design.md: Memory budget) [default: 1/8 of RAM].
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_buffer_memory: Option<u64>,
+    /// Seconds an NBD client may go without taking any of its replies before it
+    /// is disconnected (its writes still complete) [default: 60].
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub send_timeout: Option<u32>,
     /// Permissions of the unix sockets, in octal: who may connect (default 0600: the owner only).
     #[arg(long, value_parser = parse_mode, value_name = "MODE")]
     pub socket_mode: Option<u32>,

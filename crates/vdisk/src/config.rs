@@ -61,6 +61,9 @@ pub struct ServerTable {
     pub max_connections: Option<Spanned<u32>>,
     /// "30s", "500ms", "2m", or a number of seconds.
     pub stop_timeout: Option<Spanned<Seconds>>,
+    /// Bytes: a number, or a string with a K, M, G suffix ("512M").
+    pub max_buffer_memory: Option<Spanned<Amount>>,
+    pub send_timeout: Option<Spanned<u32>>,
     pub engine: Option<EngineArg>,
     pub tls: Option<TlsArg>,
     pub tls_certificates: Option<PathBuf>,
@@ -114,12 +117,15 @@ struct ExportTable {
     bps: Option<Amount>,
     read_bps: Option<Amount>,
     write_bps: Option<Amount>,
+    /// TLS identities that may open the export (README: Security).
+    #[serde(default)]
+    allow: Vec<String>,
 }
 
-/// Bytes per second: a number, or a string with a K, M, G suffix ("100M").
-#[derive(Deserialize)]
+/// Bytes (per second): a number, or a string with a K, M, G suffix ("100M").
+#[derive(Deserialize, Debug, Clone, PartialEq)]
 #[serde(untagged)]
-enum Amount {
+pub enum Amount {
     Number(u64),
     Text(String),
 }
@@ -196,10 +202,26 @@ fn check_server(s: &ServerTable) -> Result<(), (Range<usize>, String)> {
     }
     if let Some(n) = &s.max_connections {
         if *n.get_ref() == 0 {
-            return Err((n.span(), "max_connections must be at least 1 (leave it out for no limit)".into()));
+            return Err((n.span(), "max_connections must be at least 1 (leave it out for 1024)".into()));
         }
     }
+    if let Some(n) = &s.send_timeout {
+        if *n.get_ref() == 0 {
+            return Err((n.span(), "send_timeout must be at least 1 second (leave it out for 60)".into()));
+        }
+    }
+    if let Some(m) = &s.max_buffer_memory {
+        bytes_of(m.get_ref())
+            .map_err(|e| (m.span(), format!("max_buffer_memory: {e} (e.g. max_buffer_memory = \"2G\")")))?;
+    }
     Ok(())
+}
+
+fn bytes_of(a: &Amount) -> Result<u64, String> {
+    match a {
+        Amount::Number(n) => Ok(*n),
+        Amount::Text(s) => crate::size::parse_size(s).map_err(|e| format!("{s:?}: {e}")),
+    }
 }
 
 /// The TLS keys load as the same flags would (credentials read and checked).
@@ -234,6 +256,7 @@ fn export_spec(t: ExportTable, dir: &Path) -> Result<ExportSpec, String> {
     if let Some(n @ (0 | 65..)) = t.num_queues {
         return Err(format!("export {name:?}: num_queues {n} is not between 1 and 64"));
     }
+    vdisk_nbd::allow::Allow::new(&t.allow).map_err(|e| format!("export {name:?}: {e}"))?;
     let amount = |key: &str, a: Option<Amount>| -> Result<u64, String> {
         match a {
             None => Ok(0),
@@ -262,6 +285,7 @@ fn export_spec(t: ExportTable, dir: &Path) -> Result<ExportSpec, String> {
         vhost_user_blk: t.vhost_user_blk.map(rel),
         num_queues: t.num_queues,
         limits,
+        allow: t.allow,
     })
 }
 
@@ -288,6 +312,12 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
     }
     if a.stop_timeout.is_none() {
         a.stop_timeout = s.stop_timeout.as_ref().and_then(|t| t.get_ref().duration().ok());
+    }
+    if a.max_buffer_memory.is_none() {
+        a.max_buffer_memory = s.max_buffer_memory.as_ref().and_then(|m| bytes_of(m.get_ref()).ok());
+    }
+    if a.send_timeout.is_none() {
+        a.send_timeout = s.send_timeout.as_ref().map(|n| *n.get_ref());
     }
     let t = &a.security;
     let cli_tls = t.tls.is_some()

@@ -346,6 +346,7 @@ fn export_spec(a: AddParams) -> ExportSpec {
         vhost_user_blk: a.vhost_user_blk.map(PathBuf::from),
         num_queues: a.num_queues,
         limits: limits(a.qos, Limits::default()),
+        allow: a.allow,
     }
 }
 

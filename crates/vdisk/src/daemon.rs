@@ -118,6 +118,8 @@ pub struct ExportSpec {
     pub vhost_user_blk: Option<PathBuf>,
     pub num_queues: Option<u16>,
     pub limits: Limits,
+    /// TLS identities that may open it over NBD (vdisk_nbd::allow); empty: anyone.
+    pub allow: Vec<String>,
 }
 
 /// An export being served.
@@ -142,6 +144,10 @@ pub struct Daemon {
     /// `--config FILE` and the exports it started; held through a reload.
     config: Mutex<Option<crate::reload::Source>>,
 }
+
+/// Why an allow list cannot work on this server.
+pub const NO_IDENTITIES: &str = "this server does not learn who its NBD clients are: allow lists need TLS \
+     with client certificates (--tls-verify-peer or --tls-ca) or pre-shared keys (--tls-psk)";
 
 /// A change refused because of what the caller asked (exit 1 in `vdisk ctl`,
 /// a JSON-RPC error with this code on the control socket).
@@ -246,6 +252,7 @@ impl Daemon {
             Some(r) => confine_paths(spec, r)?,
             None => spec,
         };
+        let allow = self.allow_list(&name, &spec.allow)?;
         let _reserved = self.reserve(&name)?;
         let Opened { image, description } = vdisk_image::files::confined(roots, || {
             formats::open(&spec.image, spec.format, spec.readonly, self.settings.direct, &spec.backing)
@@ -265,7 +272,7 @@ impl Daemon {
         }
         // Past the deadline: the image opened late is closed here, unserved.
         let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
-        self.start(name, spec, image, description, closed)
+        self.start(name, spec, allow, image, description, closed)
     }
 
     /// Reserves `name` for an add in progress, or refuses if it is taken.
@@ -298,6 +305,7 @@ impl Daemon {
         &self,
         name: String,
         spec: ExportSpec,
+        allow: vdisk_nbd::allow::Allow,
         image: Arc<dyn vdisk_image::Image>,
         description: String,
         _change: MutexGuard<'_, bool>,
@@ -317,7 +325,7 @@ impl Daemon {
             let mode = self.settings.socket_mode;
             frontends.0.push(crate::vhost::start(socket, &device, spec.num_queues, mode, &mut notes)?);
         }
-        let export = Export { name: name.clone(), description, device: device.clone() };
+        let export = Export { name: name.clone(), description, device: device.clone(), allow };
         if self.nbd.add_export(export).is_err() {
             return Err(Refusal::new(ERR_EXISTS, format!("export {name:?} is already served over NBD")));
         }
@@ -325,6 +333,17 @@ impl Daemon {
         log::info!(export:% = name; "export {name:?} added: {}", notes[0].trim_start_matches("vdisk: "));
         self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends });
         Ok(notes)
+    }
+
+    /// An export's allow list, checked: the patterns parse, and the server
+    /// learns who its clients are (else the list could never admit anyone).
+    fn allow_list(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Refusal> {
+        let allow = vdisk_nbd::allow::Allow::new(patterns)
+            .map_err(|e| Refusal::new(ERR_INVALID, format!("export {name:?}: {e}")))?;
+        if !allow.is_open() && !self.nbd.identifies_clients() {
+            return Err(Refusal::new(ERR_INVALID, format!("export {name:?} has an allow list, but {}", NO_IDENTITIES)));
+        }
+        Ok(allow)
     }
 
     fn describe(&self, name: &str, description: &str, device: &Device) -> String {
@@ -462,6 +481,7 @@ impl Daemon {
             "qos": limits_json(e.device.limits()),
             "state": state(&e.device),
             "failure": e.device.failure(),
+            "allow": e.spec.allow,
         })
     }
 

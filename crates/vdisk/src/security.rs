@@ -7,6 +7,7 @@ use std::sync::Arc;
 use vdisk_nbd::{Policy, Tls, TlsFiles, TlsMode};
 
 use crate::cli::{SecurityArgs, TlsArg};
+use crate::daemon::ExportSpec;
 use crate::Failure;
 
 /// The handshake policy the flags ask for; bad or missing credentials are a usage error.
@@ -30,6 +31,37 @@ pub fn policy(a: &SecurityArgs) -> Result<Policy, Failure> {
         Some(mode) => Some(Arc::new(load(mode, a, verify)?)),
     };
     Ok(Policy { tls, list: !a.no_list, default_export: !a.no_default_export })
+}
+
+/// `--export-allow NAME=PATTERN` flags as (name, pattern), each pattern checked.
+pub fn export_allow(flags: &[String]) -> Result<Vec<(String, String)>, Failure> {
+    flags
+        .iter()
+        .map(|f| {
+            let Some((name, pattern)) = f.split_once('=').filter(|(n, p)| !n.is_empty() && !p.is_empty()) else {
+                return Err(Failure::usage(format!(
+                    "--export-allow {f:?} is not NAME=PATTERN (e.g. --export-allow disk=CN=vm-* or disk='*.example.org')"
+                )));
+            };
+            vdisk_nbd::allow::Allow::new(&[pattern]).map_err(|e| Failure::usage(format!("--export-allow {f}: {e}")))?;
+            Ok((name.to_owned(), pattern.to_owned()))
+        })
+        .collect()
+}
+
+/// Allow lists only work when TLS tells the server who each client is.
+pub fn check_allow<'a>(policy: &Policy, specs: impl Iterator<Item = &'a ExportSpec>) -> Result<(), Failure> {
+    let identifies = policy.tls.as_ref().is_some_and(|t| t.identifies_clients());
+    for spec in specs {
+        if !spec.allow.is_empty() && !identifies {
+            let name = spec.name.clone().unwrap_or_else(|| crate::daemon::export_name(&spec.image));
+            return Err(Failure::usage(format!(
+                "export {name:?} has an allow list, but {}",
+                crate::daemon::NO_IDENTITIES
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn load(mode: TlsMode, a: &SecurityArgs, verify: bool) -> Result<Tls, Failure> {

@@ -42,9 +42,9 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     let demo = if a.images.is_empty() && !daemon_mode { Some(DemoImage::create()?) } else { None };
     let specs = export_specs(&a, demo.as_ref().map(|d| d.image.clone()))?;
     let policy = crate::security::policy(&a.security)?;
+    crate::security::check_allow(&policy, specs.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
     let tls = policy.tls.as_ref().map(|t| t.summary.clone());
-    let options =
-        ServerOptions { batching: a.batch > 1, max_connections: a.max_connections.map(|n| n as usize), policy };
+    let options = server_options(&a, policy);
     let server =
         Server::new(Vec::new(), options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
     let daemon = Arc::new(Daemon::new(settings(&a)?, server.clone()));
@@ -90,10 +90,36 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     serve_until_signal(&server, &daemon, listeners, signals, (limit, remove))
 }
 
+/// Clients served at once when --max-connections is not given.
+const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Seconds a client may take no reply when --send-timeout is not given.
+const DEFAULT_SEND_TIMEOUT: u64 = 60;
+
+fn server_options(a: &ServeArgs, policy: vdisk_nbd::Policy) -> ServerOptions {
+    let budget = a.max_buffer_memory.map_or_else(default_buffer_memory, |b| b as usize);
+    ServerOptions {
+        batching: a.batch > 1,
+        max_connections: Some(a.max_connections.map_or(DEFAULT_MAX_CONNECTIONS, |n| n as usize)),
+        max_buffer_memory: budget,
+        send_timeout: std::time::Duration::from_secs(a.send_timeout.map_or(DEFAULT_SEND_TIMEOUT, u64::from)),
+        policy,
+    }
+}
+
+/// 1/8 of MemTotal (/proc/meminfo), at least 64 MiB; 1 GiB if it cannot be read.
+fn default_buffer_memory() -> usize {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemTotal:"))?;
+        line.split_whitespace().nth(1)?.parse::<usize>().ok().map(|kib| kib * 1024)
+    });
+    total.map_or(1 << 30, |t| (t / 8).max(64 << 20))
+}
+
 /// `--check`: everything start-up would check, without serving: the file, the
 /// flags with it, TLS credentials, every image (opened read-only and closed).
 fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Failure> {
-    crate::security::policy(&a.security)?;
+    let policy = crate::security::policy(&a.security)?;
+    crate::security::check_allow(&policy, export_specs(a, None)?.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
     let cli = export_specs(a, None)?.into_iter().map(|s| (s, "the command line".to_owned()));
     let file = config
         .into_iter()
@@ -244,6 +270,7 @@ fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>,
             )));
         }
     }
+    let allow = crate::security::export_allow(&a.security.export_allow)?;
     let mut specs: Vec<ExportSpec> = Vec::new();
     for (i, path) in paths.iter().enumerate() {
         let name = a.security.export_name.get(i).cloned().unwrap_or_else(|| export_name(path));
@@ -263,7 +290,19 @@ fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>,
             vhost_user_blk: a.vhost_user_blk.get(i).cloned(),
             num_queues: a.num_queues,
             limits: Default::default(),
+            allow: Vec::new(),
         });
+    }
+    for (name, pattern) in allow {
+        let Some(spec) = specs.iter_mut().find(|s| s.name.as_deref() == Some(&name)) else {
+            let names: Vec<_> = specs.iter().filter_map(|s| s.name.as_deref()).collect();
+            return Err(Failure::usage(format!(
+                "--export-allow {name}={pattern}: no export {name:?} on the command line (exports: {}); \
+                 for exports of the config file, write allow = [...] in their [[export]]",
+                if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+            )));
+        };
+        spec.allow.push(pattern);
     }
     Ok(specs)
 }

@@ -24,6 +24,7 @@ struct Pki {
     server: PathBuf,
     /// ca-cert.pem, client-cert.pem, client-key.pem: what qemu's endpoint=client and libnbd take.
     client: PathBuf,
+    issuer: Issuer<'static, KeyPair>,
 }
 
 fn params(cn: &str, sans: &[&str]) -> CertificateParams {
@@ -65,7 +66,21 @@ impl Pki {
         let (cert, key) = leaf("vdisk test client", ExtendedKeyUsagePurpose::ClientAuth);
         write(client.join("client-cert.pem"), &cert);
         write(client.join("client-key.pem"), &key);
-        Pki { server, client }
+        Pki { server, client, issuer }
+    }
+
+    /// One more client directory (`tag`), its certificate with common name `cn` and DNS names `sans`.
+    fn client(&self, dir: &TempDir, tag: &str, cn: &str, sans: &[&str]) -> PathBuf {
+        let mut p = params(cn, sans);
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate().unwrap();
+        let d = dir.path(tag);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::copy(self.client.join("ca-cert.pem"), d.join("ca-cert.pem")).unwrap();
+        write(d.join("client-cert.pem"), &p.signed_by(&key, &self.issuer).unwrap().pem());
+        write(d.join("client-key.pem"), &key.serialize_pem());
+        d
     }
 }
 
@@ -338,6 +353,149 @@ fn verify_peer_wants_a_client_certificate_from_the_ca() {
     server.stop();
 }
 
+/// The export names `nbdinfo --list` shows at `uri` (empty when it fails).
+fn listed(uri: &str) -> Vec<String> {
+    let out = nbdinfo(&["--list", "--json", uri]);
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let info = json(&String::from_utf8_lossy(&out.stdout));
+    let mut names: Vec<String> =
+        info["exports"].as_array().unwrap().iter().map(|e| e["export-name"].as_str().unwrap().to_owned()).collect();
+    names.sort();
+    names
+}
+
+/// nbdinfo's stderr for `uri` with export name `name` replaced, and whether it succeeded.
+fn opened(uri: &str, name: &str) -> (bool, String) {
+    let out = nbdinfo(&[uri]);
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).replace(name, "NAME"))
+}
+
+#[test]
+fn allow_lists_admit_the_certificates_they_name_and_hide_from_others() {
+    let (dir, pki, img) = pki_and_disk("tls-allow", "8M");
+    let dns = dir.path("dns.img");
+    let open = dir.path("open.img");
+    create_image(&dns, "4M");
+    create_image(&open, "4M");
+    let vm = pki.client(&dir, "vm", "vm-7", &["vm7.internal"]);
+    let db = pki.client(&dir, "db", "db-1", &["db1.Example.org"]);
+    let server = Server::start(
+        &dir,
+        &[
+            s(&img),
+            s(&dns),
+            s(&open),
+            "--tls-certificates",
+            s(&pki.server),
+            "--tls-verify-peer",
+            "--export-allow",
+            "disk=CN=vm-*",
+            "--export-allow",
+            "dns=*.example.org",
+            "--export-allow",
+            "dns=CN=vm-7",
+        ],
+    );
+    // On the list: it opens, with qemu-io and libnbd, and sees it listed.
+    assert_io_ok(&qemu_io_tls(&server, "disk", &vm, &["write -P 0x5a 0 64k", "read -P 0x5a 0 64k"]), "vm-7 on disk");
+    assert_eq!(listed(&nbds_uri(&server, "", &vm)), ["disk", "dns", "open"]);
+    assert_eq!(listed(&nbds_uri(&server, "", &db)), ["dns", "open"], "db-1 must not see disk");
+    assert_eq!(listed(&nbds_uri(&server, "", &pki.client)), ["open"], "a client on no list sees the open export only");
+    assert!(opened(&nbds_uri(&server, "dns", &db), "dns").0, "db1.example.org (a DNS SAN, any case) opens dns");
+    // Not on the list: exactly what an unknown export gets, for libnbd (GO) and qemu (GO).
+    let (ok, denied) = opened(&nbds_uri(&server, "disk", &db), "disk");
+    let (_, unknown) = opened(&nbds_uri(&server, "nosuch", &db), "nosuch");
+    assert!(
+        !ok,
+        "db-1 opened disk:
+{denied}"
+    );
+    assert_eq!(denied, unknown, "a refused client must get the answer for an unknown export");
+    let out = qemu_io_tls(&server, "disk", &db, &["read -v 0 512"]);
+    assert!(
+        !out.status.success() && !text(&out).contains("5a 5a"),
+        "qemu-io as db-1 read disk:
+{}",
+        text(&out)
+    );
+    let out = qemu_io_tls(&server, "disk", &pki.client, &["read 0 512"]);
+    assert!(
+        !out.status.success(),
+        "qemu-io as a client on no list opened disk:
+{}",
+        text(&out)
+    );
+    // The empty name selects the first export only for whom it admits.
+    assert!(opened(&nbds_uri(&server, "", &vm), "").0);
+    assert!(!opened(&nbds_uri(&server, "", &db), "").0, "the default export is disk: db-1 may not");
+    server.stop();
+}
+
+/// One JSON-RPC request on the control socket at `path`; the answer.
+fn control(path: &Path, line: &str) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    let s = std::os::unix::net::UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+    let mut c = std::io::BufReader::new(s);
+    writeln!(c.get_mut(), "{line}").unwrap();
+    let mut answer = String::new();
+    c.read_line(&mut answer).unwrap();
+    json(&answer)
+}
+
+#[test]
+fn export_add_takes_an_allow_list() {
+    let (dir, pki, img) = pki_and_disk("tls-allow-ctl", "4M");
+    let vm = pki.client(&dir, "vm", "vm-1", &[]);
+    let db = pki.client(&dir, "db", "db-1", &[]);
+    let ctl = dir.path("ctl.sock");
+    let server =
+        Server::start(&dir, &["--tls-certificates", s(&pki.server), "--tls-verify-peer", "--control", s(&ctl)]);
+    let add = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"export_add","params":{{"image":"{}","name":"vm","allow":["CN=vm-*"]}}}}"#,
+        img.display()
+    );
+    let v = control(&ctl, &add);
+    assert_eq!(v["result"]["name"], "vm", "{v}");
+    let v = control(&ctl, r#"{"jsonrpc":"2.0","id":2,"method":"export_list"}"#);
+    assert_eq!(v["result"][0]["allow"], serde_json::json!(["CN=vm-*"]), "{v}");
+    assert!(opened(&nbds_uri(&server, "vm", &vm), "vm").0, "vm-1 opens the export added with its pattern");
+    assert!(!opened(&nbds_uri(&server, "vm", &db), "vm").0, "db-1 opened it");
+    assert!(listed(&nbds_uri(&server, "", &db)).is_empty(), "db-1 sees it listed");
+    for (params, code) in [
+        (r#"{"image":"/x","allow":"CN=a"}"#, -32602),
+        (r#"{"image":"/x","allow":[1]}"#, -32602),
+        (r#"{"image":"/x","name":"y","allow":["CN="]}"#, -32004),
+    ] {
+        let v = control(&ctl, &format!(r#"{{"jsonrpc":"2.0","id":3,"method":"export_add","params":{params}}}"#));
+        assert_eq!(v["error"]["code"], code, "{params} -> {v}");
+    }
+    server.stop();
+    // Without TLS the list could never admit anyone: refused, with the reason.
+    let plain = Server::start(&dir, &["--control", s(&ctl)]);
+    let v = control(&ctl, &add);
+    assert_eq!(v["error"]["code"], -32004, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--tls-verify-peer"), "{v}");
+    plain.stop();
+}
+
+#[test]
+fn allow_lists_need_clients_the_server_can_identify() {
+    let (_dir, pki, img) = pki_and_disk("tls-allow-usage", "1M");
+    refused_at_startup(
+        &img,
+        &[
+            (vec!["--export-allow", "disk=CN=vm-*"], "allow list"),
+            (vec!["--export-allow", "disk=CN=vm-*", "--tls-certificates", s(&pki.server)], "--tls-verify-peer"),
+            (vec!["--export-allow", "nosuch=CN=vm-*"], "no export \"nosuch\""),
+            (vec!["--export-allow", "disk"], "NAME=PATTERN"),
+            (vec!["--export-allow", "disk=CN=,x"], "ATTR=GLOB"),
+        ],
+    );
+}
+
 /// `vdisk serve IMG ARGS...` exits 2 saying what each case wants.
 fn refused_at_startup(img: &Path, cases: &[(Vec<&str>, &str)]) {
     for (extra, want) in cases {
@@ -475,8 +633,12 @@ mod psk {
 
     /// libnbd's PSK URI: the username is the URI's user part (libnbd 1.14 has no tls-username parameter).
     fn psk_uri(server: &Server, user: &str, keys: &Path) -> String {
+        psk_uri_to(server, user, keys, "disk")
+    }
+
+    fn psk_uri_to(server: &Server, user: &str, keys: &Path, export: &str) -> String {
         format!(
-            "nbds+unix://{user}@/disk?socket={}&tls-psk-file={}",
+            "nbds+unix://{user}@/{export}?socket={}&tls-psk-file={}",
             server.socket.display(),
             keys.join("keys.psk").display()
         )
@@ -484,6 +646,32 @@ mod psk {
 
     /// GnuTLS limited to TLS 1.2 PSK suites (its default is TLS 1.3 external PSK).
     const TLS12_ONLY: &str = ",priority=NORMAL:-VERS-ALL:+VERS-TLS1.2:+ECDHE-PSK:+DHE-PSK:+PSK";
+
+    #[test]
+    fn psk_allow_lists_admit_the_users_they_name() {
+        let dir = TempDir::new("tls-psk-allow");
+        let (ka, kb) = (random_key(), random_key());
+        let keys = psk_dir(&dir, "server", &[("alice", &ka), ("bob", &kb)]);
+        let (img, other) = (dir.path("disk.img"), dir.path("other.img"));
+        create_image(&img, "4M");
+        create_image(&other, "4M");
+        let file = keys.join("keys.psk");
+        let server = Server::start(&dir, &[s(&img), s(&other), "--tls-psk", s(&file), "--export-allow", "disk=ali?e"]);
+        let alice = psk_dir(&dir, "alice", &[("alice", &ka)]);
+        let bob = psk_dir(&dir, "bob", &[("bob", &kb)]);
+        let out = qemu_io_psk(&server, &alice, "alice", "", &["write -P 0x21 0 4k", "read -P 0x21 0 4k"]);
+        assert_io_ok(&out, "alice on disk");
+        let out = qemu_io_psk(&server, &bob, "bob", "", &["read -v 0 512"]);
+        assert!(!out.status.success(), "qemu-io as bob opened disk:\n{}", text(&out));
+        assert_eq!(listed(&psk_uri_to(&server, "alice", &alice, "")), ["disk", "other"]);
+        assert_eq!(listed(&psk_uri_to(&server, "bob", &bob, "")), ["other"], "bob must not see disk");
+        let (ok, denied) = opened(&psk_uri_to(&server, "bob", &bob, "disk"), "disk");
+        let (_, unknown) = opened(&psk_uri_to(&server, "bob", &bob, "nosuch"), "nosuch");
+        assert!(!ok && denied == unknown, "bob on disk must look like an unknown export:\n{denied}\n{unknown}");
+        assert!(opened(&psk_uri_to(&server, "bob", &bob, "other"), "other").0, "bob opens the open export");
+        assert!(opened(&psk_uri(&server, "alice", &alice), "disk").0);
+        server.stop();
+    }
 
     #[test]
     fn psk_serves_qemu_and_libnbd_and_refuses_wrong_keys() {

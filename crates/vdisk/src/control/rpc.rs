@@ -43,6 +43,8 @@ pub struct AddParams {
     /// 1 to 64.
     pub num_queues: Option<u16>,
     pub qos: Qos,
+    /// Who may open the export over TLS (certificate patterns, PSK identities); empty: anyone.
+    pub allow: Vec<String>,
 }
 
 /// One request, parsed (docs/control.md describes each).
@@ -183,6 +185,7 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
         vhost_user_blk: p.str("vhost_user_blk")?,
         num_queues,
         qos: p.qos()?,
+        allow: p.strings("allow")?,
     })
 }
 
@@ -199,6 +202,21 @@ impl Params {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
             Some(v) => Err(bad(format!("{key} must be a string, not {}", short(&v)))),
+        }
+    }
+
+    /// A list of strings (absent: empty).
+    fn strings(&mut self, key: &str) -> Result<Vec<String>, Fault> {
+        match self.0.remove(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    v => Err(bad(format!("{key} must be a list of strings, not one holding {}", short(&v)))),
+                })
+                .collect(),
+            Some(v) => Err(bad(format!("{key} must be a list of strings, not {}", short(&v)))),
         }
     }
 
