@@ -346,3 +346,56 @@ fn a_removal_whose_flush_hangs_blocks_no_other_change() {
     qemu_io(&format!("nbd+unix:///slow-src?socket={}", dir.path("back.sock").display()), &["read -P 7 0 4M"]);
     drop(back);
 }
+
+/// SIGTERM while a removal's flush hangs: the stop waits for it as for any
+/// export, within `--stop-timeout 3s`, then gives up with status 3 and a log
+/// line naming the export that was being removed.
+#[test]
+fn sigterm_during_a_hung_removal_names_it_and_ends_within_the_limit() {
+    let _fuse = common::fuse::serial();
+    let dir = TempDir::new("wedged-remove-stop");
+    let storage = Storage::start(&dir, "slow");
+    let good = image(&dir, "good.img", "8M");
+    let control = dir.path("ctl.sock");
+    let sock = dir.path("nbd.sock");
+    let args = [
+        s(&storage.file),
+        &good,
+        "--engine",
+        "threads",
+        "--socket",
+        s(&sock),
+        "--control",
+        s(&control),
+        "--control-timeout",
+        "2",
+        "--stop-timeout",
+        "3s",
+    ];
+    let mut server = Logged::start(&dir, &args);
+    qemu_io(&uri(&dir, "slow"), &["write -P 7 0 4M"]);
+    storage.hang();
+    let v = rpc(&control, "export_remove", json!({"name": "slow", "hard": true}));
+    assert!(refused(&v).contains("no longer served"), "{v}");
+    let t = Instant::now();
+    signal(server.pid(), libc::SIGTERM);
+    let pid = server.pid();
+    loop {
+        if server.log().contains("giving up the stop") && matches!(state(pid), Some('Z') | None) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "still stopping after {:?}:\n{}", t.elapsed(), server.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = t.elapsed();
+    storage.resume();
+    let status = server.wait(Duration::from_secs(30));
+    let log = server.log();
+    assert!(took < Duration::from_secs(8), "the stop took {took:?} with a 3 s limit:\n{log}");
+    assert_eq!(status.and_then(|s| s.code()), Some(3), "a stop that timed out:\n{log}");
+    assert!(
+        log.lines().any(|l| l.contains("export \"slow\": not stopped") && l.contains("not flushed")),
+        "no log line names the export being removed:\n{log}"
+    );
+    drop(storage);
+}
