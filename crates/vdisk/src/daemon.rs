@@ -245,7 +245,8 @@ impl Daemon {
     /// reload`); tells a service manager it is reloading, then ready again.
     /// A caller may give up (`ticket`): the exports it added are then taken back.
     pub fn reload_within(&self, ticket: &Ticket) -> Result<Value, Refusal> {
-        let mut config = self.config.lock().unwrap();
+        // A reload that panicked leaves the last applied file as it was: go on from it.
+        let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
         let Some(source) = config.as_mut() else {
             log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
             return Err(Refusal::new(
