@@ -303,6 +303,8 @@ fn reload_once(daemon: &Arc<Daemon>, deadline: Duration) {
          added is taken back once it ends, the exports served go on (is an image on a slow or hung file system?)",
         deadline.as_secs()
     );
+    // The service manager waits for READY=1 after RELOADING=1: the reload is over, failed.
+    crate::systemd::notify(&format!("READY=1\nSTATUS=reload failed (past its deadline); {}", daemon.status()));
     // Reloads never overlap: a SIGHUP meanwhile waits for this one to end.
     let _ = rx.recv();
 }
