@@ -72,8 +72,9 @@ impl FdSink {
 
 impl Sink for FdSink {
     fn complete(&self, done: Vec<Request>) {
-        let n = done.len();
-        for req in &done {
+        // Ended already (a submit that panicked answered it EIO): not again.
+        let settled = self.session.owed.settle(&self.session.inflight, done.iter().map(|r| r.tag));
+        for (req, _) in done.iter().zip(&settled.owed).filter(|(_, owed)| **owed) {
             if let Err(why) = edge::guard(|| self.answer(req)) {
                 log::error!(
                     "fuse {}: answering request {} panicked: {why}; it gets EIO",
@@ -83,8 +84,9 @@ impl Sink for FdSink {
                 self.send(req.tag, libc::EIO, &[]);
             }
         }
+        // The buffers go first, then the count (a stop waits for it).
         drop(done);
-        self.session.inflight.end(n, 0);
+        drop(settled);
     }
 }
 
@@ -278,23 +280,34 @@ impl Reader {
             return;
         }
         let session = &self.sink.session;
-        session.inflight.begin(batch.len(), 0);
-        let uniques: Vec<u64> = batch.iter().map(|r| r.tag).collect();
-        let submitted = edge::guard(|| session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done));
+        // Counted in until each is answered; the guard ends what a panic leaves.
+        let begun = session.owed.begin(&session.inflight, batch.iter().map(|r| r.tag).collect());
+        #[cfg(test)]
+        let test_panic = batch.iter().any(|r| r.offset == crate::session::TEST_PANIC_SUBMIT_AT);
+        let submitted = edge::guard(|| {
+            #[cfg(test)]
+            if test_panic {
+                batch.clear();
+                panic!("a test asked a submit to panic");
+            }
+            session.device.submit_inline(std::mem::take(batch), &self.dyn_sink, done)
+        });
         if let Err(why) = submitted {
-            // Which of them the engine still holds is unknown: answer all now
-            // (a second answer to one is refused by the kernel, harmlessly).
+            // Those not answered yet get EIO now and are counted out; should
+            // the engine still finish one, its completion is dropped (owed.rs).
+            done.clear();
+            let unanswered = begun.abandon();
             log::error!(
                 "fuse {}: submitting {} request(s) panicked: {why}; they get EIO",
                 session.device.name(),
-                uniques.len()
+                unanswered.len()
             );
-            done.clear();
-            for unique in uniques {
+            for unique in unanswered {
                 self.sink.send(unique, libc::EIO, &[]);
             }
             return;
         }
+        begun.handed_over();
         if !done.is_empty() {
             self.sink.complete(std::mem::take(done));
         }

@@ -14,6 +14,7 @@ mod classic;
 mod edge;
 mod error;
 mod mount;
+mod owed;
 pub mod proto;
 mod ring;
 mod ring_entry;

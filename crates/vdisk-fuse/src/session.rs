@@ -26,6 +26,9 @@ pub(crate) const TEST_PANIC_IN_LOOP: u32 = 0x7e57_0002;
 pub(crate) const TEST_PANIC_READ_AT: u64 = 0x7_0000;
 #[cfg(test)]
 pub(crate) const TEST_PANIC_LOOP_AT: u64 = 0x7_8000;
+/// Test-only: a classic batch with a READ here panics in its submit, before the engine takes it.
+#[cfg(test)]
+pub(crate) const TEST_PANIC_SUBMIT_AT: u64 = 0x6_0000;
 /// How long the kernel may cache the attributes: they never change.
 const ATTR_VALID_SECS: u64 = 3600;
 
@@ -48,6 +51,8 @@ pub struct Session {
     started: u64,
     /// Requests with the engine; stop waits for none.
     pub inflight: InFlight,
+    /// The classic transport's requests with the engine, by unique (each counted out once).
+    pub owed: crate::owed::Owed,
     /// LSEEKs with the engine, by FUSE `unique`: whether each wants a hole
     /// (SEEK_HOLE) or data (SEEK_DATA). The engine's BLOCK_STATUS does not
     /// carry it; the reply needs it.
@@ -68,6 +73,7 @@ impl Session {
             gid,
             started,
             inflight: InFlight::new(),
+            owed: Default::default(),
             seeks: Mutex::new(HashMap::new()),
         }
     }

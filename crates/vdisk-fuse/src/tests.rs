@@ -2,7 +2,9 @@
 //! a SOCK_SEQPACKET socket standing in for /dev/fuse (one request per read,
 //! like the device), over a real device on a raw file. A request whose
 //! dispatch panics gets EIO and the next ones are served; after the loop
-//! itself panics, every request still gets an answer (EIO), never silence.
+//! itself panics, every request still gets an answer (EIO), never silence;
+//! a submit that panics answers its batch EIO and leaves no request counted
+//! in flight (else a stop would wait out its limit).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use vdisk_image::{Image, RawImage};
 
 use crate::classic::Reader;
 use crate::proto::{self, Wire};
-use crate::session::{Session, TEST_PANIC, TEST_PANIC_IN_LOOP};
+use crate::session::{Session, TEST_PANIC, TEST_PANIC_IN_LOOP, TEST_PANIC_SUBMIT_AT};
 
 struct Kernel {
     fd: OwnedFd,
@@ -54,6 +56,12 @@ impl Kernel {
 }
 
 fn serve(tag: &str) -> (Kernel, std::thread::JoinHandle<()>) {
+    let (k, t, _) = serve_session(tag);
+    (k, t)
+}
+
+/// [`serve`], with the session (its in-flight count) kept for the test.
+fn serve_session(tag: &str) -> (Kernel, std::thread::JoinHandle<()>, Arc<Session>) {
     let dir = std::env::temp_dir().join(format!("vdisk-fuse-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("disk.img");
@@ -69,8 +77,9 @@ fn serve(tag: &str) -> (Kernel, std::thread::JoinHandle<()>) {
     let server = unsafe { OwnedFd::from_raw_fd(fds[0]) };
     // SAFETY: the same for fds[1].
     let kernel = unsafe { OwnedFd::from_raw_fd(fds[1]) };
-    let reader = Reader::new(server, Arc::new(Session::new(device))).unwrap();
-    (Kernel { fd: kernel, dir }, std::thread::spawn(move || reader.run()))
+    let session = Arc::new(Session::new(device));
+    let reader = Reader::new(server, session.clone()).unwrap();
+    (Kernel { fd: kernel, dir }, std::thread::spawn(move || reader.run()), session)
 }
 
 fn read_arg(offset: u64, size: u32) -> Vec<u8> {
@@ -192,4 +201,17 @@ fn ring_requests_that_panic_get_eio_and_the_queue_goes_on() {
     drop(f);
     export.stop().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_submit_that_panics_answers_eio_and_leaves_nothing_in_flight() {
+    let (k, t, session) = serve_session("panic-submit");
+    k.send(proto::READ, 1, &read_arg(TEST_PANIC_SUBMIT_AT, 4096));
+    assert_eq!(k.reply(), (1, libc::EIO, 0), "the READ whose submit panicked");
+    k.send(proto::READ, 2, &read_arg(0, 4096));
+    assert_eq!(k.reply(), (2, 0, 4096), "a READ after the panic");
+    let idle = session.inflight.wait_idle_timeout(std::time::Duration::from_secs(2));
+    assert!(idle, "still counted in flight after every request was answered: {:?}", session.inflight.counts());
+    drop(k);
+    t.join().expect("the reader thread ends when the device goes away");
 }

@@ -275,6 +275,16 @@ fn within(
             }
             Err(mpsc::RecvTimeoutError::Timeout) if ticket.abandon() => {
                 log::warn!("control: {what} ran past its deadline of {} s: given up", deadline.as_secs());
+                // A removal takes the export out first: that much is done, and said.
+                if let Some(made) = ticket.made_already() {
+                    return Err(Refusal {
+                        code: ERR_FAILED,
+                        message: format!(
+                            "{what} did not finish within {} s (--control-timeout): {made}",
+                            deadline.as_secs()
+                        ),
+                    });
+                }
                 return Err(Refusal {
                     code: ERR_FAILED,
                     message: format!(

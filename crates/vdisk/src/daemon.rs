@@ -15,10 +15,16 @@
 //! change is not made (an image that opens late is closed and dropped).
 //! What a control-socket request or the config file adds is opened inside
 //! the image roots when there are any ([`Origin::Request`]).
+//!
+//! Removing is the mirror image: the export is taken out of the table under
+//! the lock, then stopped and flushed outside it (storage that does not
+//! answer must not hold every later change). Its name stays taken until the
+//! stop ends, so adding it again meanwhile is refused; a shutdown waits for
+//! such stops too (within the stop limit, which names them).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use serde_json::{json, Value};
@@ -57,6 +63,8 @@ pub enum Origin {
 pub struct Ticket {
     /// (abandoned, changes being made right now)
     state: Mutex<(bool, u32)>,
+    /// What was changed already, should the request still be running at its deadline.
+    made: Mutex<Option<String>>,
 }
 
 impl Ticket {
@@ -68,6 +76,17 @@ impl Ticket {
         }
         s.1 += 1;
         Some(Committing(self))
+    }
+
+    /// Records that the change was made, though the request goes on (a
+    /// removal still flushing): what a caller given up at its deadline is told.
+    pub(crate) fn made(&self, what: String) {
+        *self.made.lock().unwrap() = Some(what);
+    }
+
+    /// What [`Ticket::made`] recorded, if anything.
+    pub fn made_already(&self) -> Option<String> {
+        self.made.lock().unwrap().clone()
     }
 
     /// Gives up, unless a change is being made right now (then false: wait for it).
@@ -102,6 +121,27 @@ struct Reserved<'a> {
 impl Drop for Reserved<'_> {
     fn drop(&mut self) {
         self.names.lock().unwrap().remove(&self.name);
+    }
+}
+
+/// Exports taken out of the table whose stop (unmount, flush) has not ended:
+/// name and FUSE file. Their names stay taken; a shutdown waits for them.
+#[derive(Default)]
+struct Removing {
+    names: Mutex<HashMap<String, Option<PathBuf>>>,
+    ended: Condvar,
+}
+
+/// One export being stopped after its removal: its name is freed when dropped, whatever happens.
+struct Stopping<'a> {
+    removing: &'a Removing,
+    name: String,
+}
+
+impl Drop for Stopping<'_> {
+    fn drop(&mut self) {
+        self.removing.names.lock().unwrap().remove(&self.name);
+        self.removing.ended.notify_all();
     }
 }
 
@@ -140,6 +180,8 @@ pub struct Daemon {
     changes: Mutex<bool>,
     /// Names of exports being opened (outside `changes`), so a second add of one is refused.
     reserved: Mutex<HashSet<String>>,
+    /// Exports removed from the table and still stopping (outside `changes`).
+    removing: Removing,
     started: Instant,
     /// `--config FILE` and the exports it started; held through a reload.
     config: Mutex<Option<crate::reload::Source>>,
@@ -194,6 +236,7 @@ impl Daemon {
             exports: Mutex::new(Vec::new()),
             changes: Mutex::new(false),
             reserved: Mutex::new(HashSet::new()),
+            removing: Removing::default(),
             started: Instant::now(),
             config: Mutex::new(None),
         }
@@ -206,14 +249,10 @@ impl Daemon {
 
     /// Rereads `--config FILE` and applies the difference (SIGHUP, `vdisk ctl
     /// reload`); tells a service manager it is reloading, then ready again.
-    pub fn reload(&self) -> Result<Value, Refusal> {
-        self.reload_within(&Ticket::default())
-    }
-
-    /// [`Daemon::reload`] for a caller that may give up (`ticket`): the
-    /// exports it added are then taken back.
+    /// A caller may give up (`ticket`): the exports it added are then taken back.
     pub fn reload_within(&self, ticket: &Ticket) -> Result<Value, Refusal> {
-        let mut config = self.config.lock().unwrap();
+        // A reload that panicked leaves the last applied file as it was: go on from it.
+        let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
         let Some(source) = config.as_mut() else {
             log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
             return Err(Refusal::new(
@@ -289,6 +328,15 @@ impl Daemon {
         };
         if self.exports.lock().unwrap().iter().any(|e| e.name == name) {
             return Err(exists());
+        }
+        if self.removing.names.lock().unwrap().contains_key(name) {
+            return Err(Refusal::new(
+                ERR_EXISTS,
+                format!(
+                    "export {name:?} is being removed (its device is still stopping and flushing): add it again once \
+                     the removal has ended, or pick another name"
+                ),
+            ));
         }
         if !self.reserved.lock().unwrap().insert(name.to_owned()) {
             return Err(Refusal::new(
@@ -368,31 +416,41 @@ impl Daemon {
     }
 
     /// [`Daemon::remove`], unless `ticket` was abandoned before it starts.
+    /// The export leaves the table under the change lock; its stop and flush
+    /// run after the lock is let go (the module doc).
     pub fn remove_within(&self, name: &str, hard: bool, ticket: &Ticket) -> Result<(), Refusal> {
-        let _change = self.changes.lock().unwrap();
-        let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
-        let Some((at, export)) = self.nbd.remove_export(name) else {
-            return Err(Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)")));
-        };
-        if !hard {
-            let attached = self.attached(name);
-            if !attached.is_empty() {
-                self.nbd.restore_export(at, export);
-                return Err(Refusal::new(
-                    ERR_BUSY,
-                    format!("export {name:?} is in use: {}; `remove --hard` disconnects them", attached.join(", ")),
-                ));
+        let (running, _stopping) = {
+            let _change = self.changes.lock().unwrap();
+            let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
+            let Some((at, export)) = self.nbd.remove_export(name) else {
+                return Err(Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)")));
+            };
+            if !hard {
+                let attached = self.attached(name);
+                if !attached.is_empty() {
+                    self.nbd.restore_export(at, export);
+                    return Err(Refusal::new(
+                        ERR_BUSY,
+                        format!("export {name:?} is in use: {}; `remove --hard` disconnects them", attached.join(", ")),
+                    ));
+                }
             }
-        }
-        // Requests waiting for QoS tokens are in flight too: they go now.
-        export.device.set_limits(Limits::default());
-        self.nbd.disconnect(name);
-        let running = {
-            let mut exports = self.exports.lock().unwrap();
-            let at = exports.iter().position(|e| e.name == name).expect("served over NBD, so listed");
-            exports.remove(at)
+            // Requests waiting for QoS tokens are in flight too: they go now.
+            export.device.set_limits(Limits::default());
+            let running = {
+                let mut exports = self.exports.lock().unwrap();
+                let at = exports.iter().position(|e| e.name == name).expect("served over NBD, so listed");
+                exports.remove(at)
+            };
+            self.removing.names.lock().unwrap().insert(name.to_owned(), running.spec.fuse.clone());
+            ticket.made(format!(
+                "export {name:?} is no longer served, but its stop (unmount, flush) had not ended: it goes on, and \
+                 the name stays taken until it ends (is its storage slow or hung?)"
+            ));
+            (running, Stopping { removing: &self.removing, name: name.to_owned() })
         };
-        drop(export);
+        // Its clients finish what they sent (on hung storage that may never end): outside the lock too.
+        self.nbd.disconnect(name);
         let failed = running.device.failure().is_some();
         let stopped = match stop_export(running, &|_| {}) {
             // Removing a failed export is how it is brought back: that is no error of the removal.
@@ -404,6 +462,12 @@ impl Daemon {
         };
         log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
         stopped
+    }
+
+    /// Why export `name`'s device failed, if it did (None too for no such export).
+    pub fn failure(&self, name: &str) -> Option<String> {
+        let exports = self.exports.lock().unwrap();
+        exports.iter().find(|e| e.name == name).and_then(|e| e.device.failure())
     }
 
     /// What is attached to an export, for people ("2 NBD clients", "FUSE file /x").
@@ -530,6 +594,15 @@ impl Daemon {
         for running in &all {
             progress.begin(&running.name, running.spec.fuse.clone());
         }
+        // Removed before the stop began and still flushing: waited for below.
+        let removing: Vec<String> = {
+            let names = self.removing.names.lock().unwrap();
+            for (name, fuse) in names.iter() {
+                progress.begin(name, fuse.clone());
+                progress.step(name, Step::Flushing);
+            }
+            names.keys().cloned().collect()
+        };
         let errors: Vec<String> = std::thread::scope(|scope| {
             let stopping: Vec<_> = all
                 .into_iter()
@@ -556,6 +629,12 @@ impl Daemon {
                 .flat_map(|t| t.join().unwrap_or_else(|_| vec!["a stop thread panicked".into()]))
                 .collect()
         });
+        let mut names = self.removing.names.lock().unwrap();
+        for name in removing {
+            names = self.removing.ended.wait_while(names, |n| n.contains_key(&name)).unwrap();
+            progress.step(&name, Step::Done);
+        }
+        drop(names);
         if errors.is_empty() {
             Ok(())
         } else {

@@ -19,8 +19,18 @@
 //! - What is compared is the file against the file last applied: a QoS set
 //!   with `vdisk ctl qos` stays until the file's own limits change. An export
 //!   of the file removed with `vdisk ctl remove` is added again.
+//! - An export of the file whose device failed (`failure` in `vdisk ctl
+//!   list`) is removed and added again as the file says: a reload brings it back.
+//!
+//! SIGHUP reloads run on a thread of their own ([`Reloader`]), never on the
+//! signal thread (a reload that waits on a hung file system must not keep a
+//! SIGTERM from being handled): one at a time, SIGHUPs that come meanwhile
+//! coalesce into one more reload after it, and each has the control
+//! requests' deadline (`--control-timeout`), past which it is given up.
 
 use std::path::PathBuf;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -46,6 +56,7 @@ impl Source {
 struct Report {
     added: Vec<String>,
     removed: Vec<String>,
+    restarted: Vec<String>,
     qos: Vec<String>,
     unchanged: Vec<String>,
     kept: Vec<Value>,
@@ -70,6 +81,7 @@ pub fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<Va
     source.managed.retain(|m| m.name.as_ref().is_some_and(|n| served.contains(n)));
     let mut report = Report { server_changed: new.server != source.server, ..Default::default() };
     add_new(daemon, source, &new.exports, &mut report, ticket)?;
+    restart_failed(daemon, source, &new.exports, &mut report, ticket);
     for spec in &new.exports {
         change(daemon, source, spec, &mut report);
     }
@@ -79,10 +91,11 @@ pub fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<Va
     }
     source.server = new.server;
     log::info!(
-        "reload of {}: {} added, {} removed, {} QoS changed, {} kept as they were",
+        "reload of {}: {} added, {} removed, {} restarted, {} QoS changed, {} kept as they were",
         source.path.display(),
         report.added.len(),
         report.removed.len(),
+        report.restarted.len(),
         report.qos.len(),
         report.kept.len()
     );
@@ -90,6 +103,7 @@ pub fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<Va
         "config": source.path,
         "added": report.added,
         "removed": report.removed,
+        "restarted": report.restarted,
         "qos_changed": report.qos,
         "unchanged": report.unchanged,
         "kept": report.kept,
@@ -131,11 +145,44 @@ fn add_new(
     Ok(())
 }
 
+/// Brings back the exports of the file whose device failed: each is removed
+/// (its failure is no error of the removal) and added again as the file says.
+fn restart_failed(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], report: &mut Report, ticket: &Ticket) {
+    for spec in new {
+        let n = name(spec);
+        if report.added.contains(&n) || !source.managed.iter().any(|m| m.name == spec.name) {
+            continue;
+        }
+        let Some(why) = daemon.failure(&n) else { continue };
+        log::warn!(export:% = n; "reload: export {n:?} had failed ({why}): starting it again");
+        if let Err(e) = daemon.remove_within(&n, true, ticket) {
+            keep(report, &n, format!("it had failed ({why}) and could not be removed to start again: {}", e.message));
+            continue;
+        }
+        // No longer served: should the add fail, the next reload adds it as new.
+        source.managed.retain(|m| m.name != spec.name);
+        match daemon.add_as(spec.clone(), Origin::Request, ticket) {
+            Ok(_) => {
+                report.restarted.push(n);
+                source.managed.push(spec.clone());
+            }
+            Err(e) => keep(
+                report,
+                &n,
+                format!(
+                    "it had failed ({why}) and was removed, but adding it again failed: {}; the next reload tries again",
+                    e.message
+                ),
+            ),
+        }
+    }
+}
+
 /// Applies a changed QoS to an export both in the served set and the file; reports other changes.
 fn change(daemon: &Daemon, source: &mut Source, spec: &ExportSpec, report: &mut Report) {
     let n = name(spec);
     let Some(old) = source.managed.iter_mut().find(|m| m.name == spec.name) else { return };
-    if report.added.contains(&n) {
+    if report.added.contains(&n) || report.restarted.contains(&n) {
         return;
     }
     if old == spec {
@@ -182,4 +229,82 @@ fn remove_vanished(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], rep
         }
         source.managed.retain(|m| m.name.as_deref() != Some(n.as_str()));
     }
+}
+
+/// Runs SIGHUP reloads on their own thread (module doc): one at a time, each
+/// under `deadline`; requests that come while one runs coalesce into one more.
+pub struct Reloader {
+    shared: Arc<Wanted>,
+}
+
+#[derive(Default)]
+struct Wanted {
+    /// (a reload is asked for, a reload is running)
+    state: Mutex<(bool, bool)>,
+    cond: Condvar,
+}
+
+impl Reloader {
+    /// Starts the reload thread for `daemon`.
+    pub fn start(daemon: Arc<Daemon>, deadline: Duration) -> std::io::Result<Reloader> {
+        let shared = Arc::new(Wanted::default());
+        let s = shared.clone();
+        std::thread::Builder::new().name("reload".into()).spawn(move || loop {
+            {
+                let mut st = s.cond.wait_while(s.state.lock().unwrap(), |st| !st.0).unwrap();
+                *st = (false, true);
+            }
+            reload_once(&daemon, deadline);
+            s.state.lock().unwrap().1 = false;
+        })?;
+        Ok(Reloader { shared })
+    }
+
+    /// SIGHUP: a reload, now or right after the one running.
+    pub fn request(&self) {
+        let mut st = self.shared.state.lock().unwrap();
+        if st.1 {
+            log::warn!("SIGHUP: a reload is still running; one more follows once it has ended");
+        } else {
+            log::info!("SIGHUP: reloading the config");
+        }
+        st.0 = true;
+        self.shared.cond.notify_all();
+    }
+}
+
+/// One reload on a thread of its own, given up past `deadline` (then
+/// waited for, so reloads never overlap: the next one queues behind it).
+fn reload_once(daemon: &Arc<Daemon>, deadline: Duration) {
+    let ticket = Arc::new(Ticket::default());
+    let (tx, rx) = mpsc::channel();
+    let (d, t) = (daemon.clone(), ticket.clone());
+    // Its outcome, failures included, is logged by the reload itself.
+    let spawned = std::thread::Builder::new().name("reload-run".into()).spawn(move || {
+        let _ = tx.send(d.reload_within(&t).is_ok());
+    });
+    if let Err(e) = spawned {
+        log::error!("reload: cannot start a thread for it ({e}); nothing changed");
+        return;
+    }
+    let until = Instant::now() + deadline;
+    loop {
+        let wait = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(20));
+        match rx.recv_timeout(wait) {
+            Ok(_) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            Err(mpsc::RecvTimeoutError::Timeout) if ticket.abandon() => break,
+            // A change is being made right now: wait for it.
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+    }
+    let made = ticket.made_already().map(|m| format!(" ({m})")).unwrap_or_default();
+    log::error!(
+        "reload failed: it did not finish within {} s (--control-timeout) and was given up{made}; what it had \
+         added is taken back once it ends, the exports served go on (is an image on a slow or hung file system?)",
+        deadline.as_secs()
+    );
+    // The service manager waits for READY=1 after RELOADING=1: the reload is over, failed.
+    crate::systemd::notify(&format!("READY=1\nSTATUS=reload failed (past its deadline); {}", daemon.status()));
+    // Reloads never overlap: a SIGHUP meanwhile waits for this one to end.
+    let _ = rx.recv();
 }

@@ -87,7 +87,9 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     let limit = a.stop_timeout.unwrap_or(crate::stopping::DEFAULT_STOP_TIMEOUT);
     let mut remove: Vec<PathBuf> = listeners.socket.iter().cloned().collect();
     remove.extend(a.pid_file.iter().cloned());
-    serve_until_signal(&server, &daemon, listeners, signals, (limit, remove))
+    // A SIGHUP reload has the control requests' deadline.
+    let reload = a.control_timeout.map_or(crate::control::DEFAULT_DEADLINE, |s| Duration::from_secs(s.into()));
+    serve_until_signal(&server, &daemon, listeners, signals, (limit, remove, reload))
 }
 
 /// Clients served at once when --max-connections is not given.
@@ -178,20 +180,25 @@ fn start_config(
 /// Serves until the first signal, then stops everything: NBD clients finish,
 /// every export is stopped and flushed. Every failure on the way is reported.
 /// The stop is bounded (`bound`: the limit, and files to remove if it is
-/// reached): past it the watchdog ends the process (crate::stopping).
+/// reached, and the deadline of a SIGHUP reload): past it the watchdog ends
+/// the process (crate::stopping). Reloads run on their own thread
+/// (crate::reload::Reloader), so the signal thread is always free for SIGTERM.
 fn serve_until_signal(
     server: &Arc<Server>,
     daemon: &Arc<Daemon>,
     listeners: Listeners,
     signals: libc::sigset_t,
-    bound: (Duration, Vec<PathBuf>),
+    bound: (Duration, Vec<PathBuf>, Duration),
 ) -> Result<(), Failure> {
     let stop = Arc::new(Stop::default());
     {
+        let (limit, remove, reload) = bound;
+        let reloader = crate::reload::Reloader::start(daemon.clone(), reload)
+            .map_err(|e| Failure::runtime(format!("cannot start the reload thread: {e}")))?;
         let (server, stop, daemon) = (server.clone(), stop.clone(), daemon.clone());
         std::thread::Builder::new()
             .name("signals".into())
-            .spawn(move || wait_for_signals(signals, &server, &daemon, &stop, bound))
+            .spawn(move || wait_for_signals(signals, (&server, &daemon, &reloader), &stop, (limit, remove)))
             .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
     }
     let Listeners { nbd, socket, control, metrics, .. } = listeners;
@@ -579,8 +586,7 @@ impl Stop {
 /// logs it and exits). Between signals, every few seconds, the status line for systemd.
 fn wait_for_signals(
     set: libc::sigset_t,
-    server: &Server,
-    daemon: &Daemon,
+    (server, daemon, reloader): (&Server, &Daemon, &crate::reload::Reloader),
     stop: &Stop,
     bound: (Duration, Vec<PathBuf>),
 ) {
@@ -600,9 +606,8 @@ fn wait_for_signals(
             continue;
         }
         if sig == libc::SIGHUP {
-            log::info!("SIGHUP: reloading the config");
-            // Its outcome, failures included, is logged by the reload itself.
-            let _ = daemon.reload();
+            // On the reload thread, under its deadline; logged there.
+            reloader.request();
             continue;
         }
         count += 1;

@@ -4,7 +4,8 @@
 //! error (`ent:enter#30`), while fio verifies its writes on `good`. Each
 //! failing export answers EIO within 1 s from then on, shows as failed (with
 //! its cause) in `vdisk ctl list`, `stats` and the metrics, is brought back by
-//! removing and adding it again, and SIGTERM still ends the server promptly.
+//! removing and adding it again (or by a reload of the config file that
+//! names it), and SIGTERM still ends the server promptly.
 //! docs/design.md ("Never hang") describes the engine's side.
 
 mod common;
@@ -166,4 +167,43 @@ fn a_panicking_thread_worker_fails_only_its_export() {
     let status = server.stop_with(libc::SIGTERM);
     assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
     assert!(!status.success(), "a failed export is an error of the stop: {status}");
+}
+
+/// A reload brings a failed export of the config file back: `e1`'s worker
+/// panics (`e1:panic#3`, once per process), then `vdisk ctl reload` with the
+/// file unchanged removes and adds it again (`restarted`), and it serves.
+#[test]
+fn a_reload_restarts_a_failed_export_of_the_config() {
+    let dir = TempDir::new("engine-faults-reload");
+    for n in ["e1", "good"] {
+        create_image(&dir.path(&format!("{n}.img")), "16M");
+    }
+    let config = dir.path("vdisk.toml");
+    let text = format!(
+        "[server]\ncontrol = \"ctl.sock\"\nengine = \"threads\"\n\n[[export]]\nimage = \"{}\"\n\n[[export]]\nimage = \"{}\"\n",
+        dir.path("e1.img").display(),
+        dir.path("good.img").display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let control = dir.path("ctl.sock");
+    let args = ["--config", s(&config), "--no-inline"];
+    let server = Server::start_env(&dir, &args, &[("VDISK_FAULTS", "e1:panic#3")]);
+    drive_until_eio(&server.socket, "e1", 40);
+    let state = |name: &str| {
+        let list = ctl_json(&control, &["list"]);
+        list.as_array().unwrap().iter().find(|e| e["name"] == name).unwrap()["state"].clone()
+    };
+    assert_eq!(state("e1"), "failed");
+
+    let report = ctl_json(&control, &["reload"]);
+    assert_eq!(report["restarted"], serde_json::json!(["e1"]), "{report}");
+    assert_eq!(report["unchanged"], serde_json::json!(["good"]), "{report}");
+    assert_eq!(state("e1"), "serving");
+    qemu_io(&server.uri("e1"), &["write -P 7 0 256k", "flush", "read -P 7 0 256k"]);
+    // Serving again, nothing more to restart.
+    let report = ctl_json(&control, &["reload"]);
+    assert_eq!(report["restarted"], serde_json::json!([]), "{report}");
+    let t = Instant::now();
+    server.stop();
+    assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
 }
