@@ -4,15 +4,20 @@
 
 use std::io::Read;
 use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::client::{Client, Cmd};
 use crate::conn::TEST_PANIC_CMD;
 use crate::{fuzzing, Listener, Server, ServerOptions};
 
-#[test]
-fn a_panicking_connection_is_closed_and_the_others_serve_on() {
-    let dir = std::env::temp_dir().join(format!("vdisk-nbd-{}-panic", std::process::id()));
+/// A server of one 1 MiB export "disk" (the fuzzing image) on a unix socket in
+/// a fresh directory named after `tag`: the server, its serving thread, the
+/// directory and the socket's path.
+fn serve_one_disk(tag: &str) -> (Arc<Server>, JoinHandle<std::io::Result<()>>, PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("vdisk-nbd-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("nbd.sock");
     let _ = std::fs::remove_file(&path);
@@ -22,6 +27,12 @@ fn a_panicking_connection_is_closed_and_the_others_serve_on() {
         let (server, path) = (server.clone(), path.clone());
         std::thread::spawn(move || server.serve(vec![Listener::Unix(listener, path)]))
     };
+    (server, serving, dir, path)
+}
+
+#[test]
+fn a_panicking_connection_is_closed_and_the_others_serve_on() {
+    let (server, serving, dir, path) = serve_one_disk("panic");
     let timeout = Duration::from_secs(20);
     let mut other = Client::connect(&path, "disk", timeout).unwrap();
     let mut victim = Client::connect(&path, "disk", timeout).unwrap();
@@ -79,16 +90,7 @@ fn signals_without_sa_restart_do_not_break_connections() {
     sa.sa_flags = 0; // no SA_RESTART: blocked calls fail with EINTR
                      // SAFETY: a handler that does nothing for SIGURG, which nothing else here uses.
     assert_eq!(unsafe { libc::sigaction(libc::SIGURG, &sa, std::ptr::null_mut()) }, 0);
-    let dir = std::env::temp_dir().join(format!("vdisk-nbd-{}-eintr", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("nbd.sock");
-    let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).unwrap();
-    let server = Server::new(fuzzing::exports(&[("disk", 1 << 20, false)]), ServerOptions::default()).unwrap();
-    let serving = {
-        let (server, path) = (server.clone(), path.clone());
-        std::thread::spawn(move || server.serve(vec![Listener::Unix(listener, path)]))
-    };
+    let (server, serving, dir, path) = serve_one_disk("eintr");
     let timeout = Duration::from_secs(20);
     let mut clients: Vec<Client> = (0..3).map(|_| Client::connect(&path, "disk", timeout).unwrap()).collect();
     for round in 0..20 {
