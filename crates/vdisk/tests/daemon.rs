@@ -225,22 +225,7 @@ fn stats_count_what_nbdcopy_wrote() {
 fn fio_verify_until(dir: &Path, uri: &str, stop: &AtomicBool) -> usize {
     let mut rounds = 0;
     while rounds == 0 || !stop.load(Ordering::SeqCst) {
-        let uri = format!("--uri={uri}");
-        let args = [
-            "--name=a",
-            "--ioengine=nbd",
-            &uri,
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=16",
-            "--size=16M",
-            "--verify=crc32c",
-            "--do_verify=1",
-        ];
-        let out = Command::new("fio").args(args).current_dir(dir).output().expect("run fio");
-        let all = text(&out);
-        assert!(out.status.success() && all.contains("err= 0"), "fio on A failed:\n{all}");
-        assert!(!all.contains("verify: bad") && all.contains("read: IOPS"), "fio on A did not verify:\n{all}");
+        fio_randwrite_verify(dir, uri, "A");
         rounds += 1;
     }
     rounds

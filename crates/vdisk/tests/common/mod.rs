@@ -274,6 +274,28 @@ pub fn text(out: &Output) -> String {
     )
 }
 
+/// fio's nbd engine writing 16 MiB of random 4 KiB blocks (QD16) to `uri`,
+/// run in `dir`, then reading them back checked (crc32c); asserts no error
+/// and that the verify pass ran. `what` names the export in a failure.
+pub fn fio_randwrite_verify(dir: &Path, uri: &str, what: &str) {
+    let uri = format!("--uri={uri}");
+    let args = [
+        "--name=verify",
+        "--ioengine=nbd",
+        &uri,
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=16",
+        "--size=16M",
+        "--verify=crc32c",
+        "--do_verify=1",
+    ];
+    let out = Command::new("fio").args(args).current_dir(dir).output().expect("run fio");
+    let all = text(&out);
+    assert!(out.status.success() && all.contains("err= 0"), "fio on {what} failed:\n{all}");
+    assert!(!all.contains("verify: bad") && all.contains("read: IOPS"), "fio on {what} did not verify:\n{all}");
+}
+
 /// `qemu-io -f raw URI -c CMD...`, asserting that it succeeds and that no
 /// command reports a failure (qemu-io prints "... failed" for both I/O errors
 /// and pattern mismatches). Returns stdout.
