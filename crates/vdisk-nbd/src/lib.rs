@@ -8,6 +8,7 @@
 
 pub mod client;
 mod conn;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod handshake;
