@@ -17,6 +17,7 @@
 //! the frontend's inflight buffer says).
 
 pub mod config;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 mod handler;

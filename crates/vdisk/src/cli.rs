@@ -206,6 +206,7 @@ pub struct SecurityArgs {
     pub tls_ca: Option<PathBuf>,
     /// TLS with pre-shared keys instead of certificates: a file of
     /// `username:hexkey` lines (psktool's format, qemu's keys.psk), not readable by others.
+    /// Needs a build with the psk feature (`cargo build --release --features psk`).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["tls_certificates", "tls_cert", "tls_verify_peer", "tls_ca"])]
     pub tls_psk: Option<PathBuf>,
     /// Name of each export, once per image in order (default: the file stem).

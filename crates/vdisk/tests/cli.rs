@@ -49,6 +49,50 @@ fn help_names_commands_and_options() {
     assert_eq!(out.status.code(), Some(2), "unknown subcommand: {}", out.status);
 }
 
+/// Options that only some builds have say so in `--help`, and a build
+/// without them refuses them with a message naming the feature to build with.
+#[test]
+fn help_names_the_features_options_need() {
+    let help = stdout(&vdisk(&["serve", "--help"]));
+    let psk = help.split("--tls-psk <FILE>").nth(1).expect("serve --help lists --tls-psk");
+    assert!(psk.contains("build with the psk feature"), "--tls-psk does not say it needs psk:\n{help}");
+    let help = stdout(&vdisk(&["soak", "--help"]));
+    let power = help.split("--power-loss <POWER_LOSS>").nth(1).expect("soak --help lists --power-loss");
+    assert!(
+        power.contains("build with the `powercut` feature"),
+        "--power-loss does not say it needs powercut:\n{help}"
+    );
+}
+
+#[cfg(not(feature = "psk"))]
+#[test]
+fn tls_psk_without_the_psk_feature_is_refused() {
+    let dir = TempDir::new("no-psk");
+    let img = dir.path("disk.img");
+    create_image(&img, "1M");
+    let keys = dir.path("keys.psk");
+    std::fs::write(&keys, format!("alice:{}\n", "ab".repeat(32))).unwrap();
+    std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let socket = dir.path("s");
+    let args =
+        ["serve", img.to_str().unwrap(), "--socket", socket.to_str().unwrap(), "--tls-psk", keys.to_str().unwrap()];
+    let out = vdisk_bounded(&args);
+    let line = assert_usage_error(&args, &out);
+    assert!(line.contains("--features psk"), "the refusal does not say how to build with psk: {line}");
+}
+
+#[cfg(not(feature = "powercut"))]
+#[test]
+fn soak_power_loss_without_the_powercut_feature_is_refused() {
+    let dir = TempDir::new("no-powercut");
+    let d = dir.path("soak");
+    let args = ["soak", "--rounds", "1", "--seconds", "0", "--power-loss", "drop", "--dir", d.to_str().unwrap()];
+    let out = vdisk_bounded(&args);
+    let line = assert_usage_error(&args, &out);
+    assert!(line.contains("--features powercut"), "the refusal does not say how to build with powercut: {line}");
+    assert!(!d.exists(), "the refused soak made {}", d.display());
+}
+
 #[test]
 fn create_sizes_are_binary_and_sparse() {
     let dir = TempDir::new("create");

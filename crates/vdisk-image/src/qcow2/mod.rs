@@ -26,6 +26,7 @@
 mod commit;
 mod compressed;
 mod create;
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod header;
 mod l2;

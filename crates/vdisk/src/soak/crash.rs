@@ -6,7 +6,7 @@
 //! server.
 //!
 //! Power-loss rounds (`--power-loss`) put the images on a
-//! [`vdisk_powercut::Storage`] mounted by this process: a FUSE file system
+//! [`power::Storage`] mounted by this process: a FUSE file system
 //! that keeps only what was fsynced. The power is cut (the storage dies
 //! first, at a random moment or when a random FSYNC arrives; then the server
 //! is killed), the storage comes back with only its durable state, or with a
@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::check::{self, BlockLog};
+use super::power;
 use super::server::Served;
 use super::Rng;
 use vdisk_nbd::client::{Client as Conn, Cmd, FUA};
@@ -84,7 +85,7 @@ struct Combo {
     bs: usize,
     dir: PathBuf,
     /// The power-loss storage the images live on, if any.
-    storage: Option<vdisk_powercut::Storage>,
+    storage: Option<power::Storage>,
     image: PathBuf,
     /// The COW overlay's backing file and its bytes (never to change).
     base: Option<(PathBuf, Vec<u8>)>,
@@ -203,7 +204,7 @@ fn writer(
     round: &Mutex<Round>,
     connected: &AtomicUsize,
     seed: u64,
-    power: Option<&vdisk_powercut::Probe>,
+    power: Option<&power::Probe>,
 ) -> Result<(), String> {
     let mut conn = Conn::connect(socket, "", Duration::from_secs(30)).map_err(|e| format!("connect: {e}"))?;
     connected.fetch_add(1, Ordering::SeqCst);
@@ -279,7 +280,7 @@ fn setup(
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let storage = if power {
         let mnt = dir.join("mnt");
-        let s = vdisk_powercut::Storage::mount(&mnt)
+        let s = power::Storage::mount(&mnt)
             .map_err(|e| format!("cannot mount the power-loss storage on {}: {e}", mnt.display()))?;
         Some(s)
     } else {
@@ -438,8 +439,7 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
 /// it sees, when the most data is waiting for it; the caller then kills the
 /// server. Returns the server's log tail and whether it was still alive.
 fn end_round(c: &Combo, server: &Served, partial: bool, rng: &mut Rng, report: &mut CrashReport) -> (String, bool) {
-    let survival =
-        if partial { vdisk_powercut::Survival::Random(rng.next()) } else { vdisk_powercut::Survival::Nothing };
+    let survival = if partial { power::Survival::Random(rng.next()) } else { power::Survival::Nothing };
     let probe = c.storage.as_ref().map(|s| s.probe());
     if let Some(s) = c.storage.as_ref().filter(|_| rng.below(2) == 0) {
         // A qcow2 metadata round syncs up to four times (data, refcounts, L2

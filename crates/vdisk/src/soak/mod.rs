@@ -9,6 +9,7 @@
 mod check;
 mod crash;
 mod load;
+mod power;
 mod server;
 
 use std::path::PathBuf;
@@ -54,7 +55,8 @@ and no sector may hold data never written to it. Rounds cycle through raw images
 and qcow2 overlays (checked with qemu-img check after each round), each engine, with
 and without --sync.
 
-With --power-loss the images live on a FUSE file system this process mounts (needs
+With --power-loss (only in a build with the powercut feature: `cargo build --release
+--features powercut`) the images live on a FUSE file system this process mounts (needs
 /dev/fuse and root) that keeps only what was fsynced: each round cuts its power at a
 random moment or when an FSYNC arrives (the storage dies first, then the server), then
 restarts the server on what the storage made durable (drop), or on that plus a random
@@ -96,7 +98,8 @@ pub struct SoakArgs {
     /// Image formats for the crash rounds, comma-separated.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["raw", "cow", "qcow2"])]
     pub format: Vec<SoakFormat>,
-    /// End crash rounds with a power cut of the images' storage instead of a SIGKILL alone.
+    /// End crash rounds with a power cut of the images' storage instead of a SIGKILL alone
+    /// (needs a build with the `powercut` feature: test machinery, not in a release build).
     #[arg(long, value_enum, default_value = "off")]
     pub power_loss: PowerLoss,
     /// Directory for the images (default: a new one under $TMPDIR, removed afterwards).
@@ -139,6 +142,10 @@ fn engine_name(e: EngineArg) -> &'static str {
 }
 
 pub fn run(a: SoakArgs) -> Result<(), Failure> {
+    #[cfg(not(feature = "powercut"))]
+    if a.power_loss != PowerLoss::Off {
+        return Err(Failure::usage(power::NOT_BUILT));
+    }
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     });
