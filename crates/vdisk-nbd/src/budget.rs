@@ -180,6 +180,11 @@ impl Budget {
         false
     }
 
+    /// Others need the budget: someone waits for it, or over half is held.
+    pub fn pressed(&self) -> bool {
+        self.waiting() > 0 || self.used() > self.max / 2
+    }
+
     /// Connections waiting for the budget now.
     pub fn waiting(&self) -> usize {
         self.waiting.load(Ordering::SeqCst)

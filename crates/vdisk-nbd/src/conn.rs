@@ -102,7 +102,8 @@ pub fn transmission(
         allocation_context: neg.allocation_context.unwrap_or(0),
         errors: device.errors().clone(),
     };
-    let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone()));
+    let outbox =
+        Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone(), device.clone()));
     let writer = {
         let outbox = outbox.clone();
         let shut = stream.try_clone()?;
@@ -209,10 +210,10 @@ impl Reader<'_> {
     /// Charges a request against the connection's in-flight bound and the
     /// server's budget, submitting what is pending first if it has to wait
     /// (those requests must be able to finish).
-    fn charge(&mut self, cost: usize) {
-        if !self.outbox.charge(cost, false) {
+    fn charge(&mut self, cost: usize, read: bool) {
+        if !self.outbox.charge(cost, read, false) {
             self.submit();
-            self.outbox.charge(cost, true);
+            self.outbox.charge(cost, read, true);
         }
         if !self.budget.try_charge(cost, self.account) {
             self.submit();
@@ -306,7 +307,7 @@ impl Reader<'_> {
         let v = match verdict {
             Ok(v) => v,
             Err(errno) => {
-                self.charge(REQUEST_OVERHEAD);
+                self.charge(REQUEST_OVERHEAD, false);
                 self.outbox.deliver(vec![refusal(self.neg.structured, h.kind, h.cookie, errno)]);
                 return;
             }
@@ -318,7 +319,7 @@ impl Reader<'_> {
         if v.dont_fragment {
             self.outbox.dont_fragment(h.cookie);
         }
-        self.charge(cost(v.op, req.len));
+        self.charge(cost(v.op, req.len), v.op == Op::Read);
         self.batch.push(req);
         if !self.batching {
             self.submit();
