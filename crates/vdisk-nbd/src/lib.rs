@@ -89,7 +89,7 @@ const MIN_SOCKET_BUFFER: usize = 128 << 10;
 /// A blocking send returns at least this often, so a writer on a socket that
 /// takes nothing shows it ([`budget::Budget::stalled_ms`]).
 /// It is also how long a writer waits on a socket that takes nothing before
-/// it parks (drops the data of unsent read replies) while the budget is pressed.
+/// it parks (drops the data of unsent read replies, read again later).
 pub(crate) const SEND_WAKE: Duration = Duration::from_millis(100);
 
 fn set_send_timeout(stream: &Stream, t: Duration) {

@@ -19,7 +19,7 @@
 //! only while the connection's unsent replies stay under [`READ_WINDOW`] (the
 //! reader stops reading the socket past it, so further requests wait in the
 //! kernel's receive buffer). And when the socket has taken nothing for
-//! `SEND_WAKE` (lib.rs) while the budget is pressed, the writer *parks*: the
+//! `SEND_WAKE` (lib.rs), the writer *parks*: the
 //! data of the read replies it could not send is dropped (released from the
 //! budget; headers, the export offset and how much was sent are kept), and
 //! read again from the image once the socket takes bytes again. NBD lets a
@@ -287,9 +287,9 @@ impl Outbox {
             let progress = || self.budget.sending(&self.account);
             progress();
             let reloaded = if msgs[0].dropped { self.reload(&mut msgs[0]) } else { Ok(()) };
-            // Parking is worth it when there is data to drop and others need the budget.
+            // A socket that takes nothing for SEND_WAKE: park if there is read data to drop.
             let droppable = !self.stream.is_tls() && msgs.iter().any(|m| m.read_at.is_some() && !m.dropped);
-            let give_up = || droppable && self.budget.pressed();
+            let give_up = || droppable;
             let r = reloaded.and_then(|()| {
                 if self.batching {
                     send(&self.stream, &msgs, skip, true, &progress, &give_up)
@@ -411,7 +411,7 @@ fn wait_writable(stream: &Stream) -> io::Result<()> {
     let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
     loop {
         // SAFETY: pfd is one valid pollfd for the duration of the call.
-        let r = unsafe { libc::poll(&mut pfd, 1, 1000) };
+        let r = unsafe { libc::poll(&mut pfd, 1, 5000) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
