@@ -24,10 +24,12 @@
 //! let through (its request still runs, its reply is dropped); of what it
 //! sent after, writes still run and reads are skipped.
 //!
-//! What frees the budget when clients stop reading is the server's send
-//! watchdog (lib.rs): a client that takes no byte of its replies for
-//! `--send-timeout` is disconnected, and while others wait for the budget,
-//! after a sixth of it.
+//! What frees the budget when clients stop reading is the outbox: a writer
+//! whose socket takes nothing for 100 ms drops the data of its unsent read
+//! replies and reads it again when the socket drains (outbox.rs). The
+//! server's send watchdog (lib.rs) is the final cut: a client that takes no
+//! byte of its replies for `--send-timeout` is disconnected, and while
+//! others wait for the budget, after a sixth of it.
 //!
 //! It must never block while holding a connection's lock, and never takes one.
 

@@ -8,8 +8,9 @@
 //! the [`Outbox`].
 //!
 //! Memory per connection is bounded: requests in flight (read but not yet
-//! replied to) may hold at most [`MAX_INFLIGHT_BYTES`]; past that the reader
-//! stops reading until the client takes its replies. All connections together
+//! replied to) may hold at most [`MAX_INFLIGHT_BYTES`], and a read runs only
+//! while less than `READ_WINDOW` (2 MiB) is in flight or unsent; past that
+//! the reader stops reading until the client takes its replies. All connections together
 //! hold at most the server's [`Budget`]; a request it does not admit yet
 //! waits the same way, after the pending batch went to the engine.
 
@@ -102,7 +103,8 @@ pub fn transmission(
         allocation_context: neg.allocation_context.unwrap_or(0),
         errors: device.errors().clone(),
     };
-    let outbox = Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone()));
+    let outbox =
+        Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone(), device.clone()));
     let writer = {
         let outbox = outbox.clone();
         let shut = stream.try_clone()?;
@@ -209,10 +211,10 @@ impl Reader<'_> {
     /// Charges a request against the connection's in-flight bound and the
     /// server's budget, submitting what is pending first if it has to wait
     /// (those requests must be able to finish).
-    fn charge(&mut self, cost: usize) {
-        if !self.outbox.charge(cost, false) {
+    fn charge(&mut self, cost: usize, read: bool) {
+        if !self.outbox.charge(cost, read, false) {
             self.submit();
-            self.outbox.charge(cost, true);
+            self.outbox.charge(cost, read, true);
         }
         if !self.budget.try_charge(cost, self.account) {
             self.submit();
@@ -306,7 +308,7 @@ impl Reader<'_> {
         let v = match verdict {
             Ok(v) => v,
             Err(errno) => {
-                self.charge(REQUEST_OVERHEAD);
+                self.charge(REQUEST_OVERHEAD, false);
                 self.outbox.deliver(vec![refusal(self.neg.structured, h.kind, h.cookie, errno)]);
                 return;
             }
@@ -318,7 +320,7 @@ impl Reader<'_> {
         if v.dont_fragment {
             self.outbox.dont_fragment(h.cookie);
         }
-        self.charge(cost(v.op, req.len));
+        self.charge(cost(v.op, req.len), v.op == Op::Read);
         self.batch.push(req);
         if !self.batching {
             self.submit();

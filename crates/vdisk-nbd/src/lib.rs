@@ -89,7 +89,9 @@ const MIN_SOCKET_BUFFER: usize = 128 << 10;
 
 /// A blocking send returns at least this often, so a writer on a socket that
 /// takes nothing shows it ([`budget::Budget::stalled_ms`]).
-const SEND_WAKE: Duration = Duration::from_secs(1);
+/// It is also how long a writer waits on a socket that takes nothing before
+/// it parks (drops the data of unsent read replies, read again later).
+pub(crate) const SEND_WAKE: Duration = Duration::from_millis(100);
 
 fn set_send_timeout(stream: &Stream, t: Duration) {
     let tv = libc::timeval { tv_sec: t.as_secs() as libc::time_t, tv_usec: t.subsec_micros() as libc::suseconds_t };

@@ -14,22 +14,38 @@
 //! with a broken client). While the writer is blocked on a full socket it
 //! says so ([`Budget::sending`]), so the server can cut off a client that
 //! takes nothing for `--send-timeout`.
+//!
+//! A read's reply data is only held while the client takes it. Reads run
+//! only while the connection's unsent replies stay under [`READ_WINDOW`] (the
+//! reader stops reading the socket past it, so further requests wait in the
+//! kernel's receive buffer). And when the socket has taken nothing for
+//! `SEND_WAKE` (lib.rs), the writer *parks*: the
+//! data of the read replies it could not send is dropped (released from the
+//! budget; headers, the export offset and how much was sent are kept), and
+//! read again from the image once the socket takes bytes again. NBD lets a
+//! read that overlaps a concurrent write return either data; every write
+//! acknowledged before the read was received is in the image both times.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use smallvec::SmallVec;
 use vdisk_engine::inflight::Counts;
-use vdisk_engine::{Op, Request, Sink};
+use vdisk_engine::{Buf, Command, Device, Op, Request, Sink};
 
 use crate::budget::{Account, Budget};
-use crate::reply::{Encoder, OutMsg};
+use crate::reply::{Encoder, OutMsg, REQUEST_OVERHEAD};
 use crate::stream::Stream;
 
 pub const MAX_INFLIGHT_BYTES: usize = 64 << 20;
+/// Reads run only while less than this is in flight or unsent on the
+/// connection (one read always may): what a client that stops reading makes
+/// the server read for nothing.
+pub const READ_WINDOW: usize = 2 << 20;
 
 pub struct Outbox {
     state: Mutex<State>,
@@ -44,6 +60,8 @@ pub struct Outbox {
     df_count: AtomicUsize,
     budget: Arc<Budget>,
     account: Arc<Account>,
+    /// Where dropped read data is read again from.
+    device: Arc<Device>,
 }
 
 #[derive(Default)]
@@ -77,7 +95,14 @@ impl Sink for Outbox {
 }
 
 impl Outbox {
-    pub fn new(stream: Stream, encoder: Encoder, batching: bool, budget: Arc<Budget>, account: Arc<Account>) -> Self {
+    pub fn new(
+        stream: Stream,
+        encoder: Encoder,
+        batching: bool,
+        budget: Arc<Budget>,
+        account: Arc<Account>,
+        device: Arc<Device>,
+    ) -> Self {
         Outbox {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -88,6 +113,7 @@ impl Outbox {
             df_count: AtomicUsize::new(0),
             budget,
             account,
+            device,
         }
     }
 
@@ -142,7 +168,7 @@ impl Outbox {
         }
         st.sending = true;
         drop(st);
-        let r = send(&self.stream, &msgs, 0, false, &|| {});
+        let r = send(&self.stream, &msgs, 0, false, &|| {}, &|| true);
         let owed = matches!(r, Ok(Sent::All)) && self.stream.needs_flush();
         let mut st = self.state.lock().unwrap();
         st.sending = false;
@@ -178,17 +204,21 @@ impl Outbox {
     }
 
     /// Replies that left (`sent`) or were dropped: their requests no longer count.
+    /// (What a parked reply's dropped data held went back to the budget then.)
     fn release(&self, st: &mut State, msgs: &[OutMsg], sent: bool) {
         let bytes = msgs.iter().map(|m| m.cost).sum::<usize>();
         st.inflight.remove(msgs.len(), bytes);
-        self.budget.release(&self.account, bytes, bytes, sent);
+        let held = msgs.iter().map(|m| if m.dropped { REQUEST_OVERHEAD.min(m.cost) } else { m.cost }).sum::<usize>();
+        self.budget.release(&self.account, held, held, sent);
     }
 
     /// Adds a request to the in-flight count. Without `wait`, refuses (false)
     /// when over budget; with it, blocks until replies drain.
-    pub fn charge(&self, cost: usize, wait: bool) -> bool {
+    /// A read waits while [`READ_WINDOW`] is in flight or unsent.
+    pub fn charge(&self, cost: usize, read: bool, wait: bool) -> bool {
+        let max = if read { READ_WINDOW } else { MAX_INFLIGHT_BYTES };
         let mut st = self.state.lock().unwrap();
-        while !st.inflight.admits(cost, MAX_INFLIGHT_BYTES) {
+        while !st.inflight.admits(cost, max) {
             if !wait {
                 return false;
             }
@@ -240,32 +270,160 @@ impl Outbox {
                 self.notify(&st);
                 continue;
             }
-            let msgs = std::mem::take(&mut st.queue);
+            let mut msgs = std::mem::take(&mut st.queue);
             let skip = std::mem::take(&mut st.sent);
             if st.broken {
                 self.release(&mut st, &msgs, false);
                 continue;
             }
+            // Dropped data is read again one reply at a time: send up to the next one.
+            if let Some(k) = msgs.iter().skip(1).position(|m| m.dropped) {
+                let mut rest = msgs.split_off(k + 1);
+                rest.append(&mut st.queue);
+                st.queue = rest;
+            }
             st.sending = true;
             drop(st);
             let progress = || self.budget.sending(&self.account);
             progress();
-            let r = if self.batching {
-                send(&self.stream, &msgs, skip, true, &progress).map(|_| ())
-            } else {
-                (0..msgs.len()).try_for_each(|i| {
-                    send(&self.stream, &msgs[i..=i], if i == 0 { skip } else { 0 }, true, &progress).map(|_| ())
-                })
-            };
-            self.budget.idle(&self.account);
+            let reloaded = if msgs[0].dropped { self.reload(&mut msgs[0]) } else { Ok(()) };
+            // A socket that takes nothing for SEND_WAKE: park if there is read data to drop.
+            let droppable = !self.stream.is_tls() && msgs.iter().any(|m| m.read_at.is_some() && !m.dropped);
+            let give_up = || droppable;
+            let r = reloaded.and_then(|()| {
+                if self.batching {
+                    send(&self.stream, &msgs, skip, true, &progress, &give_up)
+                } else {
+                    let mut r = Ok(Sent::All);
+                    for i in 0..msgs.len() {
+                        r = send(&self.stream, &msgs[i..=i], if i == 0 { skip } else { 0 }, true, &progress, &give_up);
+                        if let Ok(Sent::Partly { done, skip }) = r {
+                            r = Ok(Sent::Partly { done: done + i, skip });
+                        }
+                        if !matches!(r, Ok(Sent::All)) {
+                            break;
+                        }
+                    }
+                    r
+                }
+            });
             st = self.state.lock().unwrap();
             st.sending = false;
-            let sent = r.is_ok();
-            if let Err(e) = r {
-                self.fail(&mut st, e);
+            match r {
+                Ok(Sent::All) => {
+                    self.budget.idle(&self.account);
+                    self.release(&mut st, &msgs, true);
+                }
+                Ok(Sent::Partly { done, skip }) => {
+                    // Parked: what could not go drops its data and waits for the socket.
+                    let mut rest = msgs.split_off(done);
+                    self.release(&mut st, &msgs, true);
+                    for m in &mut rest {
+                        self.drop_data(m);
+                    }
+                    rest.append(&mut st.queue);
+                    st.queue = rest;
+                    st.sent = skip;
+                    st.sending = true;
+                    drop(st);
+                    // The stall clock runs on: the watchdog still cuts a client that never reads.
+                    let r = wait_writable(&self.stream);
+                    st = self.state.lock().unwrap();
+                    st.sending = false;
+                    if let Err(e) = r {
+                        self.fail(&mut st, e);
+                    }
+                }
+                Err(e) => {
+                    self.budget.idle(&self.account);
+                    self.fail(&mut st, e);
+                    self.release(&mut st, &msgs, false);
+                }
             }
-            self.release(&mut st, &msgs, sent);
             self.notify(&st);
+        }
+    }
+
+    /// Drops the data of a read's reply not yet sent: its bytes go back to the budget.
+    fn drop_data(&self, m: &mut OutMsg) {
+        let len = m.cost.saturating_sub(REQUEST_OVERHEAD);
+        if m.read_at.is_none() || m.dropped || m.data.len() != len || len == 0 {
+            return;
+        }
+        m.data = Buf::new();
+        m.dropped = true;
+        self.budget.release(&self.account, len, len, false);
+    }
+
+    /// Reads a parked reply's data again (the whole range it was read from),
+    /// charging it to the budget first.
+    fn reload(&self, m: &mut OutMsg) -> io::Result<()> {
+        let (Some(at), len) = (m.read_at, m.cost.saturating_sub(REQUEST_OVERHEAD)) else { return Ok(()) };
+        if !self.budget.try_charge(len, &self.account) {
+            self.budget.charge(len, &self.account);
+        }
+        self.budget.completed(&self.account, len);
+        m.dropped = false;
+        let once = Arc::new(Once::default());
+        let sink: Arc<dyn Sink> = once.clone();
+        self.device.submit(vec![Request::new(Command::new(Op::Read, Buf::new().into()), at, len as u64, 0)], &sink);
+        let mut done = once.wait();
+        if let Some(e) = &done.error {
+            // Part of the reply may be out already: its data cannot become an error now.
+            return Err(io::Error::other(format!(
+                "reading {len} bytes at offset {at} again for a reply the client had stopped taking: {}",
+                e.message()
+            )));
+        }
+        m.data = done.take_buf();
+        Ok(())
+    }
+}
+
+/// Where one request submitted by the writer comes back.
+#[derive(Default)]
+struct Once {
+    done: Mutex<Option<Request>>,
+    ready: Condvar,
+}
+
+impl Sink for Once {
+    fn complete(&self, mut done: Vec<Request>) {
+        *self.done.lock().unwrap() = done.pop();
+        self.ready.notify_all();
+    }
+}
+
+impl Once {
+    fn wait(&self) -> Request {
+        let mut done = self.done.lock().unwrap();
+        loop {
+            if let Some(r) = done.take() {
+                return r;
+            }
+            done = self.ready.wait(done).unwrap();
+        }
+    }
+}
+
+/// Waits until the socket takes bytes again (or fails: the client left or was cut off).
+fn wait_writable(stream: &Stream) -> io::Result<()> {
+    let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+    loop {
+        // SAFETY: pfd is one valid pollfd for the duration of the call.
+        let r = unsafe { libc::poll(&mut pfd, 1, 5000) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r > 0 {
+            if pfd.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+                return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the client's socket was closed"));
+            }
+            return Ok(());
         }
     }
 }
@@ -283,7 +441,16 @@ enum Sent {
 /// Blocking: until all is sent (a send timeout on the socket only makes it
 /// report `progress` more often; the server decides when to give up).
 /// Non-blocking: until the socket is full.
-fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool, progress: &dyn Fn()) -> io::Result<Sent> {
+/// A blocking send that made no progress for a while returns early when
+/// `give_up` says so.
+fn send(
+    stream: &Stream,
+    msgs: &[OutMsg],
+    skip: usize,
+    blocking: bool,
+    progress: &dyn Fn(),
+    give_up: &dyn Fn() -> bool,
+) -> io::Result<Sent> {
     // A batch of replies to a queue of 32 fits on the stack.
     let mut slices: SmallVec<[&[u8]; 64]> = SmallVec::with_capacity(msgs.len() * 2);
     let mut ends: SmallVec<[usize; 32]> = SmallVec::with_capacity(msgs.len());
@@ -303,8 +470,8 @@ fn send(stream: &Stream, msgs: &[OutMsg], skip: usize, blocking: bool, progress:
                 progress();
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && blocking => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && !blocking => {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && blocking && !give_up() => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 let done = ends.iter().take_while(|&&end| end <= at).count();
                 let start = if done == 0 { 0 } else { ends[done - 1] };
                 return Ok(Sent::Partly { done, skip: at - start });

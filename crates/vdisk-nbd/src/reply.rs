@@ -24,6 +24,11 @@ pub struct OutMsg {
     pub parts: SmallVec<[Part; 2]>,
     /// What was charged against the connection's in-flight bound.
     pub cost: usize,
+    /// A read's reply: the export offset `data` was read from, so the data
+    /// can be dropped while the client takes nothing and read again later.
+    pub read_at: Option<u64>,
+    /// `data` was dropped (its bytes released from the budget): read it again before sending.
+    pub dropped: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -35,7 +40,7 @@ pub enum Part {
 impl OutMsg {
     pub fn header_only(head: Head, cost: usize) -> OutMsg {
         let n = head.len();
-        OutMsg { head, data: Buf::new(), parts: smallvec![Part::Head(0, n)], cost }
+        OutMsg { head, data: Buf::new(), parts: smallvec![Part::Head(0, n)], cost, read_at: None, dropped: false }
     }
 
     pub fn slices(&self) -> impl Iterator<Item = &[u8]> {
@@ -102,8 +107,9 @@ impl Encoder {
             Op::Read if self.structured => encode_structured_read(req, cost, dont_fragment),
             Op::Read => {
                 simple_reply(&mut head, 0, cookie);
-                let data = req.take_buf();
-                OutMsg { parts: smallvec![Part::Head(0, head.len()), Part::Data(0, data.len())], head, data, cost }
+                let (at, data) = (req.offset, req.take_buf());
+                let parts = smallvec![Part::Head(0, head.len()), Part::Data(0, data.len())];
+                OutMsg { parts, head, data, cost, read_at: Some(at), dropped: false }
             }
             Op::BlockStatus { max } => {
                 // REQ_ONE is the only way a request asks for one run.
@@ -162,7 +168,7 @@ fn encode_structured_read(mut req: Request, cost: usize, dont_fragment: bool) ->
             parts.push(Part::Data(start, end));
         }
     }
-    OutMsg { head, data: buf, parts, cost }
+    OutMsg { head, data: buf, parts, cost, read_at: Some(offset), dropped: false }
 }
 
 fn encode_block_status(out: &mut Head, cookie: u64, context: u32, len: u64, runs: &[Allocation], one: bool) {
