@@ -21,108 +21,29 @@
 mod common;
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::fuse::UringSwitch;
-use common::{s, text, vdisk, vdisk_bin, xorshift, TempDir};
+use common::logged::{signal, state, wait_bounded, LoggedServer};
+use common::{s, text, vdisk, xorshift, TempDir};
 
 /// Seconds each fio writer runs.
 const WRITE_SECS: u64 = 20;
 
-/// A `vdisk serve` whose log goes to a file.
-struct Proc {
-    name: &'static str,
-    child: Child,
-    log: PathBuf,
+/// `vdisk serve ARGS --stop-timeout 20s`, its log in DIR/NAME.log.
+fn start(dir: &TempDir, name: &str, args: &[&str]) -> LoggedServer {
+    start_with(dir, name, args, "20s")
 }
 
-impl Proc {
-    fn start(dir: &TempDir, name: &'static str, args: &[&str]) -> Proc {
-        Self::start_with(dir, name, args, "20s")
-    }
-
-    /// [`Proc::start`] with `--stop-timeout STOP`.
-    fn start_with(dir: &TempDir, name: &'static str, args: &[&str], stop: &str) -> Proc {
-        let log = dir.path(&format!("{name}.log"));
-        let mut all = vec!["serve"];
-        all.extend_from_slice(args);
-        all.extend_from_slice(&["--stop-timeout", stop]);
-        let mut child = Command::new(vdisk_bin())
-            .args(&all)
-            .stdout(Stdio::piped())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn vdisk");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(l) if l.trim() == "vdisk: ready" => break,
-                Ok(_) => {}
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("vdisk {all:?} did not become ready: {}", std::fs::read_to_string(&log).unwrap());
-                }
-            }
-        }
-        Proc { name, child, log }
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM; the exit status, or None if it did not exit within `bound`.
-    fn stop(&mut self, bound: Duration) -> Option<ExitStatus> {
-        signal(self.pid(), libc::SIGCONT);
-        signal(self.pid(), libc::SIGTERM);
-        wait_bounded(&mut self.child, bound)
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = wait_bounded(&mut self.child, Duration::from_secs(10));
-        }
-    }
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: kill only reads its integer arguments.
-    unsafe { libc::kill(pid, sig) };
-}
-
-/// Waits for `child` at most `bound`; None (and the child killed) if it is still running.
-fn wait_bounded(child: &mut Child, bound: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + bound;
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return Some(st);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.try_wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+/// [`start`] with `--stop-timeout STOP`.
+fn start_with(dir: &TempDir, name: &str, args: &[&str], stop: &str) -> LoggedServer {
+    let mut all = args.to_vec();
+    all.extend_from_slice(&["--stop-timeout", stop]);
+    LoggedServer::start(dir, name, &all)
 }
 
 /// Runs a command with its output in `out`; Err says why it failed or that it hung past `bound`.
@@ -373,17 +294,17 @@ fn stop_continue_trace_and_freeze_under_checked_writers_on_every_export() {
 
     let (su, st) = (p("u.sock"), p("t.sock"));
     let mut servers = vec![
-        Proc::start(&dir, "nbd-uring", &[&p("raw_u.img"), &p("cow_u.img"), &p("q_u.qcow2"), "--socket", &su]),
-        Proc::start(
+        start(&dir, "nbd-uring", &[&p("raw_u.img"), &p("cow_u.img"), &p("q_u.qcow2"), "--socket", &su]),
+        start(
             &dir,
             "nbd-threads",
             &[&p("raw_t.img"), &p("cow_t.img"), &p("q_t.qcow2"), "--socket", &st, "--engine", "threads"],
         ),
-        Proc::start(&dir, "fuse-classic", &[&p("fc.img"), "--fuse", &p("fc")]),
-        Proc::start(&dir, "fuse-uring", &[&p("fr.img"), "--fuse", &p("fr"), "--fuse-uring"]),
-        Proc::start(&dir, "vhost", &[&p("guest.img"), "--vhost-user-blk", &p("vub.sock"), "--num-queues", "1"]),
+        start(&dir, "fuse-classic", &[&p("fc.img"), "--fuse", &p("fc")]),
+        start(&dir, "fuse-uring", &[&p("fr.img"), "--fuse", &p("fr"), "--fuse-uring"]),
+        start(&dir, "vhost", &[&p("guest.img"), "--vhost-user-blk", &p("vub.sock"), "--num-queues", "1"]),
     ];
-    let pids: Vec<i32> = servers.iter().map(Proc::pid).collect();
+    let pids: Vec<i32> = servers.iter().map(LoggedServer::pid).collect();
     let mut failures: Vec<String> = Vec::new();
 
     // The guest: the rig's write-and-verify loop until VMRIG-STOP.
@@ -482,7 +403,7 @@ fn stop_continue_trace_and_freeze_under_checked_writers_on_every_export() {
     let stop_deadline = Instant::now() + Duration::from_secs(40);
     let mut logs = String::new();
     for sv in &mut servers {
-        let stopped = wait_bounded(&mut sv.child, stop_deadline.saturating_duration_since(Instant::now()));
+        let stopped = sv.wait(stop_deadline.saturating_duration_since(Instant::now()));
         let log = sv.log();
         for l in log.lines().filter(|l| l.contains("queue") && l.contains("failed")) {
             failures.push(format!("server {}: logged {l:?}", sv.name));
@@ -509,7 +430,7 @@ fn stop_continue_trace_and_freeze_under_checked_writers_on_every_export() {
         let sock = p("check.sock");
         let mut args: Vec<&str> = images.iter().map(String::as_str).collect();
         args.extend(["--readonly", "--engine", "threads", "--socket", &sock]);
-        let mut check = Proc::start(&dir, "check", &args);
+        let mut check = start(&dir, "check", &args);
         let reads: Vec<(String, Vec<String>, String)> = before
             .iter()
             .map(|(e, _)| (e.clone(), vec!["nbdcopy".to_owned(), uri(&sock, e)], p(&format!("{e}.after"))))
@@ -543,13 +464,6 @@ impl Drop for Continue {
     }
 }
 
-/// The state letter of /proc/PID/stat ('Z' once the process has exited, even
-/// while the kernel still holds one of its threads).
-fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
 /// Issue 22, item 4, without a Ceph cluster: an image that is a file on a
 /// FUSE file system whose server is stopped (SIGSTOP: a hung network file
 /// system looks the same) cannot be flushed. SIGTERM must still end vdisk
@@ -565,15 +479,12 @@ fn sigterm_with_the_image_on_a_stopped_fuse_server_ends_within_the_stop_timeout(
     let p = |n: &str| dir.path(n).to_str().unwrap().to_owned();
     let out = vdisk(&["create", &p("x.img"), "--size", "64M"]);
     assert!(out.status.success(), "{}", text(&out));
-    let mut storage = Proc::start(
-        &dir,
-        "storage",
-        &[&p("x.img"), "--fuse", &p("file"), "--engine", "threads", "--socket", &p("a.sock")],
-    );
+    let mut storage =
+        start(&dir, "storage", &[&p("x.img"), "--fuse", &p("file"), "--engine", "threads", "--socket", &p("a.sock")]);
     let sock = p("b.sock");
     let file = p("file");
     let args = [file.as_str(), "--format", "raw", "--engine", "threads", "--socket", sock.as_str()];
-    let mut server = Proc::start_with(&dir, "server", &args, "3s");
+    let mut server = start_with(&dir, "server", &args, "3s");
     let uri = format!("nbd+unix:///file?socket={sock}");
     // Acknowledged into the page cache of the file; the stop's flush must write it to the FUSE server.
     let wrote = common::qemu_io(&uri, &["write -P 0x37 0 8M"]);
@@ -598,7 +509,7 @@ fn sigterm_with_the_image_on_a_stopped_fuse_server_ends_within_the_stop_timeout(
         std::thread::sleep(Duration::from_millis(50));
     };
     drop(resume);
-    let status = wait_bounded(&mut server.child, Duration::from_secs(30));
+    let status = server.wait(Duration::from_secs(30));
     let log = server.log();
     eprintln!("gave up after {given_up:?}, exit {status:?}:\n{log}");
     assert!(given_up < Duration::from_secs(10), "the stop took {given_up:?} with a 3 s limit:\n{log}");

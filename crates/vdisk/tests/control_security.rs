@@ -55,22 +55,6 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// One JSON-RPC request on a new connection, as root; returns the response.
-fn rpc(control: &Path, method: &str, params: Value) -> Value {
-    let mut c = UnixStream::connect(control).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let req = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
-    writeln!(c, "{req}").unwrap();
-    let mut line = String::new();
-    BufReader::new(&c).read_line(&mut line).unwrap();
-    json(&line)
-}
-
-/// The error message of a response that must be an error.
-fn refused(v: &Value) -> String {
-    v["error"]["message"].as_str().unwrap_or_else(|| panic!("not an error: {v}")).to_owned()
-}
-
 #[test]
 fn the_control_socket_has_its_own_mode_and_only_owner_and_group_change_things() {
     let dir = open_dir("ctl-authority");

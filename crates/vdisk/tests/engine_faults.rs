@@ -74,6 +74,22 @@ fn metrics(addr: &str) -> String {
     body
 }
 
+/// A 16M raw image DIR/NAME.img for each name.
+fn make_images(dir: &TempDir, names: &[&str]) {
+    for n in names {
+        create_image(&dir.path(&format!("{n}.img")), "16M");
+    }
+}
+
+/// SIGTERM with an export still failed: a prompt exit (within 10 s) whose
+/// status says an export failed.
+fn stop_with_a_failed_export(server: Server) {
+    let t = Instant::now();
+    let status = server.stop_with(libc::SIGTERM);
+    assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
+    assert!(!status.success(), "a failed export is an error of the stop: {status}");
+}
+
 #[test]
 fn a_failing_worker_gives_eio_at_once_and_the_others_serve() {
     let dir = TempDir::new("engine-faults");
@@ -132,27 +148,19 @@ fn a_failing_worker_gives_eio_at_once_and_the_others_serve() {
     assert_eq!(pan["state"], "serving", "{pan}");
 
     // SIGTERM with `ent` still failed: a prompt exit, which says an export failed.
-    let t = Instant::now();
-    let status = server.stop_with(libc::SIGTERM);
-    assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
-    assert!(!status.success(), "a failed export is an error of the stop: {status}");
+    stop_with_a_failed_export(server);
 }
 
 #[test]
 fn a_panicking_thread_worker_fails_only_its_export() {
     let dir = TempDir::new("engine-faults-threads");
-    for n in ["pan", "good"] {
-        create_image(&dir.path(&format!("{n}.img")), "16M");
-    }
+    make_images(&dir, &["pan", "good"]);
     let (pan, good) = (dir.path("pan.img"), dir.path("good.img"));
     let args = [s(&pan), s(&good), "--engine", "threads", "--no-inline"];
     let server = Server::start_env(&dir, &args, &[("VDISK_FAULTS", "pan:panic#3"), NO_BACKTRACE]);
     drive_until_eio(&server.socket, "pan", 40);
     qemu_io(&server.uri("good"), &["write -P 3 0 1M", "flush", "read -P 3 0 1M"]);
-    let t = Instant::now();
-    let status = server.stop_with(libc::SIGTERM);
-    assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
-    assert!(!status.success(), "a failed export is an error of the stop: {status}");
+    stop_with_a_failed_export(server);
 }
 
 /// A reload brings a failed export of the config file back: `e1`'s worker
@@ -161,9 +169,7 @@ fn a_panicking_thread_worker_fails_only_its_export() {
 #[test]
 fn a_reload_restarts_a_failed_export_of_the_config() {
     let dir = TempDir::new("engine-faults-reload");
-    for n in ["e1", "good"] {
-        create_image(&dir.path(&format!("{n}.img")), "16M");
-    }
+    make_images(&dir, &["e1", "good"]);
     let config = dir.path("vdisk.toml");
     let text = format!(
         "[server]\ncontrol = \"ctl.sock\"\nengine = \"threads\"\n\n[[export]]\nimage = \"{}\"\n\n[[export]]\nimage = \"{}\"\n",

@@ -9,99 +9,18 @@
 
 mod common;
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::Command;
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
-use common::{image, json, qemu_io, s, Server, TempDir};
-use serde_json::{json, Value};
+use common::logged::{signal, state, LoggedServer};
+use common::{image, qemu_io, refused, rpc, s, Server, TempDir};
+use serde_json::json;
 
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: kill only reads its integer arguments.
-    unsafe { libc::kill(pid, sig) };
-}
-
-/// A `vdisk serve ARGS` whose log goes to DIR/server.log; killed when dropped.
-struct Logged {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Logged {
-    fn start(dir: &TempDir, args: &[&str]) -> Logged {
-        let log = dir.path("server.log");
-        let mut child = Command::new(common::vdisk_bin())
-            .arg("serve")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn vdisk");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(l) if l.trim() == "vdisk: ready" => break,
-                Ok(_) => {}
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("vdisk {args:?} did not become ready: {}", std::fs::read_to_string(&log).unwrap());
-                }
-            }
-        }
-        Logged { child, log }
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until the log has `what`, at most `bound`; the time it took.
-    fn wait_log(&self, what: &str, bound: Duration) -> Duration {
-        let t = Instant::now();
-        while !self.log().contains(what) {
-            assert!(t.elapsed() < bound, "no {what:?} in the log within {bound:?}:\n{}", self.log());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        t.elapsed()
-    }
-
-    /// The exit status within `bound`, or None (then it is killed).
-    fn wait(&mut self, bound: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return Some(st);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Logged {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.wait(Duration::from_secs(10));
-        }
-    }
+/// `vdisk serve ARGS` with its log in DIR/server.log.
+fn serve(dir: &TempDir, args: &[&str]) -> LoggedServer {
+    LoggedServer::start(dir, "server", args)
 }
 
 /// A FUSE file DIR/NAME served by its own vdisk (the "storage"), stopped
@@ -148,13 +67,6 @@ impl Drop for Storage {
     }
 }
 
-/// The state letter of /proc/PID/stat ('Z' once the process has exited, even
-/// while the kernel still holds a thread of it waiting for the FUSE server).
-fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
 /// `[server]` with the NBD and control sockets in `dir`, then `exports` (TOML text).
 fn write_config(dir: &TempDir, exports: &str) -> PathBuf {
     let path = dir.path("vdisk.toml");
@@ -172,24 +84,43 @@ fn uri(dir: &TempDir, name: &str) -> String {
     format!("nbd+unix:///{name}?socket={}", dir.path("nbd.sock").display())
 }
 
-/// One JSON-RPC request on a new connection; the response.
-fn rpc(control: &Path, method: &str, params: Value) -> Value {
-    let mut c = UnixStream::connect(control).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let req = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
-    writeln!(c, "{req}").unwrap();
-    let mut line = String::new();
-    BufReader::new(&c).read_line(&mut line).unwrap();
-    json(&line)
-}
-
 fn names(control: &Path) -> Vec<String> {
     let list = rpc(control, "export_list", json!({}));
     list["result"].as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap().to_owned()).collect()
 }
 
-fn refused(v: &Value) -> String {
-    v["error"]["message"].as_str().unwrap_or_else(|| panic!("not an error: {v}")).to_owned()
+/// The set-up every test shares: the FUSE lock, DIR (named after `tag`), the
+/// storage file DIR/slow and an 8M image DIR/good.img (the image's path).
+fn rig(tag: &str) -> (MutexGuard<'static, ()>, TempDir, Storage, String) {
+    let fuse = common::fuse::serial();
+    let dir = TempDir::new(tag);
+    let storage = Storage::start(&dir, "slow");
+    let good = image(&dir, "good.img", "8M");
+    (fuse, dir, storage, good)
+}
+
+/// `slow` (the storage file) and `good` on the threads engine, with the NBD
+/// and control sockets in DIR, then `extra`.
+fn serve_both(dir: &TempDir, storage: &Storage, good: &str, extra: &[&str]) -> LoggedServer {
+    let (sock, control) = (dir.path("nbd.sock"), dir.path("ctl.sock"));
+    let mut args = vec![s(&storage.file), good, "--engine", "threads", "--socket", s(&sock), "--control", s(&control)];
+    args.extend_from_slice(extra);
+    serve(dir, &args)
+}
+
+/// SIGTERM; the server must exit with status 0 within 30 s.
+fn stop_cleanly(server: &mut LoggedServer) {
+    signal(server.pid(), libc::SIGTERM);
+    let status = server.wait(Duration::from_secs(30));
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", server.log());
+}
+
+/// A fresh server of IMAGE alone (export NAME) on DIR/SOCK: qemu-io runs `cmd` on it.
+fn read_back(dir: &TempDir, image: &str, name: &str, sock: &str, cmd: &str) {
+    let sock = dir.path(sock);
+    let server = serve(dir, &[image, "--socket", s(&sock)]);
+    qemu_io(&format!("nbd+unix:///{name}?socket={}", sock.display()), &[cmd]);
+    drop(server);
 }
 
 /// A reload stuck opening an image on hung storage: SIGTERM is still handled
@@ -197,12 +128,9 @@ fn refused(v: &Value) -> String {
 /// was flushed; the stuck open holds nothing of theirs).
 #[test]
 fn sigterm_during_a_reload_stuck_on_hung_storage_stops_within_the_limit() {
-    let _fuse = common::fuse::serial();
-    let dir = TempDir::new("wedged-reload-stop");
-    let storage = Storage::start(&dir, "slow");
-    let good = image(&dir, "good.img", "8M");
+    let (_fuse, dir, storage, good) = rig("wedged-reload-stop");
     let config = write_config(&dir, &export(&good, "good"));
-    let mut server = Logged::start(&dir, &["--config", s(&config), "--stop-timeout", "5s"]);
+    let mut server = serve(&dir, &["--config", s(&config), "--stop-timeout", "5s"]);
     qemu_io(&uri(&dir, "good"), &["write -P 9 0 1M"]);
     storage.hang();
     write_config(&dir, &(export(&good, "good") + &export(s(&storage.file), "slow")));
@@ -231,9 +159,7 @@ fn sigterm_during_a_reload_stuck_on_hung_storage_stops_within_the_limit() {
     assert_eq!(status.and_then(|s| s.code()), Some(0), "every export was flushed: a clean stop:\n{log}");
     assert!(!log.contains("giving up the stop") && !log.contains("error"), "{log}");
     // What the stopped server acknowledged is there.
-    let check = Logged::start(&dir, &[&good, "--socket", s(&dir.path("check.sock"))]);
-    qemu_io(&format!("nbd+unix:///good?socket={}", dir.path("check.sock").display()), &["read -P 9 0 1M"]);
-    drop(check);
+    read_back(&dir, &good, "good", "check.sock", "read -P 9 0 1M");
 }
 
 /// The same stuck reload without a SIGTERM: reported failed at its deadline
@@ -241,12 +167,9 @@ fn sigterm_during_a_reload_stuck_on_hung_storage_stops_within_the_limit() {
 /// queued behind it, and runs (adding the export) once the storage answers.
 #[test]
 fn a_reload_stuck_on_hung_storage_fails_at_its_deadline_and_the_server_serves_on() {
-    let _fuse = common::fuse::serial();
-    let dir = TempDir::new("wedged-reload");
-    let storage = Storage::start(&dir, "slow");
-    let good = image(&dir, "good.img", "8M");
+    let (_fuse, dir, storage, good) = rig("wedged-reload");
     let config = write_config(&dir, &export(&good, "good"));
-    let mut server = Logged::start(&dir, &["--config", s(&config), "--control-timeout", "3"]);
+    let mut server = serve(&dir, &["--config", s(&config), "--control-timeout", "3"]);
     let control = dir.path("ctl.sock");
     storage.hang();
     write_config(&dir, &(export(&good, "good") + &export(s(&storage.file), "slow")));
@@ -268,9 +191,7 @@ fn a_reload_stuck_on_hung_storage_fails_at_its_deadline_and_the_server_serves_on
         std::thread::sleep(Duration::from_millis(100));
     }
     qemu_io(&uri(&dir, "slow"), &["write -P 6 0 64k", "read -P 6 0 64k"]);
-    signal(server.pid(), libc::SIGTERM);
-    let status = server.wait(Duration::from_secs(30));
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", server.log());
+    stop_cleanly(&mut server);
     drop(storage);
 }
 
@@ -280,25 +201,10 @@ fn a_reload_stuck_on_hung_storage_fails_at_its_deadline_and_the_server_serves_on
 /// the flush ends, then free again.
 #[test]
 fn a_removal_whose_flush_hangs_blocks_no_other_change() {
-    let _fuse = common::fuse::serial();
-    let dir = TempDir::new("wedged-remove");
-    let storage = Storage::start(&dir, "slow");
-    let (good, other) = (image(&dir, "good.img", "8M"), image(&dir, "other.img", "8M"));
+    let (_fuse, dir, storage, good) = rig("wedged-remove");
+    let other = image(&dir, "other.img", "8M");
     let control = dir.path("ctl.sock");
-    let sock = dir.path("nbd.sock");
-    let args = [
-        s(&storage.file),
-        &good,
-        "--engine",
-        "threads",
-        "--socket",
-        s(&sock),
-        "--control",
-        s(&control),
-        "--control-timeout",
-        "3",
-    ];
-    let mut server = Logged::start(&dir, &args);
+    let mut server = serve_both(&dir, &storage, &good, &["--control-timeout", "3"]);
     // Written into the FUSE file: the removal's flush must reach the stopped server.
     qemu_io(&uri(&dir, "slow"), &["write -P 7 0 4M"]);
     storage.hang();
@@ -337,14 +243,10 @@ fn a_removal_whose_flush_hangs_blocks_no_other_change() {
         assert!(Instant::now() < deadline, "the removal never let go of its name:\n{}", server.log());
         std::thread::sleep(Duration::from_millis(100));
     }
-    signal(server.pid(), libc::SIGTERM);
-    let status = server.wait(Duration::from_secs(30));
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", server.log());
+    stop_cleanly(&mut server);
     // What the removal flushed reached the storage.
     drop(storage);
-    let back = Logged::start(&dir, &[s(&dir.path("slow-src.img")), "--socket", s(&dir.path("back.sock"))]);
-    qemu_io(&format!("nbd+unix:///slow-src?socket={}", dir.path("back.sock").display()), &["read -P 7 0 4M"]);
-    drop(back);
+    read_back(&dir, s(&dir.path("slow-src.img")), "slow-src", "back.sock", "read -P 7 0 4M");
 }
 
 /// SIGTERM while a removal's flush hangs: the stop waits for it as for any
@@ -352,27 +254,9 @@ fn a_removal_whose_flush_hangs_blocks_no_other_change() {
 /// line naming the export that was being removed.
 #[test]
 fn sigterm_during_a_hung_removal_names_it_and_ends_within_the_limit() {
-    let _fuse = common::fuse::serial();
-    let dir = TempDir::new("wedged-remove-stop");
-    let storage = Storage::start(&dir, "slow");
-    let good = image(&dir, "good.img", "8M");
+    let (_fuse, dir, storage, good) = rig("wedged-remove-stop");
     let control = dir.path("ctl.sock");
-    let sock = dir.path("nbd.sock");
-    let args = [
-        s(&storage.file),
-        &good,
-        "--engine",
-        "threads",
-        "--socket",
-        s(&sock),
-        "--control",
-        s(&control),
-        "--control-timeout",
-        "2",
-        "--stop-timeout",
-        "3s",
-    ];
-    let mut server = Logged::start(&dir, &args);
+    let mut server = serve_both(&dir, &storage, &good, &["--control-timeout", "2", "--stop-timeout", "3s"]);
     qemu_io(&uri(&dir, "slow"), &["write -P 7 0 4M"]);
     storage.hang();
     let v = rpc(&control, "export_remove", json!({"name": "slow", "hard": true}));

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod fuse;
+pub mod logged;
 pub mod nbd;
 
 use std::io::Read;
@@ -327,6 +328,23 @@ pub fn nbdsh(uri: &str, script: &str) -> String {
 
 pub fn json(s: &str) -> serde_json::Value {
     serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}):\n{s}"))
+}
+
+/// One JSON-RPC request to the control socket `control` on a new connection; the response.
+pub fn rpc(control: &Path, method: &str, params: serde_json::Value) -> serde_json::Value {
+    use std::io::Write;
+    let mut c = std::os::unix::net::UnixStream::connect(control).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let req = serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    writeln!(c, "{req}").unwrap();
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line).unwrap();
+    json(&line)
+}
+
+/// The error message of a response that must be an error.
+pub fn refused(v: &serde_json::Value) -> String {
+    v["error"]["message"].as_str().unwrap_or_else(|| panic!("not an error: {v}")).to_owned()
 }
 
 pub fn read_file(path: &Path) -> Vec<u8> {
