@@ -25,6 +25,19 @@ pub fn state(pid: i32) -> Option<char> {
     stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
+/// True once process `pid` has begun to exit (PF_EXITING in the flags of
+/// /proc/PID/stat) or is gone. A process that called `_exit` while one of its
+/// files is on a FUSE server that does not answer can stay in the kernel's exit
+/// path (closing that file) until the server answers: it is ending, whatever
+/// state letter it shows meanwhile.
+pub fn exiting(pid: i32) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
+    let Some((_, rest)) = stat.rsplit_once(')') else { return true };
+    // After the name: state, ppid, pgrp, session, tty_nr, tpgid, flags.
+    rest.split_whitespace().nth(6).and_then(|f| f.parse::<u64>().ok()).is_some_and(|f| f & PF_EXITING != 0)
+}
+
 /// Waits for `child` at most `bound`; None (and the child killed) if it is still running.
 pub fn wait_bounded(child: &mut Child, bound: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + bound;
