@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
-use common::logged::{signal, state, LoggedServer};
+use common::logged::{exiting, signal, state, LoggedServer};
 use common::{image, qemu_io, refused, rpc, s, Server, TempDir};
 use serde_json::json;
 
@@ -140,7 +140,7 @@ fn sigterm_during_a_reload_stuck_on_hung_storage_stops_within_the_limit() {
     signal(server.pid(), libc::SIGTERM);
     let pid = server.pid();
     loop {
-        if matches!(state(pid), Some('Z') | None) {
+        if matches!(state(pid), Some('Z') | None) || exiting(pid) {
             break;
         }
         assert!(
@@ -265,7 +265,7 @@ fn sigterm_during_a_hung_removal_names_it_and_ends_within_the_limit() {
     signal(server.pid(), libc::SIGTERM);
     let pid = server.pid();
     loop {
-        if server.log().contains("giving up the stop") && matches!(state(pid), Some('Z') | None) {
+        if server.log().contains("giving up the stop") && (matches!(state(pid), Some('Z') | None) || exiting(pid)) {
             break;
         }
         assert!(t.elapsed() < Duration::from_secs(15), "still stopping after {:?}:\n{}", t.elapsed(), server.log());
