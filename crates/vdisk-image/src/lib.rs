@@ -6,6 +6,7 @@
 //! does not move data itself and it knows nothing of threads, rings or wire
 //! protocols. The engine performs the extents.
 
+pub mod bitmap;
 pub mod breakage;
 pub mod cow;
 mod error;
