@@ -70,7 +70,12 @@ impl DirtyBitmap {
         check_granularity(granularity)?;
         let shift = granularity.trailing_zeros();
         let bits = size.div_ceil(granularity);
-        let words = (0..bits.div_ceil(64)).map(|_| AtomicU64::new(0)).collect();
+        let zeros: Box<[u64]> = vec![0u64; bits.div_ceil(64) as usize].into_boxed_slice();
+        // SAFETY: AtomicU64 has the same size and alignment as u64 (its
+        // documented guarantee) and every bit pattern is valid for both; the
+        // box's memory moves over whole. (A zeroed Vec is calloc'ed: the
+        // pages of a large bitmap are only touched once written.)
+        let words = unsafe { Box::from_raw(Box::into_raw(zeros) as *mut [AtomicU64]) };
         Ok(DirtyBitmap { size, shift, words, enabled: AtomicBool::new(true) })
     }
 

@@ -10,6 +10,7 @@
 //! - `refcount.rs`: refcounts and append-only allocation;
 //! - `write.rs`: claiming clusters for writes (copy-on-write from the
 //!   backing image), zero clusters, and the flush ordering;
+//! - `bitmaps.rs`, `bitmaps_write.rs`: persistent dirty bitmaps in qemu's format;
 //! - `open.rs`: opening an image and its backing chain (`repair.rs`: the
 //!   refcounts of a dirty one), `create.rs`: new images,
 //!   `commit.rs`: merging it into its backing file or a new raw image.
@@ -23,6 +24,10 @@
 //! copies of compressed clusters (`compressed.rs`), so a read through the
 //! chain is one list of extents the engine performs like any other.
 
+pub mod bitmaps;
+#[cfg(test)]
+mod bitmaps_tests;
+mod bitmaps_write;
 mod commit;
 mod compressed;
 mod create;
@@ -79,6 +84,8 @@ pub struct Qcow2Image {
     /// Metadata rounds, one at a time; holds the number of the last round done.
     rounds_done: Mutex<u64>,
     rounds_started: AtomicU64,
+    /// The image's persistent bitmaps (`bitmaps.rs`).
+    bitmaps: Mutex<bitmaps_write::BitmapState>,
 }
 
 impl Qcow2Image {
