@@ -18,6 +18,7 @@
 //! `fetch_and`, so a concurrent set either lands before it and is returned,
 //! or after it and stays).
 
+pub mod sidecar;
 pub mod store;
 #[cfg(test)]
 mod tests;
