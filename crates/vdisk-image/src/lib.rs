@@ -57,6 +57,18 @@ pub struct Allocation {
     pub hole: bool,
     /// The run reads as zeros.
     pub zero: bool,
+    /// Which layer of the chain holds the run (NBD's `qemu:allocation-depth`):
+    /// 1 this image, 2 its backing image, and so on; 0 none (it reads as
+    /// zeros from nowhere). A raw file or RBD image holds every byte it has
+    /// (holes too, as qemu counts them): depth 1.
+    pub depth: u32,
+}
+
+impl Allocation {
+    /// The same run as seen from the image above this one in a chain.
+    pub fn one_deeper(self) -> Allocation {
+        Allocation { depth: if self.depth == 0 { 0 } else { self.depth + 1 }, ..self }
+    }
 }
 
 /// What every open image holds of itself, whatever its format: the format

@@ -197,7 +197,7 @@ fn push(out: &mut Vec<Extent>, e: Extent) {
 fn push_alloc(out: &mut Vec<Allocation>, base: usize, a: Allocation) -> bool {
     let n = out.len();
     match out.last_mut() {
-        Some(l) if n > base && (l.hole, l.zero) == (a.hole, a.zero) => l.len += a.len,
+        Some(l) if n > base && (l.hole, l.zero, l.depth) == (a.hole, a.zero, a.depth) => l.len += a.len,
         _ => out.push(a),
     }
     true
@@ -290,26 +290,26 @@ impl Image for Qcow2Image {
         while pos < end && out.len() - base < max {
             let (unit, _, unit_end) = self.unit_at(pos)?;
             let stop = unit_end.min(end);
-            let a = |hole, zero| Allocation { len: stop - pos, hole, zero };
+            let a = |hole, zero, depth| Allocation { len: stop - pos, hole, zero, depth };
             match unit {
-                Unit::Data(_) | Unit::Compressed { .. } => push_alloc(out, base, a(false, false)),
-                Unit::Zero => push_alloc(out, base, a(true, true)),
+                Unit::Data(_) | Unit::Compressed { .. } => push_alloc(out, base, a(false, false, 1)),
+                Unit::Zero => push_alloc(out, base, a(true, true, 1)),
                 Unit::Backing => match &self.backing {
                     Some(b) if pos < b.size() => {
                         let n = (stop - pos).min(b.size() - pos);
                         let mut tmp = Vec::new();
                         b.allocation(pos, n, max - (out.len() - base), &mut tmp)?;
                         let got: u64 = tmp.iter().map(|a| a.len).sum();
-                        tmp.into_iter().for_each(|a| _ = push_alloc(out, base, a));
+                        tmp.into_iter().for_each(|a| _ = push_alloc(out, base, a.one_deeper()));
                         if got < n {
                             return Ok(());
                         }
                         if n < stop - pos {
-                            push_alloc(out, base, Allocation { len: stop - pos - n, hole: true, zero: true });
+                            push_alloc(out, base, Allocation { len: stop - pos - n, hole: true, zero: true, depth: 0 });
                         }
                         true
                     }
-                    _ => push_alloc(out, base, a(true, true)),
+                    _ => push_alloc(out, base, a(true, true, 0)),
                 },
             };
             pos = stop;
