@@ -107,7 +107,7 @@ pub fn handshake_input(input: &[u8], exports: &[Export]) -> Option<Negotiated> {
     let mut s = Scripted { input: stream, written: 0 };
     let neg = handshake(&mut s, exports, &policy, &|| shutting).ok()?;
     assert!(neg.export < exports.len(), "negotiated export {} of {}", neg.export, exports.len());
-    if neg.allocation_context.is_some() {
+    if !neg.contexts.is_empty() {
         assert!(neg.structured, "a meta context without structured replies");
     }
     Some(neg)
@@ -124,8 +124,12 @@ pub fn requests_input(input: &[u8]) -> usize {
     const SIZES: [u64; 8] = [0, 1, 512, 4096, 1 << 20, 1 << 40, u64::MAX - 4095, u64::MAX];
     let Some((&sel, mut rest)) = input.split_first() else { return 0 };
     let structured = sel & 1 != 0;
-    let neg =
-        Negotiated { export: 0, structured, allocation_context: (sel & 2 != 0).then_some(1), transmission_flags: 0 };
+    let contexts = if sel & 2 != 0 {
+        vec![crate::meta::Selected { id: 1, context: crate::meta::Context::BaseAllocation }]
+    } else {
+        Vec::new()
+    };
+    let neg = Negotiated { export: 0, structured, contexts, transmission_flags: 0 };
     let read_only = sel & 4 != 0;
     let size = SIZES[usize::from((sel >> 3) & 7)];
     let mut accepted = 0;
@@ -152,7 +156,7 @@ pub fn requests_input(input: &[u8]) -> usize {
                     assert!(!read_only, "a write passed on a read-only export: {h:?}");
                 }
                 if matches!(v.op, Op::BlockStatus { .. }) {
-                    assert!(neg.allocation_context.is_some(), "BLOCK_STATUS passed without a context: {h:?}");
+                    assert!(!neg.contexts.is_empty(), "BLOCK_STATUS passed without a context: {h:?}");
                 }
                 // FUA is allowed everywhere but means something only where data is written.
                 if v.op.writes() {
@@ -269,7 +273,7 @@ mod tests {
             assert!(handshake_input(&read("nbd_handshake", n), &exports).is_some(), "{n} negotiates nothing");
         }
         let neg = handshake_input(&read("nbd_handshake", "structured_meta_go"), &exports).unwrap();
-        assert!(neg.structured && neg.allocation_context == Some(1));
+        assert!(neg.structured && neg.contexts.len() == 1 && neg.contexts[0].id == 1);
         assert_eq!(handshake_input(&read("nbd_handshake", "list_info_go_ro"), &exports).unwrap().export, 1);
         assert_eq!(requests_input(&read("nbd_requests", "read_write_flush")), 3);
         assert_eq!(requests_input(&read("nbd_requests", "structured_status")), 4);
