@@ -59,7 +59,9 @@ pub struct Allocation {
     pub zero: bool,
     /// Which layer of the chain holds the run (NBD's `qemu:allocation-depth`):
     /// 1 this image, 2 its backing image, and so on; 0 none (it reads as
-    /// zeros from nowhere). A raw file or RBD image holds every byte it has
+    /// zeros from nowhere: a layer without a backing image does not hold it).
+    /// Zeros past the end of a shorter backing image count as that image's,
+    /// as qemu counts them. A raw file or RBD image holds every byte it has
     /// (holes too, as qemu counts them): depth 1.
     pub depth: u32,
 }

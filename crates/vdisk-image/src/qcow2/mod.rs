@@ -305,11 +305,14 @@ impl Image for Qcow2Image {
                             return Ok(());
                         }
                         if n < stop - pos {
-                            push_alloc(out, base, Allocation { len: stop - pos - n, hole: true, zero: true, depth: 0 });
+                            // Zeros past a short backing image's end count as
+                            // held by it, as qemu counts them.
+                            push_alloc(out, base, Allocation { len: stop - pos - n, hole: true, zero: true, depth: 2 });
                         }
                         true
                     }
-                    _ => push_alloc(out, base, a(true, true, 0)),
+                    Some(_) => push_alloc(out, base, a(true, true, 2)),
+                    None => push_alloc(out, base, a(true, true, 0)),
                 },
             };
             pos = stop;
