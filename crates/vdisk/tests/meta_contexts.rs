@@ -83,3 +83,23 @@ fn allocation_depth_of_a_qcow2_chain_matches_qemu_nbd() {
     let _ = qemu.wait();
     assert_eq!(ours, theirs, "vdisk and qemu-nbd disagree on allocation depth");
 }
+
+/// Until the daemon keeps an export's bitmaps up to date, a qcow2 image it
+/// serves read-write has its bitmaps marked in use (qemu then treats them
+/// as inconsistent) rather than left looking valid while writes miss them;
+/// the image stays clean for `qemu-img check`.
+#[test]
+fn a_served_qcow2_marks_its_bitmaps_in_use_never_silently_stale() {
+    let dir = TempDir::new("meta-qcow2-bitmaps");
+    let img = dir.path("disk.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&img), "4M"]);
+    run("qemu-img", &["bitmap", "--add", s(&img), "b0"]);
+    assert!(!run("qemu-img", &["info", s(&img)]).contains("in-use"));
+    let server = Server::start(&dir, &[s(&img)]);
+    run("qemu-io", &["-f", "raw", "-c", "write -P 5 1M 64k", &server.uri("disk")]);
+    server.stop();
+    let info = run("qemu-img", &["info", s(&img)]);
+    assert!(info.contains("name: b0") && info.contains("in-use"), "{info}");
+    let check = run("qemu-img", &["check", s(&img)]);
+    assert!(check.contains("No errors"), "{check}");
+}
