@@ -193,6 +193,13 @@ pub trait Image: Send + Sync {
     fn sync_metadata(&self) -> Result<()> {
         Ok(())
     }
+
+    /// Where this image keeps its own persistent bitmaps (qcow2: in the
+    /// image, qemu's format); None for a format that has no place for them,
+    /// whose bitmaps go to a sidecar file ([`bitmap::sidecar::SidecarStore`]).
+    fn bitmap_store(&self) -> Option<&dyn bitmap::BitmapStore> {
+        None
+    }
 }
 
 /// The mapping of an image whose disk is file 0 byte for byte (raw, RBD), for

@@ -204,6 +204,10 @@ fn push_alloc(out: &mut Vec<Allocation>, base: usize, a: Allocation) -> bool {
 }
 
 impl Image for Qcow2Image {
+    fn bitmap_store(&self) -> Option<&dyn crate::bitmap::BitmapStore> {
+        Some(self)
+    }
+
     fn format(&self) -> &'static str {
         "qcow2"
     }
