@@ -158,7 +158,11 @@ impl DirtyBitmap {
             let hi = if w == lw { last % 64 } else { 63 };
             let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
             if on {
-                self.words[w].fetch_or(mask, Ordering::AcqRel);
+                // Already dirty (a hot region): no read-modify-write, so
+                // writers to one region do not bounce its cache line.
+                if self.words[w].load(Ordering::Acquire) & mask != mask {
+                    self.words[w].fetch_or(mask, Ordering::AcqRel);
+                }
             } else {
                 self.words[w].fetch_and(!mask, Ordering::AcqRel);
             }
