@@ -113,7 +113,15 @@ impl DirtyBitmap {
 
     /// The write path's call: marks `len` bytes at `offset` dirty if the
     /// bitmap is enabled. Lock-free: one `fetch_or` per 64 granules touched
-    /// (one, for a request smaller than 64 granules that does not cross a word).
+    /// (one, for a request smaller than 64 granules that does not cross a
+    /// word; none when they are dirty already).
+    ///
+    /// Call it once the write (or TRIM, WRITE_ZEROES; a failed one too) has
+    /// reached the image and before it is acknowledged: then a copy job's
+    /// [`DirtyBitmap::take_next`] either runs after the mark, and its read
+    /// sees the new data, or before it, and the range stays dirty for the
+    /// next pass. (Marked before the data landed, a take in between would
+    /// clear the bit, copy the old data, and lose the write.)
     #[inline]
     pub fn record_write(&self, offset: u64, len: u64) {
         if self.enabled.load(Ordering::Relaxed) {
