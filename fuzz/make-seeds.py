@@ -104,12 +104,17 @@ def qcow2_seeds():
         "v3_rc1": "cluster_size=512,refcount_bits=1",
         "v3_rc64": "cluster_size=512,refcount_bits=64",
         "v3_backing": "cluster_size=512,backing_file=base.raw,backing_fmt=raw",
+        "v3_bitmaps": "cluster_size=512",
     }
+    # A persistent bitmap (512-byte granularity, enabled) before the writes.
+    bitmaps = {"v3_bitmaps": [["--add", "-g", "512", "b0"]]}
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "base.raw"), "wb").write(b"\x01" * 65536)
         for name, opts in shapes.items():
             img = os.path.join(tmp, name + ".qcow2")
             subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", opts, img, "64K"], check=True, cwd=tmp)
+            for b in bitmaps.get(name, []):
+                subprocess.run(["qemu-img", "bitmap", *b[:-1], img, b[-1]], check=True, cwd=tmp)
             for cmd in ["write -P 0x5a 0 700", "write -z 4096 1024", "write -P 0x11 30000 100"]:
                 subprocess.run(["qemu-io", "-f", "qcow2", "-c", cmd, img], check=True, cwd=tmp, capture_output=True)
             data = open(img, "rb").read()
