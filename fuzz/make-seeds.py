@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes the NBD, virtio-blk, qcow2 and control-socket seed corpora (corpus/nbd_handshake,
-corpus/nbd_requests, corpus/virtio_blk, corpus/qcow2_image, corpus/control_rpc; the layout of a
+corpus/nbd_requests, corpus/virtio_blk, corpus/qcow2_image, corpus/control_rpc, corpus/meta_context; the layout of a
 virtio_blk input is in crates/vdisk-vhost/src/fuzzing.rs).
 The cow_header seeds are made by uml_mkcow (see run.sh's header)."""
 import os, struct
@@ -104,12 +104,17 @@ def qcow2_seeds():
         "v3_rc1": "cluster_size=512,refcount_bits=1",
         "v3_rc64": "cluster_size=512,refcount_bits=64",
         "v3_backing": "cluster_size=512,backing_file=base.raw,backing_fmt=raw",
+        "v3_bitmaps": "cluster_size=512",
     }
+    # A persistent bitmap (512-byte granularity, enabled) before the writes.
+    bitmaps = {"v3_bitmaps": [["--add", "-g", "512", "b0"]]}
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "base.raw"), "wb").write(b"\x01" * 65536)
         for name, opts in shapes.items():
             img = os.path.join(tmp, name + ".qcow2")
             subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", opts, img, "64K"], check=True, cwd=tmp)
+            for b in bitmaps.get(name, []):
+                subprocess.run(["qemu-img", "bitmap", *b[:-1], img, b[-1]], check=True, cwd=tmp)
             for cmd in ["write -P 0x5a 0 700", "write -z 4096 1024", "write -P 0x11 30000 100"]:
                 subprocess.run(["qemu-io", "-f", "qcow2", "-c", cmd, img], check=True, cwd=tmp, capture_output=True)
             data = open(img, "rb").read()
@@ -149,5 +154,24 @@ def control_seeds():
         open(os.path.join(out_dir, name), "wb").write(b)
 
 
+def meta_context_seeds():
+    """Byte 0: bit 0 SET (else LIST), bit 1 structured replies first, bits 2.. the
+    descriptor cap; then the option's data (crates/vdisk-nbd/src/fuzzing.rs)."""
+    def data(name, queries):
+        return s(name) + struct.pack(">I", len(queries)) + b"".join(s(q) for q in queries)
+    seeds = {
+        "list_all": bytes([0b10]) + data(b"disk", []),
+        "list_qemu": bytes([0b10]) + data(b"disk", [b"qemu:", b"qemu:dirty-bitmap:", b"base:"]),
+        "set_three": bytes([0b10111]) + data(b"disk", [b"base:allocation", b"qemu:allocation-depth",
+                                                      b"qemu:dirty-bitmap:b0", b"qemu:dirty-bitmap:nope"]),
+        "set_unstructured": bytes([0b1]) + data(b"disk", [b"qemu:dirty-bitmap:b:1"]),
+    }
+    out_dir = os.path.join(here, "corpus", "meta_context")
+    os.makedirs(out_dir, exist_ok=True)
+    for name, b in seeds.items():
+        open(os.path.join(out_dir, name), "wb").write(b)
+
+
 qcow2_seeds()
 control_seeds()
+meta_context_seeds()

@@ -27,7 +27,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 cd "$here"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(nbd_handshake nbd_requests cow_header virtio_blk qcow2_image control_rpc)
+    targets=(nbd_handshake nbd_requests meta_context cow_header virtio_blk qcow2_image control_rpc)
 fi
 work=${FUZZ_WORK:-$here/work}
 export RUSTC_BOOTSTRAP=1

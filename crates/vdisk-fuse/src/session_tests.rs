@@ -286,7 +286,7 @@ fn replies_of_completed_requests() {
     assert!(matches!(s.reply_of(&done(Op::Flush, 0, 0), 7), (0, ReplyBody::Empty)));
 
     // LSEEK: the session remembers which whence each unique asked for.
-    let run = |len, hole| Allocation { len, hole, zero: hole };
+    let run = |len, hole| Allocation { len, hole, zero: hole, depth: 1 };
     let seek = |unique: u64, whence: i32, offset: u64, runs: Vec<Allocation>| {
         let Action::Submit(mut req) = s.dispatch(&header(proto::LSEEK, unique), &lseek(offset, whence)) else {
             panic!("LSEEK at {offset} was not submitted");

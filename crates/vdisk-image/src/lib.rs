@@ -6,6 +6,7 @@
 //! does not move data itself and it knows nothing of threads, rings or wire
 //! protocols. The engine performs the extents.
 
+pub mod bitmap;
 pub mod breakage;
 pub mod cow;
 mod error;
@@ -56,6 +57,20 @@ pub struct Allocation {
     pub hole: bool,
     /// The run reads as zeros.
     pub zero: bool,
+    /// Which layer of the chain holds the run (NBD's `qemu:allocation-depth`):
+    /// 1 this image, 2 its backing image, and so on; 0 none (it reads as
+    /// zeros from nowhere: a layer without a backing image does not hold it).
+    /// Zeros past the end of a shorter backing image count as that image's,
+    /// as qemu counts them. A raw file or RBD image holds every byte it has
+    /// (holes too, as qemu counts them): depth 1.
+    pub depth: u32,
+}
+
+impl Allocation {
+    /// The same run as seen from the image above this one in a chain.
+    pub fn one_deeper(self) -> Allocation {
+        Allocation { depth: if self.depth == 0 { 0 } else { self.depth + 1 }, ..self }
+    }
 }
 
 /// What every open image holds of itself, whatever its format: the format
@@ -177,6 +192,13 @@ pub trait Image: Send + Sync {
     /// data file has been synced, so metadata never points at data that is not.
     fn sync_metadata(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// Where this image keeps its own persistent bitmaps (qcow2: in the
+    /// image, qemu's format); None for a format that has no place for them,
+    /// whose bitmaps go to a sidecar file ([`bitmap::sidecar::SidecarStore`]).
+    fn bitmap_store(&self) -> Option<&dyn bitmap::BitmapStore> {
+        None
     }
 }
 

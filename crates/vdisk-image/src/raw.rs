@@ -153,7 +153,7 @@ pub(crate) fn seek_allocation(
             Err(e) => return Err(e),
         };
         if data > pos {
-            out.push(Allocation { len: data - pos, hole: true, zero: true });
+            out.push(Allocation { len: data - pos, hole: true, zero: true, depth: 1 });
             n += 1;
             pos = data;
             continue;
@@ -164,7 +164,7 @@ pub(crate) fn seek_allocation(
             Err(e) => return Err(e),
         };
         let hole = hole.max(pos + 1).min(end);
-        out.push(Allocation { len: hole - pos, hole: false, zero: false });
+        out.push(Allocation { len: hole - pos, hole: false, zero: false, depth: 1 });
         n += 1;
         pos = hole;
     }

@@ -22,6 +22,8 @@ use vdisk_engine::{Bounds, Buf, Command, Device, Op, Refusal, Request, Sink};
 
 use crate::budget::{Account, Budget};
 use crate::handshake::Negotiated;
+#[cfg(test)]
+use crate::meta::{Context, Selected};
 use crate::outbox::Outbox;
 pub use crate::outbox::MAX_INFLIGHT_BYTES;
 use crate::proto::*;
@@ -67,7 +69,7 @@ pub(crate) fn validate(h: &RequestHeader, neg: &Negotiated, size: u64, read_only
     if h.flags & CMD_FLAG_DF != 0 && !neg.structured {
         return Err(EINVAL);
     }
-    if matches!(op, Op::BlockStatus { .. }) && neg.allocation_context.is_none() {
+    if matches!(op, Op::BlockStatus { .. }) && neg.contexts.is_empty() {
         return Err(EINVAL);
     }
     if op == Op::Flush && (h.offset != 0 || h.len != 0) {
@@ -98,11 +100,8 @@ pub fn transmission(
     budget: Arc<Budget>,
     account: Arc<Account>,
 ) -> io::Result<()> {
-    let encoder = Encoder {
-        structured: neg.structured,
-        allocation_context: neg.allocation_context.unwrap_or(0),
-        errors: device.errors().clone(),
-    };
+    let encoder =
+        Encoder { structured: neg.structured, contexts: neg.contexts.clone().into(), errors: device.errors().clone() };
     let outbox =
         Arc::new(Outbox::new(stream.try_clone()?, encoder, batching, budget.clone(), account.clone(), device.clone()));
     let writer = {
@@ -333,7 +332,8 @@ mod tests {
     use super::*;
 
     fn neg(structured: bool, meta: bool) -> Negotiated {
-        Negotiated { export: 0, structured, allocation_context: meta.then_some(1), transmission_flags: 0 }
+        let contexts = if meta { vec![Selected { id: 1, context: Context::BaseAllocation }] } else { Vec::new() };
+        Negotiated { export: 0, structured, contexts, transmission_flags: 0 }
     }
 
     fn hdr(kind: u16, flags: u16, offset: u64, len: u32) -> RequestHeader {

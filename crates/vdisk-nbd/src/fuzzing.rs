@@ -107,7 +107,7 @@ pub fn handshake_input(input: &[u8], exports: &[Export]) -> Option<Negotiated> {
     let mut s = Scripted { input: stream, written: 0 };
     let neg = handshake(&mut s, exports, &policy, &|| shutting).ok()?;
     assert!(neg.export < exports.len(), "negotiated export {} of {}", neg.export, exports.len());
-    if neg.allocation_context.is_some() {
+    if !neg.contexts.is_empty() {
         assert!(neg.structured, "a meta context without structured replies");
     }
     Some(neg)
@@ -124,8 +124,12 @@ pub fn requests_input(input: &[u8]) -> usize {
     const SIZES: [u64; 8] = [0, 1, 512, 4096, 1 << 20, 1 << 40, u64::MAX - 4095, u64::MAX];
     let Some((&sel, mut rest)) = input.split_first() else { return 0 };
     let structured = sel & 1 != 0;
-    let neg =
-        Negotiated { export: 0, structured, allocation_context: (sel & 2 != 0).then_some(1), transmission_flags: 0 };
+    let contexts = if sel & 2 != 0 {
+        vec![crate::meta::Selected { id: 1, context: crate::meta::Context::BaseAllocation }]
+    } else {
+        Vec::new()
+    };
+    let neg = Negotiated { export: 0, structured, contexts, transmission_flags: 0 };
     let read_only = sel & 4 != 0;
     let size = SIZES[usize::from((sel >> 3) & 7)];
     let mut accepted = 0;
@@ -152,7 +156,7 @@ pub fn requests_input(input: &[u8]) -> usize {
                     assert!(!read_only, "a write passed on a read-only export: {h:?}");
                 }
                 if matches!(v.op, Op::BlockStatus { .. }) {
-                    assert!(neg.allocation_context.is_some(), "BLOCK_STATUS passed without a context: {h:?}");
+                    assert!(!neg.contexts.is_empty(), "BLOCK_STATUS passed without a context: {h:?}");
                 }
                 // FUA is allowed everywhere but means something only where data is written.
                 if v.op.writes() {
@@ -169,6 +173,58 @@ pub fn requests_input(input: &[u8]) -> usize {
         rest = &rest[payload..];
     }
     accepted
+}
+
+/// The meta-context options: byte 0 picks LIST (bit 0 clear) or SET, and
+/// whether structured replies were negotiated first (bit 1); the rest is
+/// the option's data (export name, queries). It runs through the option
+/// parser and matcher (checking that SET picks only whole names, each once)
+/// and through the whole handshake (the option, then NBD_OPT_GO for
+/// "disk", then block status of every selected context encoded once).
+/// Returns the number of contexts the handshake agreed on, if it got to GO.
+pub fn meta_context_input(input: &[u8], exports: &[Export]) -> Option<usize> {
+    use crate::meta;
+    let (&sel, data) = input.split_first()?;
+    let set = sel & 1 != 0;
+    let bitmap = |g| Arc::new(vdisk_image::bitmap::DirtyBitmap::new(1 << 20, g).unwrap());
+    let served: meta::ServedBitmaps = Arc::new([("b0".to_owned(), bitmap(65536)), ("b:1".to_owned(), bitmap(512))]);
+    if let Some((_, queries)) = meta::parse(data) {
+        let offered = meta::offered(&served);
+        let chosen = meta::matching(&offered, &queries, !set);
+        let mut ids: Vec<u32> = chosen.iter().map(|c| c.id).collect();
+        ids.dedup();
+        assert_eq!(ids.len(), chosen.len(), "a context chosen twice");
+        assert!(chosen.iter().all(|c| c.id >= 1 && c.id as usize <= offered.len()));
+        if set {
+            assert!(chosen.iter().all(|c| queries.contains(&c.context.name())), "SET picked by a namespace");
+        }
+        served[0].1.set(4096, 1);
+        let runs = [Allocation { len: 8192, hole: false, zero: false, depth: 2 }];
+        let mut out = Head::new();
+        meta::encode_block_status(&mut out, 1, &chosen, (0, 1 << 20), &runs, usize::from(sel >> 2));
+    }
+    // The client's flags, then its options.
+    let mut stream = (FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes().to_vec();
+    let mut option = |opt: u32, body: &[u8]| {
+        stream.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        stream.extend_from_slice(&opt.to_be_bytes());
+        stream.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        stream.extend_from_slice(body);
+    };
+    if sel & 2 != 0 {
+        option(OPT_STRUCTURED_REPLY, &[]);
+    }
+    option(if set { OPT_SET_META_CONTEXT } else { OPT_LIST_META_CONTEXT }, data);
+    let mut go = 4u32.to_be_bytes().to_vec();
+    go.extend_from_slice(b"disk");
+    go.extend_from_slice(&0u16.to_be_bytes());
+    option(OPT_GO, &go);
+    let mut s = Scripted { input: &stream, written: 0 };
+    let policy = crate::Policy::default();
+    let bitmaps = vec![served; exports.len()];
+    let neg = crate::handshake::handshake_with_bitmaps(&mut s, exports, &bitmaps, &policy, &|| false).ok()?;
+    assert!(neg.contexts.is_empty() || (neg.structured && set), "contexts without SET and structured replies");
+    Some(neg.contexts.len())
 }
 
 /// Parses `input` as a COW overlay header; on success checks that the
@@ -269,10 +325,12 @@ mod tests {
             assert!(handshake_input(&read("nbd_handshake", n), &exports).is_some(), "{n} negotiates nothing");
         }
         let neg = handshake_input(&read("nbd_handshake", "structured_meta_go"), &exports).unwrap();
-        assert!(neg.structured && neg.allocation_context == Some(1));
+        assert!(neg.structured && neg.contexts.len() == 1 && neg.contexts[0].id == 1);
         assert_eq!(handshake_input(&read("nbd_handshake", "list_info_go_ro"), &exports).unwrap().export, 1);
         assert_eq!(requests_input(&read("nbd_requests", "read_write_flush")), 3);
         assert_eq!(requests_input(&read("nbd_requests", "structured_status")), 4);
+        let meta = |n: &str| meta_context_input(&read("meta_context", n), &exports);
+        assert_eq!((meta("set_three"), meta("list_all"), meta("set_unstructured")), (Some(3), Some(0), Some(0)));
         for n in ["uml_mkcow_relative", "uml_mkcow_absolute_odd_size"] {
             vdisk_image::cow::parse_header(&read("cow_header", n)).unwrap();
         }
@@ -314,6 +372,14 @@ mod tests {
     fn nbd_requests_never_panic() {
         replay("nbd_requests", 5000, &mut |b| {
             requests_input(b);
+        });
+    }
+
+    #[test]
+    fn meta_context_options_never_panic() {
+        let exports = default_exports();
+        replay("meta_context", 5000, &mut |b| {
+            meta_context_input(b, &exports);
         });
     }
 

@@ -14,6 +14,7 @@ use std::io::{self, Read, Write};
 use std::sync::Arc;
 
 use crate::allow::PeerIdentity;
+use crate::meta::{self, Selected, ServedBitmaps};
 use crate::proto::*;
 use crate::tls::{Tls, TlsMode};
 use crate::Export;
@@ -53,13 +54,11 @@ const MAX_OPTION_LEN: u32 = 64 << 10;
 pub struct Negotiated {
     pub export: usize,
     pub structured: bool,
-    /// The context id of base:allocation, when the client selected it.
-    pub allocation_context: Option<u32>,
+    /// The meta contexts the client selected for this export (see [`meta`]),
+    /// in id order; block status is refused while there are none.
+    pub contexts: Vec<Selected>,
     pub transmission_flags: u16,
 }
-
-/// The context id we give base:allocation.
-const ALLOCATION_ID: u32 = 1;
 
 /// Why a handshake ended without a transmission phase.
 #[derive(Debug)]
@@ -95,8 +94,10 @@ struct Haggle<'a, S> {
     exports: &'a [Export],
     structured: bool,
     no_zeroes: bool,
-    /// (export index, id) chosen by OPT_SET_META_CONTEXT.
-    meta: Option<(usize, u32)>,
+    /// The bitmaps each export serves, index for index with `exports` (may be shorter: none).
+    bitmaps: &'a [ServedBitmaps],
+    /// (export index, contexts) chosen by the last OPT_SET_META_CONTEXT.
+    meta: Option<(usize, Vec<Selected>)>,
     shutting_down: &'a dyn Fn() -> bool,
     policy: &'a Policy,
     tls_up: bool,
@@ -108,6 +109,18 @@ struct Haggle<'a, S> {
 pub fn handshake<S: Transport>(
     s: &mut S,
     exports: &[Export],
+    policy: &Policy,
+    shutting_down: &dyn Fn() -> bool,
+) -> Result<Negotiated, HandshakeEnd> {
+    handshake_with_bitmaps(s, exports, &[], policy, shutting_down)
+}
+
+/// [`handshake`], offering `qemu:dirty-bitmap:NAME` contexts for the
+/// bitmaps `bitmaps[i]` of export `i`.
+pub fn handshake_with_bitmaps<S: Transport>(
+    s: &mut S,
+    exports: &[Export],
+    bitmaps: &[ServedBitmaps],
     policy: &Policy,
     shutting_down: &dyn Fn() -> bool,
 ) -> Result<Negotiated, HandshakeEnd> {
@@ -125,6 +138,7 @@ pub fn handshake<S: Transport>(
         exports,
         structured: false,
         no_zeroes: client & FLAG_C_NO_ZEROES != 0,
+        bitmaps,
         meta: None,
         shutting_down,
         policy,
@@ -308,17 +322,7 @@ impl<S: Transport> Haggle<'_, S> {
         if !self.structured {
             return self.reply(opt, REP_ERR_INVALID, b"negotiate NBD_OPT_STRUCTURED_REPLY first");
         }
-        let mut r = Cursor(data);
-        let parsed = (|| {
-            let name = r.string()?;
-            let n = r.u32()?;
-            let mut queries = Vec::new();
-            for _ in 0..n {
-                queries.push(r.string()?);
-            }
-            r.0.is_empty().then_some((name, queries))
-        })();
-        let Some((name, queries)) = parsed else {
+        let Some((name, queries)) = meta::parse(data) else {
             return self.reply(opt, REP_ERR_INVALID, b"malformed meta context data");
         };
         let Some(idx) = self.find(&name) else {
@@ -328,15 +332,16 @@ impl<S: Transport> Haggle<'_, S> {
         if set {
             self.meta = None;
         }
-        let matches = |q: &str| if set { q == META_BASE_ALLOCATION } else { q == "base:" || q == META_BASE_ALLOCATION };
-        if (!set && queries.is_empty()) || queries.iter().any(|q| matches(q)) {
-            let id = if set { ALLOCATION_ID } else { 0 };
-            let mut d = id.to_be_bytes().to_vec();
-            d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+        let offered = meta::offered(self.bitmaps.get(idx).map_or(&[][..], |b| &b[..]));
+        let chosen = meta::matching(&offered, &queries, !set);
+        for c in &chosen {
+            // LIST names contexts without giving them ids.
+            let mut d = if set { c.id } else { 0 }.to_be_bytes().to_vec();
+            d.extend_from_slice(c.context.name().as_bytes());
             self.reply(opt, REP_META_CONTEXT, &d)?;
-            if set {
-                self.meta = Some((idx, id));
-            }
+        }
+        if set {
+            self.meta = Some((idx, chosen));
         }
         self.reply(opt, REP_ACK, &[])
     }
@@ -345,7 +350,7 @@ impl<S: Transport> Haggle<'_, S> {
         Negotiated {
             export,
             structured: self.structured,
-            allocation_context: self.meta.filter(|(i, _)| *i == export).map(|(_, id)| id),
+            contexts: self.meta.as_ref().filter(|(i, _)| *i == export).map_or_else(Vec::new, |(_, c)| c.clone()),
             transmission_flags: transmission_flags(&self.exports[export], self.structured),
         }
     }

@@ -14,6 +14,7 @@ mod conn;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod handshake;
+pub mod meta;
 mod outbox;
 pub mod proto;
 #[cfg(feature = "psk")]
@@ -169,6 +170,8 @@ pub struct Server {
     budget: Arc<Budget>,
     /// Socket buffer size asked for each client.
     socket_buffer: usize,
+    /// The bitmaps each export serves as `qemu:dirty-bitmap:NAME`, by export name.
+    bitmaps: RwLock<HashMap<String, meta::ServedBitmaps>>,
 }
 
 impl Server {
@@ -198,6 +201,7 @@ impl Server {
             live: InFlight::new(),
             watchdog_done: AtomicBool::new(false),
             trackers: Mutex::new(HashMap::new()),
+            bitmaps: RwLock::new(HashMap::new()),
         }))
     }
 
@@ -205,6 +209,19 @@ impl Server {
     /// PSK): export allow lists can work.
     pub fn identifies_clients(&self) -> bool {
         self.options.policy.tls.as_ref().is_some_and(|t| t.identifies_clients())
+    }
+
+    /// Serves `bitmaps` (name, bitmap) as the `qemu:dirty-bitmap:NAME` meta
+    /// contexts of export `export` to clients that connect from now on (an
+    /// empty list serves none). Kept by export name: whoever removes an
+    /// export clears its bitmaps too.
+    pub fn set_bitmaps(&self, export: &str, bitmaps: Vec<(String, Arc<vdisk_image::bitmap::DirtyBitmap>)>) {
+        let mut all = self.bitmaps.write().unwrap();
+        if bitmaps.is_empty() {
+            all.remove(export);
+        } else {
+            all.insert(export.to_owned(), bitmaps.into());
+        }
     }
 
     /// The exports served now.
@@ -446,18 +463,23 @@ impl Server {
         let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
         let stopping = || self.stopping.load(Ordering::SeqCst);
         let exports = self.exports();
-        let neg = match handshake::handshake(&mut stream, &exports, &self.options.policy, &stopping) {
-            Ok(neg) => neg,
-            Err(handshake::HandshakeEnd::Violation(why)) => {
-                log::warn!(client:% = peer; "{peer}: handshake failed: {why}; closing the connection");
-                return;
-            }
-            Err(handshake::HandshakeEnd::Io(e)) => {
-                log::info!(client:% = peer; "{peer}: handshake ended: {e}");
-                return;
-            }
-            Err(handshake::HandshakeEnd::Aborted) => return,
+        let bitmaps: Vec<meta::ServedBitmaps> = {
+            let all = self.bitmaps.read().unwrap();
+            exports.iter().map(|e| all.get(&e.name).cloned().unwrap_or_else(|| Arc::new([]))).collect()
         };
+        let neg =
+            match handshake::handshake_with_bitmaps(&mut stream, &exports, &bitmaps, &self.options.policy, &stopping) {
+                Ok(neg) => neg,
+                Err(handshake::HandshakeEnd::Violation(why)) => {
+                    log::warn!(client:% = peer; "{peer}: handshake failed: {why}; closing the connection");
+                    return;
+                }
+                Err(handshake::HandshakeEnd::Io(e)) => {
+                    log::info!(client:% = peer; "{peer}: handshake ended: {e}");
+                    return;
+                }
+                Err(handshake::HandshakeEnd::Aborted) => return,
+            };
         let _ = stream.set_read_timeout(None);
         let export = &exports[neg.export];
         if !self.attach(id, export) {
@@ -478,5 +500,7 @@ impl Server {
     }
 }
 
+#[cfg(test)]
+mod meta_tests;
 #[cfg(test)]
 mod tests;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use smallvec::{smallvec, SmallVec};
 use vdisk_engine::{Buf, ErrorLog, Op, Request};
-use vdisk_image::{Allocation, Error, ErrorKind};
+use vdisk_image::{Error, ErrorKind};
 
 use crate::proto::*;
 
@@ -71,7 +71,8 @@ fn wire_errno(e: &Error) -> u32 {
 #[derive(Clone)]
 pub struct Encoder {
     pub structured: bool,
-    pub allocation_context: u32,
+    /// The meta contexts selected, each answering block status with a chunk.
+    pub contexts: Arc<[crate::meta::Selected]>,
     pub errors: Arc<ErrorLog>,
 }
 
@@ -114,7 +115,9 @@ impl Encoder {
             Op::BlockStatus { max } => {
                 // REQ_ONE is the only way a request asks for one run.
                 let one = max == 1;
-                encode_block_status(&mut head, cookie, self.allocation_context, req.len, req.runs(), one);
+                let max = if one { 1 } else { MAX_EXTENTS };
+                let range = (req.offset, req.len);
+                crate::meta::encode_block_status(&mut head, cookie, &self.contexts, range, req.runs(), max);
                 OutMsg::header_only(head, cost)
             }
             _ => {
@@ -169,33 +172,6 @@ fn encode_structured_read(mut req: Request, cost: usize, dont_fragment: bool) ->
         }
     }
     OutMsg { head, data: buf, parts, cost, read_at: Some(offset), dropped: false }
-}
-
-fn encode_block_status(out: &mut Head, cookie: u64, context: u32, len: u64, runs: &[Allocation], one: bool) {
-    let mut descs: Vec<(u32, u32)> = Vec::new();
-    let mut left = len;
-    for r in runs {
-        if left == 0 {
-            break;
-        }
-        let n = r.len.min(left);
-        left -= n;
-        let flags = if r.hole { STATE_HOLE } else { 0 } | if r.zero { STATE_ZERO } else { 0 };
-        match descs.last_mut() {
-            Some(d) if d.1 == flags => d.0 += n as u32,
-            _ => descs.push((n as u32, flags)),
-        }
-    }
-    if descs.is_empty() {
-        descs.push((len as u32, 0));
-    }
-    descs.truncate(if one { 1 } else { MAX_EXTENTS });
-    chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, 4 + 8 * descs.len() as u32);
-    out.extend_from_slice(&context.to_be_bytes());
-    for (n, f) in descs {
-        out.extend_from_slice(&n.to_be_bytes());
-        out.extend_from_slice(&f.to_be_bytes());
-    }
 }
 
 #[cfg(test)]

@@ -379,10 +379,12 @@ impl Image for CowImage {
             };
             r.map_err(|e| Error::io(e, format!("cannot map {} at {pos}", self.file_path(!set as usize).display())))?;
             for a in &found {
+                // The overlay's own sectors are depth 1; the backing image's one deeper.
+                let a = if set { Allocation { depth: 1, ..*a } } else { a.one_deeper() };
                 let n = out.len() - start_len;
                 match out.last_mut() {
-                    Some(l) if n > 0 && (l.hole, l.zero) == (a.hole, a.zero) => l.len += a.len,
-                    _ if n < max => out.push(*a),
+                    Some(l) if n > 0 && (l.hole, l.zero, l.depth) == (a.hole, a.zero, a.depth) => l.len += a.len,
+                    _ if n < max => out.push(a),
                     _ => return Ok(()),
                 }
                 pos += a.len;

@@ -371,6 +371,10 @@ fn allocation_shows_backing_holes() {
     assert!(!type_at(1 << 20).unwrap().hole, "{st:?}");
     assert!(!type_at(3 << 20).unwrap().hole, "{st:?}");
     assert!(type_at((3 << 20) + 8192).unwrap().hole, "{st:?}");
+    // qemu:allocation-depth: the overlay's sectors 1, the raw backing file's 2 (holes too).
+    assert_eq!(type_at(3 << 20).unwrap().depth, 1, "{st:?}");
+    assert_eq!(type_at(0).unwrap().depth, 2, "{st:?}");
+    assert_eq!(type_at(1 << 20).unwrap().depth, 2, "{st:?}");
 }
 
 /// The error's text, and the advice the binary would word (a library names no flag).

@@ -42,10 +42,10 @@ const INCOMPAT_KNOWN: u64 = 0x1f;
 /// Compatible feature bit: lazy refcounts.
 pub const COMPAT_LAZY_REFCOUNTS: u64 = 1 << 0;
 
-const EXT_END: u32 = 0;
+pub(super) const EXT_END: u32 = 0;
 const EXT_BACKING_FORMAT: u32 = 0xe279_2aca;
 const EXT_FEATURE_TABLE: u32 = 0x6803_f857;
-const EXT_BITMAPS: u32 = 0x2385_2875;
+pub(super) const EXT_BITMAPS: u32 = 0x2385_2875;
 const EXT_ENCRYPTION: u32 = 0x0537_be77;
 const EXT_DATA_FILE: u32 = 0x4441_5441;
 
@@ -85,6 +85,8 @@ pub struct Header {
     pub backing_format: Option<String>,
     /// Extensions present that vdisk does not interpret, by type (for `info`).
     pub has_bitmaps: bool,
+    /// The bitmaps extension: (nb_bitmaps, bitmap_directory_size, bitmap_directory_offset).
+    pub bitmaps_ext: Option<(u32, u64, u64)>,
     pub has_encryption_ext: bool,
     pub has_data_file_ext: bool,
 }
@@ -192,6 +194,7 @@ pub fn parse_header(b: &[u8]) -> Result<Header> {
         backing: None,
         backing_format: None,
         has_bitmaps: false,
+        bitmaps_ext: None,
         has_encryption_ext: false,
         has_data_file_ext: false,
     };
@@ -308,7 +311,12 @@ fn parse_extensions(b: &[u8], h: &mut Header) -> Result<()> {
                 let s = std::str::from_utf8(data).map_err(|_| corrupt("the backing format name is not UTF-8"))?;
                 h.backing_format = Some(s.trim_end_matches('\0').to_owned());
             }
-            EXT_BITMAPS => h.has_bitmaps = true,
+            EXT_BITMAPS => {
+                h.has_bitmaps = true;
+                if len >= 24 {
+                    h.bitmaps_ext = Some((be32(data, 0), be64(data, 8), be64(data, 16)));
+                }
+            }
             EXT_ENCRYPTION => h.has_encryption_ext = true,
             EXT_DATA_FILE => h.has_data_file_ext = true,
             EXT_FEATURE_TABLE => {}
@@ -384,7 +392,7 @@ pub fn write_new_header(n: &NewHeader) -> Result<Vec<u8>> {
     Ok(b)
 }
 
-fn push_ext(b: &mut Vec<u8>, ty: u32, data: &[u8]) {
+pub(super) fn push_ext(b: &mut Vec<u8>, ty: u32, data: &[u8]) {
     b.extend_from_slice(&ty.to_be_bytes());
     b.extend_from_slice(&(data.len() as u32).to_be_bytes());
     b.extend_from_slice(data);

@@ -10,6 +10,7 @@
 //! - `refcount.rs`: refcounts and append-only allocation;
 //! - `write.rs`: claiming clusters for writes (copy-on-write from the
 //!   backing image), zero clusters, and the flush ordering;
+//! - `bitmaps.rs`, `bitmaps_write.rs`: persistent dirty bitmaps in qemu's format;
 //! - `open.rs`: opening an image and its backing chain (`repair.rs`: the
 //!   refcounts of a dirty one), `create.rs`: new images,
 //!   `commit.rs`: merging it into its backing file or a new raw image.
@@ -23,6 +24,10 @@
 //! copies of compressed clusters (`compressed.rs`), so a read through the
 //! chain is one list of extents the engine performs like any other.
 
+pub mod bitmaps;
+#[cfg(test)]
+mod bitmaps_tests;
+mod bitmaps_write;
 mod commit;
 mod compressed;
 mod create;
@@ -79,6 +84,8 @@ pub struct Qcow2Image {
     /// Metadata rounds, one at a time; holds the number of the last round done.
     rounds_done: Mutex<u64>,
     rounds_started: AtomicU64,
+    /// The image's persistent bitmaps (`bitmaps.rs`).
+    bitmaps: Mutex<bitmaps_write::BitmapState>,
 }
 
 impl Qcow2Image {
@@ -190,13 +197,17 @@ fn push(out: &mut Vec<Extent>, e: Extent) {
 fn push_alloc(out: &mut Vec<Allocation>, base: usize, a: Allocation) -> bool {
     let n = out.len();
     match out.last_mut() {
-        Some(l) if n > base && (l.hole, l.zero) == (a.hole, a.zero) => l.len += a.len,
+        Some(l) if n > base && (l.hole, l.zero, l.depth) == (a.hole, a.zero, a.depth) => l.len += a.len,
         _ => out.push(a),
     }
     true
 }
 
 impl Image for Qcow2Image {
+    fn bitmap_store(&self) -> Option<&dyn crate::bitmap::BitmapStore> {
+        Some(self)
+    }
+
     fn format(&self) -> &'static str {
         "qcow2"
     }
@@ -283,26 +294,29 @@ impl Image for Qcow2Image {
         while pos < end && out.len() - base < max {
             let (unit, _, unit_end) = self.unit_at(pos)?;
             let stop = unit_end.min(end);
-            let a = |hole, zero| Allocation { len: stop - pos, hole, zero };
+            let a = |hole, zero, depth| Allocation { len: stop - pos, hole, zero, depth };
             match unit {
-                Unit::Data(_) | Unit::Compressed { .. } => push_alloc(out, base, a(false, false)),
-                Unit::Zero => push_alloc(out, base, a(true, true)),
+                Unit::Data(_) | Unit::Compressed { .. } => push_alloc(out, base, a(false, false, 1)),
+                Unit::Zero => push_alloc(out, base, a(true, true, 1)),
                 Unit::Backing => match &self.backing {
                     Some(b) if pos < b.size() => {
                         let n = (stop - pos).min(b.size() - pos);
                         let mut tmp = Vec::new();
                         b.allocation(pos, n, max - (out.len() - base), &mut tmp)?;
                         let got: u64 = tmp.iter().map(|a| a.len).sum();
-                        tmp.into_iter().for_each(|a| _ = push_alloc(out, base, a));
+                        tmp.into_iter().for_each(|a| _ = push_alloc(out, base, a.one_deeper()));
                         if got < n {
                             return Ok(());
                         }
                         if n < stop - pos {
-                            push_alloc(out, base, Allocation { len: stop - pos - n, hole: true, zero: true });
+                            // Zeros past a short backing image's end count as
+                            // held by it, as qemu counts them.
+                            push_alloc(out, base, Allocation { len: stop - pos - n, hole: true, zero: true, depth: 2 });
                         }
                         true
                     }
-                    _ => push_alloc(out, base, a(true, true)),
+                    Some(_) => push_alloc(out, base, a(true, true, 2)),
+                    None => push_alloc(out, base, a(true, true, 0)),
                 },
             };
             pos = stop;

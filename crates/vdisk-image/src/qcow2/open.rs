@@ -93,7 +93,7 @@ impl Qcow2Image {
         let file = crate::files::open(path, !o.read_only, "image")?;
         let meta = file.metadata().map_err(|e| at(path, e, "cannot stat image"))?;
         cow::lock_file(&file, path, !o.read_only)?;
-        let (mut h, file_len) = read_header(&file, path)?;
+        let (h, file_len) = read_header(&file, path)?;
         refuse_features(&h, path, o.read_only)?;
         let l1 = read_l1(&h, &file, path, file_len)?;
         let refs = Refcounts::open(&h, &file, path, file_len)?;
@@ -108,13 +108,6 @@ impl Qcow2Image {
         }
         metadata.extend(l1.iter().map(|e| e & OFFSET_MASK).filter(|&a| a != 0));
         metadata.extend(refs.table_entries());
-        if !o.read_only && h.autoclear != 0 {
-            // Bitmaps and other autoclear features are not kept up to date by vdisk.
-            file.write_all_at(&0u64.to_be_bytes(), header::AUTOCLEAR_AT)
-                .and_then(|_| file.sync_data())
-                .map_err(|e| at(path, e, "cannot clear the autoclear features of"))?;
-            h.autoclear = 0;
-        }
         let (backing, backing_path, backing_format) = open_backing(path, &meta, &h, o)?;
         let mut files = vec![file];
         if let Some(b) = &backing {
@@ -140,8 +133,12 @@ impl Qcow2Image {
             file_len: AtomicU64::new(file_len),
             rounds_done: Mutex::new(0),
             rounds_started: AtomicU64::new(0),
+            bitmaps: Mutex::new(Default::default()),
         };
         image.repair_if_dirty()?;
+        // Bitmaps are loaded (and, read-write, marked in use) once the
+        // refcounts are sound; other autoclear features are cleared.
+        image.open_bitmaps()?;
         Ok(image)
     }
 }

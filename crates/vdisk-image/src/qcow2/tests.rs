@@ -339,3 +339,54 @@ fn writes_racing_metadata_rounds_keep_the_header_and_every_write() {
         assert!(code == 0 || code == 3, "qemu-img check: {out}");
     }
 }
+
+/// The depth of each run of `img`, as (start, len, depth), neighbours of one depth merged.
+fn depths(img: &dyn Image, len: u64) -> Vec<(u64, u64, u32)> {
+    let mut st = Vec::new();
+    img.allocation(0, len, 1000, &mut st).unwrap();
+    let mut out: Vec<(u64, u64, u32)> = Vec::new();
+    let mut at = 0;
+    for a in st {
+        match out.last_mut() {
+            Some(l) if l.2 == a.depth => l.1 += a.len,
+            _ => out.push((at, a.len, a.depth)),
+        }
+        at += a.len;
+    }
+    out
+}
+
+#[test]
+fn allocation_depth_counts_layers_down_the_chain() {
+    // top.qcow2 -> mid.qcow2 -> base.raw (2 MiB, shorter than the 4 MiB overlays).
+    // (A layer without a backing file reports its unallocated runs as depth 0.)
+    let p = tmp("depth");
+    let d = p.parent().unwrap();
+    let base = d.join("base.raw");
+    std::fs::File::create(&base).unwrap().set_len(2 << 20).unwrap();
+    let mid = d.join("mid.qcow2");
+    let opts = |b, f| CreateOptions { size: 4 << 20, cluster_bits: 16, backing: Some((b, f)) };
+    Qcow2Image::create(&mid, &opts(&base, "raw")).unwrap();
+    Qcow2Image::create(&p, &opts(&mid, "qcow2")).unwrap();
+    {
+        let m = Qcow2Image::open(&mid, false).unwrap();
+        write(&m, 1 << 20, &[2u8; 65536]);
+        write(&m, 3 << 20, &[2u8; 65536]);
+        m.sync_metadata().unwrap();
+    }
+    let top = Qcow2Image::open(&p, false).unwrap();
+    write(&top, 0, &[1u8; 65536]);
+    let k = 65536;
+    assert_eq!(
+        depths(&top, 4 << 20),
+        // Past base.raw's end (2 MiB) the zeros count as base.raw's (depth 3), as qemu counts them.
+        [
+            (0, k, 1),
+            (k, (1 << 20) - k, 3),
+            (1 << 20, k, 2),
+            ((1 << 20) + k, (2 << 20) - k, 3),
+            (3 << 20, k, 2),
+            ((3 << 20) + k, (1 << 20) - k, 3)
+        ]
+    );
+}

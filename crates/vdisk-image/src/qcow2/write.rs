@@ -267,7 +267,7 @@ impl Qcow2Image {
     /// end. It grows 1 MiB (or a cluster) at a time: one `ftruncate` per MiB
     /// of new clusters, not per cluster; the tail past the last cluster in use
     /// has refcount 0 and is skipped when the image is opened again.
-    fn cover(&self, end: u64) -> Result<()> {
+    pub(super) fn cover(&self, end: u64) -> Result<()> {
         if end <= self.file_len.load(Ordering::Acquire) {
             return Ok(());
         }

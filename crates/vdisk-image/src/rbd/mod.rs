@@ -576,7 +576,7 @@ impl Image for RbdImage {
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()> {
         let end = offset + len;
         if self.features & FEATURE_FAST_DIFF == 0 {
-            out.push(Allocation { len, hole: false, zero: false });
+            out.push(Allocation { len, hole: false, zero: false, depth: 1 });
             return Ok(());
         }
         let mut runs = Vec::new();
@@ -590,11 +590,11 @@ impl Image for RbdImage {
                 continue;
             }
             if s > pos && n < max {
-                out.push(Allocation { len: s - pos, hole: true, zero: true });
+                out.push(Allocation { len: s - pos, hole: true, zero: true, depth: 1 });
                 n += 1;
             }
             if n < max {
-                out.push(Allocation { len: e - s, hole: false, zero: false });
+                out.push(Allocation { len: e - s, hole: false, zero: false, depth: 1 });
                 n += 1;
             }
             pos = e;
@@ -603,7 +603,7 @@ impl Image for RbdImage {
             }
         }
         if pos < end && n < max {
-            out.push(Allocation { len: end - pos, hole: true, zero: true });
+            out.push(Allocation { len: end - pos, hole: true, zero: true, depth: 1 });
         }
         Ok(())
     }
