@@ -337,6 +337,17 @@ OVERLAY_KIND = {"vdisk uring": "UML COW v3", "vdisk threads": "UML COW v3", "vdi
                 "vdisk qcow2 threads": "qcow2", "qemu-nbd": "qcow2", "nbdkit": "cow filter"}
 
 
+def qemu_note(cells):
+    """Which qemu-nbd served the rbd rows: the system's, or QEMU 7.2's from bench/qemu72.sh."""
+    for k, c in cells.items():
+        if k.endswith("|qemu-nbd rbd") and c.get("server_version"):
+            how = (" with `QEMU_MODULE_DIR` set to the block modules unpacked beside it by bench/qemu72.sh "
+                   "(Debian 12's qemu-utils and qemu-block-extra 7.2: the system's QEMU has no rbd driver)"
+                   if "QEMU_MODULE_DIR=" in c.get("server_cmd", "") else "")
+            return f", {c['server_version']}{how}"
+    return ", when a qemu-nbd with an rbd block driver is found (the system's, or QEMU 7.2's from bench/qemu72.sh)"
+
+
 def md_rbd(res, meta):
     out = ["### 6. Ceph RBD: one image on a single-node memstore cluster\n"]
     if "error" in res:
@@ -363,7 +374,7 @@ def md_rbd(res, meta):
         "**vdisk**: `vdisk serve rbd:rbd/bench` (the RBD engine: librbd AIO, completions on an eventfd), fio's "
         "nbd engine on its unix socket. **fio rbd**: `fio --ioengine=rbd` on the same image, librbd inside fio "
         "(no server, no NBD hop: the limit a server approaches). **qemu-nbd rbd**: `qemu-nbd -f raw "
-        "rbd:rbd/bench:conf=...`, when this QEMU has its rbd block driver. librbd's cache as the cluster sets it "
+        "rbd:rbd/bench:conf=... --shared=8`" + qemu_note(cells) + ". librbd's cache as the cluster sets it "
         f"(Pacific: on, writethrough until the first flush). {load}: other work on the machine moves these "
         "figures; compare rows of one run.")
     out.append("")
@@ -438,7 +449,9 @@ def md_scale(res, meta):
         "type=nbd` per file on one `--nbd-server` (the main loop; the fairness row puts both exports on one "
         "`--object iothread`). RSS = VmRSS, Pss from smaps_rollup, threads from /proc/PID/status, read once the "
         f"thread count stops moving after the last add. Descriptor limit {res.get('nofile', 0):,} for every server. "
-        f"fio's nbd engine, one job per export, all at once. {load}.")
+        f"fio's nbd engine, one job per export, all at once, {res.get('runtime', '?')} s after a 1 s ramp; busy: "
+        f"median of {res.get('repeat', 1)} round(s), alone and beside alternating, a fresh server each; fairness: "
+        f"one server, the round of median ratio of {res.get('repeat', 1)}. {load}.")
     out.append("")
     return out
 

@@ -279,24 +279,40 @@ def row_add(s, res, count):
 BUSY_OPTS = {"rw": "randread", "bs": "4k", "iodepth": 32}
 
 
-def row_busy(s, res, runtime):
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def row_busy(s, res, runtime, repeat):
+    """Alone and beside alternate, `repeat` rounds, a fresh server each; medians."""
     busy = filled_files(s.dir / "busy", [f"b{i}" for i in range(BUSY)])
     idle = sorted((s.dir / "idle").glob("idle*.img"), key=lambda p: int(p.stem[4:]))[:BUSY_BESIDE - BUSY]
     jobs = {f"j{i}": (f"b{i}", BUSY_OPTS) for i in range(BUSY)}
     out = {}
     for kind in ("vdisk", "qsd"):
-        for case, files in (("alone", busy), ("beside", busy + idle)):
-            def one():
-                srv = (s.vdisk(f"scale vdisk busy {case}", files)[0] if kind == "vdisk"
-                       else s.qsd(f"scale qsd busy {case}", files))
-                try:
-                    r = s.fio(f"scale-busy-{kind}-{case}", jobs, runtime)
-                finally:
-                    srv.stop()
-                return {"iops": sum(j["iops"] for j in r.values()), "per_export": [j["iops"] for j in r.values()]}
-            timed(out, f"{kind}|{case}", one)
-            log(f"  busy {kind:<5} {case:<6} {out[f'{kind}|{case}'].get('iops', 0):10.0f} IOPS "
-                f"{out[f'{kind}|{case}'].get('error', '')}")
+        runs = {"alone": [], "beside": []}
+        for rnd in range(repeat):
+            for case, files in (("alone", busy), ("beside", busy + idle)):
+                def one():
+                    srv = (s.vdisk(f"scale vdisk busy {case}", files)[0] if kind == "vdisk"
+                           else s.qsd(f"scale qsd busy {case}", files))
+                    try:
+                        r = s.fio(f"scale-busy-{kind}-{case}.{rnd}", jobs, runtime)
+                    finally:
+                        srv.stop()
+                    return {"iops": sum(j["iops"] for j in r.values()), "per_export": [j["iops"] for j in r.values()]}
+                got = {}
+                timed(got, "r", one)
+                log(f"  busy {kind:<5} {case:<6} round {rnd + 1}: {got['r'].get('iops', 0):10.0f} IOPS "
+                    f"{got['r'].get('error', '')}")
+                if "error" in got["r"]:
+                    out[f"{kind}|{case}"] = got["r"]
+                else:
+                    runs[case].append(got["r"]["iops"])
+        for case, xs in runs.items():
+            if xs and f"{kind}|{case}" not in out:
+                out[f"{kind}|{case}"] = {"iops": median(xs), "runs": xs}
     res["busy"] = out
 
 
@@ -304,20 +320,28 @@ QUIET = {"rw": "randread", "bs": "4k", "iodepth": 1}
 NOISY = {"rw": "randwrite", "bs": "4k", "iodepth": 128}
 
 
-def row_fair(s, res, runtime):
+def row_fair(s, res, runtime, repeat):
+    """One server per kind; alone and beside the writer alternate, `repeat` rounds; the round of
+    median ratio is reported, every round's p99s kept."""
     files = filled_files(s.dir / "busy", ["quiet", "noisy"])
     out = {}
     for kind in ("vdisk", "qsd"):
         def one():
-            srv = (s.vdisk(f"scale vdisk fair", files)[0] if kind == "vdisk"
-                   else s.qsd(f"scale qsd fair", files, iothread=True))
+            srv = (s.vdisk("scale vdisk fair", files)[0] if kind == "vdisk"
+                   else s.qsd("scale qsd fair", files, iothread=True))
+            rounds = []
             try:
-                alone = s.fio(f"scale-fair-{kind}-alone", {"quiet": ("quiet", QUIET)}, runtime)["quiet"]
-                both = s.fio(f"scale-fair-{kind}-both", {"quiet": ("quiet", QUIET), "noisy": ("noisy", NOISY)},
-                             runtime)
+                for rnd in range(repeat):
+                    alone = s.fio(f"scale-fair-{kind}-alone.{rnd}", {"quiet": ("quiet", QUIET)}, runtime)["quiet"]
+                    both = s.fio(f"scale-fair-{kind}-both.{rnd}",
+                                 {"quiet": ("quiet", QUIET), "noisy": ("noisy", NOISY)}, runtime)
+                    rounds.append({"alone": alone, "with": both["quiet"], "noisy": both["noisy"]})
             finally:
                 srv.stop()
-            return {"alone": alone, "with": both["quiet"], "noisy": both["noisy"]}
+            rounds.sort(key=lambda r: r["with"]["p99_us"] / r["alone"]["p99_us"])
+            mid = dict(rounds[len(rounds) // 2])
+            mid["rounds"] = [(r["alone"]["p99_us"], r["with"]["p99_us"]) for r in rounds]
+            return mid
         timed(out, kind, one)
         r = out[kind]
         if "error" not in r:
@@ -334,7 +358,7 @@ def section_scale(b, res):
         log(f"scale: the descriptor limit is {nofile} (its hard limit; raising it needs CAP_SYS_RESOURCE)")
     s = Scale(b)
     count = getattr(b.a, "scale_exports", 10000)
-    res.update({"io_threads": " ".join(s.io_threads), "cpus": os.cpu_count(), "nofile": nofile,
+    res.update({"repeat": b.repeat, "runtime": b.runtime, "io_threads": " ".join(s.io_threads), "cpus": os.cpu_count(), "nofile": nofile,
                 "qsd": sh(["qemu-storage-daemon", "--version"], check=False).stdout.splitlines()[0]
                 if shutil.which("qemu-storage-daemon") else None})
     with open("/proc/loadavg") as f:
@@ -345,9 +369,9 @@ def section_scale(b, res):
         log(f"scale: {count} exports added through the control socket")
         row_add(s, res, count)
         log(f"scale: {BUSY} busy exports alone and beside {BUSY_BESIDE - BUSY} idle ones")
-        row_busy(s, res, b.runtime)
+        row_busy(s, res, b.runtime, b.repeat)
         log("scale: fairness, 4K QD1 reads beside 4K QD128 writes")
-        row_fair(s, res, b.runtime)
+        row_fair(s, res, b.runtime, b.repeat)
     finally:
         shutil.rmtree(s.dir, ignore_errors=True)
     with open("/proc/loadavg") as f:
