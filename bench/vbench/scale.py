@@ -358,7 +358,8 @@ def section_scale(b, res):
         log(f"scale: the descriptor limit is {nofile} (its hard limit; raising it needs CAP_SYS_RESOURCE)")
     s = Scale(b)
     count = getattr(b.a, "scale_exports", 10000)
-    res.update({"repeat": b.repeat, "runtime": b.runtime, "io_threads": " ".join(s.io_threads), "cpus": os.cpu_count(), "nofile": nofile,
+    res.update({"repeat": b.repeat, "runtime": b.runtime, "io_threads": " ".join(s.io_threads),
+                "cpus": os.cpu_count(), "nofile": nofile,
                 "qsd": sh(["qemu-storage-daemon", "--version"], check=False).stdout.splitlines()[0]
                 if shutil.which("qemu-storage-daemon") else None})
     with open("/proc/loadavg") as f:
