@@ -34,7 +34,7 @@ def qemu_nbd_rbd():
     """The qemu-nbd that has an rbd driver and the environment it needs: the system's if its
     QEMU has block-rbd.so, else QEMU 7.2's unpacked by bench/qemu72.sh (run once, cached in
     bench/out/qemu72). Raises StartError saying why when there is none."""
-    if any(Path(d).glob("block-rbd.so") for d in SYSTEM_MODULE_DIRS):
+    if any((Path(d) / "block-rbd.so").exists() for d in SYSTEM_MODULE_DIRS):
         return "qemu-nbd", {}
     r = subprocess.run(["bash", str(QEMU72)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        timeout=600)
@@ -110,8 +110,8 @@ def one(b, cl, target, jid):
     r["cpu_pct"] = 100 * (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None else None
     r["server_cmd"] = "".join(f"{k}={v} " for k, v in env.items() if k != "CEPH_CONF") + shlex.join(argv)
     if target != "vdisk":
-        r["server_version"] = subprocess.run([argv[0], "--version"], stdout=subprocess.PIPE, text=True,
-                                             timeout=30).stdout.splitlines()[0]
+        ver = subprocess.run([argv[0], "--version"], stdout=subprocess.PIPE, text=True, timeout=30).stdout
+        r["server_version"] = "qemu-nbd " + ver.splitlines()[0].split(" ", 1)[-1]
     return r
 
 

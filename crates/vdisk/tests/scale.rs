@@ -128,8 +128,22 @@ fn fio_passes(dir: PathBuf, uri: String, stop: Arc<AtomicBool>) -> usize {
     passes
 }
 
+/// The server holds a few descriptors per export: more than the usual soft
+/// limit of 1024 for a thousand exports. Raised to the hard limit (as a service
+/// would set LimitNOFILE=) before the server is started, which inherits it.
+fn raise_fd_limit() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct passed to it.
+    let mut ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    r.rlim_cur = r.rlim_max;
+    // SAFETY: setrlimit only reads the struct passed to it.
+    ok = ok && unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } == 0;
+    assert!(ok && r.rlim_cur >= 8192, "the descriptor limit {} is too low for 1,000 exports (ulimit -Hn)", r.rlim_cur);
+}
+
 #[test]
 fn a_thousand_exports_come_and_go_while_four_verify() {
+    raise_fd_limit();
     let started = Instant::now();
     let dir = TempDir::new("scale");
     let control = dir.path("ctl.sock");

@@ -34,6 +34,22 @@ const MIN_CYCLES: usize = 4;
 /// Control requests sent ahead of their answers.
 const WINDOW: usize = 64;
 
+/// Raises this process's soft descriptor limit to its hard limit before the
+/// server is started (it inherits it): each export holds a few descriptors, so
+/// a thousand exports pass the usual soft limit of 1024. Returns the limit.
+pub fn raise_fd_limit() -> u64 {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct passed to it.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 && r.rlim_cur < r.rlim_max {
+        let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+        // SAFETY: setrlimit only reads the struct passed to it.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            r = raised;
+        }
+    }
+    r.rlim_cur
+}
+
 /// What the churn did, for the report.
 #[derive(Default)]
 pub struct ChurnReport {

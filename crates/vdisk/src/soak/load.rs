@@ -273,6 +273,9 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
     if cfg.churn > 0 {
         extra.extend(["--control", control_arg.as_str()]);
     }
+    if cfg.churn > 0 {
+        super::churn::raise_fd_limit();
+    }
     let server = Served::start(cfg.dir, &images, &extra)?;
     let churn = match cfg.churn {
         0 => None,
