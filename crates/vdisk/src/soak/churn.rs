@@ -4,8 +4,8 @@
 //! socket while the load runs, then removed and added again in batches until
 //! the load ends. Each of them is probed after every add: its block 0 must
 //! still hold the generation last written there (a removal flushes, an add
-//! serves the same file again), then a new generation is written with FUA
-//! and read back. At the end every one is probed once more and removed.
+//! serves the same file again), then a new generation is written (no FUA)
+//! and read back, four exports at a time. At the end every one is probed once more and removed.
 //! This module owns those files, the control connection and the probes.
 
 use std::io::{BufRead, BufReader, Write};
@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use vdisk_nbd::client::{Client as Conn, Cmd, FUA};
+use vdisk_nbd::client::{Client as Conn, Cmd};
 
 use super::check;
 use super::Rng;
@@ -31,6 +31,8 @@ const BLOCK: usize = 4096;
 const BATCH: usize = 16;
 /// Remove-and-add cycles done however short the load.
 const MIN_CYCLES: usize = 4;
+/// Probes run at once.
+const PROBERS: usize = 4;
 /// Control requests sent ahead of their answers.
 const WINDOW: usize = 64;
 
@@ -156,7 +158,7 @@ impl State {
             return;
         }
         self.report.first_add_seconds = t0.elapsed().as_secs_f64();
-        all.iter().for_each(|&i| self.probe(i));
+        self.probe(&all);
         let mut rng = Rng::new(seed ^ 0xc4u64);
         let mut cycles = 0;
         while (cycles < MIN_CYCLES || !stop.load(Ordering::Relaxed)) && self.report.error_count == 0 {
@@ -168,9 +170,9 @@ impl State {
             if !self.remove(&mut ctl, &batch) || !self.add(&mut ctl, &batch) {
                 return;
             }
-            batch.iter().for_each(|&i| self.probe(i));
+            self.probe(&batch);
         }
-        all.iter().for_each(|&i| self.probe(i));
+        self.probe(&all);
         self.remove(&mut ctl, &all);
     }
 
@@ -240,35 +242,55 @@ impl State {
         ok
     }
 
-    /// Connects to export `i`, checks block 0 holds its last generation,
-    /// writes the next with FUA and reads it back.
-    fn probe(&mut self, i: usize) {
-        self.report.probes += 1;
-        let export = name(i);
-        let result = (|| -> std::io::Result<Option<String>> {
-            let mut conn = Conn::connect(&self.socket, &export, Duration::from_secs(60))?;
-            let mut want = vec![0u8; BLOCK];
-            let got = conn.call(Cmd::Read, 0, 0, BLOCK as u32, &[])?;
-            if self.gen[i] > 0 {
-                check::content(self.salt, i as u64, self.gen[i], &mut want);
+    /// Probes the exports `which`, [`PROBERS`] at a time.
+    fn probe(&mut self, which: &[usize]) {
+        let (socket, salt, gen) = (&self.socket, self.salt, &self.gen);
+        let results: Vec<(usize, Result<(), String>)> = std::thread::scope(|sc| {
+            let workers: Vec<_> = (0..PROBERS)
+                .map(|k| {
+                    sc.spawn(move || {
+                        which
+                            .iter()
+                            .skip(k)
+                            .step_by(PROBERS)
+                            .map(|&i| (i, probe(socket, salt, i, gen[i])))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+        });
+        for (i, r) in results {
+            self.report.probes += 1;
+            match r {
+                Ok(()) => self.gen[i] += 1,
+                Err(e) => self.report.fail(format!("export {}: {e}", name(i))),
             }
-            if got != want {
-                return Ok(Some(format!("block 0 does not hold generation {} written before", self.gen[i])));
-            }
-            let next = self.gen[i] + 1;
-            check::content(self.salt, i as u64, next, &mut want);
-            conn.call(Cmd::Write, FUA, 0, BLOCK as u32, &want)?;
-            self.gen[i] = next;
-            let got = conn.call(Cmd::Read, 0, 0, BLOCK as u32, &[])?;
-            conn.disconnect();
-            Ok((got != want).then(|| format!("block 0 does not read back generation {next} just written")))
-        })();
-        match result {
-            Ok(None) => {}
-            Ok(Some(e)) => self.report.fail(format!("export {export}: {e}")),
-            Err(e) => self.report.fail(format!("export {export}: {e}")),
         }
     }
+}
+
+/// Connects to export `i`, checks block 0 holds generation `gen` (0: zeros),
+/// writes generation `gen + 1` (no FUA: a removal's flush must keep it) and
+/// reads it back.
+fn probe(socket: &Path, salt: u64, i: usize, gen: u64) -> Result<(), String> {
+    let mut conn = Conn::connect(socket, &name(i), Duration::from_secs(60)).map_err(|e| e.to_string())?;
+    let mut want = vec![0u8; BLOCK];
+    let got = conn.call(Cmd::Read, 0, 0, BLOCK as u32, &[]).map_err(|e| e.to_string())?;
+    if gen > 0 {
+        check::content(salt, i as u64, gen, &mut want);
+    }
+    if got != want {
+        return Err(format!("block 0 does not hold generation {gen} written before"));
+    }
+    check::content(salt, i as u64, gen + 1, &mut want);
+    conn.call(Cmd::Write, 0, 0, BLOCK as u32, &want).map_err(|e| e.to_string())?;
+    let got = conn.call(Cmd::Read, 0, 0, BLOCK as u32, &[]).map_err(|e| e.to_string())?;
+    conn.disconnect();
+    if got != want {
+        return Err(format!("block 0 does not read back generation {} just written", gen + 1));
+    }
+    Ok(())
 }
 
 /// One control connection, requests pipelined (answers come in order).

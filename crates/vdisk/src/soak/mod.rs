@@ -76,7 +76,7 @@ Examples:
   vdisk soak --rounds 100 --seconds 0         crash rounds only
   vdisk soak --rounds 60 --seconds 0 --power-loss mixed    power cuts
   vdisk soak --rounds 0 --seconds 300 --engine uring --json
-  vdisk soak --rounds 0 --seconds 20 --exports 1000    1000 exports: 16 loaded, the rest added and removed"
+  vdisk soak --rounds 0 --seconds 20 --exports 1000 --export-size 32M    16 loaded, 984 added and removed"
 )]
 pub struct SoakArgs {
     /// Crash rounds (0: none).
