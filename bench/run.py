@@ -27,6 +27,9 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
   rbd        a 1 GiB image on a throwaway single-node Ceph cluster (scripts/cephrig):
              vdisk over NBD, qemu-nbd with qemu's rbd driver (where it loads) and fio's own
              rbd engine (no server), side by side: 4K randread/randwrite QD32, 1M read/write QD8.
+  scale      many exports on one server, vdisk beside qemu-storage-daemon: RSS and threads with
+             0/200/1000 idle exports, 10,000 added through the control socket (time, RSS), 4 busy
+             exports alone and beside 996 idle ones, a QD1 reader's p99 beside a QD128 writer.
 
 Every server's peak RSS (VmHWM, read just before it is stopped) sits beside its rows.
 Writes docs/benchmarks.md and docs/benchmarks.png, raw fio JSON and server logs under
@@ -46,7 +49,7 @@ also on failure or Ctrl-C; a server that cannot start turns its rows into
 "failed: reason".
 
 This file only parses the options and runs the sections; the work is in bench/vbench/
-(common, servers, fio, ablations, loopdev, overlay, report: see vbench/__init__.py).
+(common, servers, fio, ablations, loopdev, overlay, vm, rbd, scale, report: see vbench/__init__.py).
 """
 
 
@@ -72,6 +75,7 @@ from vbench.loopdev import section_loop
 from vbench.overlay import section_overlay
 from vbench.vm import section_vm
 from vbench.rbd import section_rbd
+from vbench.scale import section_scale
 from vbench.report import machine_info, plot, render
 from vbench.servers import Bench, build_vdisk
 
@@ -94,6 +98,8 @@ def main():
     p.add_argument("--pin", choices=["none", "split", "same"], default="none",
                    help="CPU placement: split = servers on CPU 1, fio on CPU 0; same = both on CPU 0; "
                         "none (default) = the scheduler's choice")
+    p.add_argument("--scale-exports", type=int, default=10000,
+                   help="section scale: exports added through the control socket in its add row (default 10000)")
     p.add_argument("--no-build", action="store_true", help="do not run cargo build --release first")
     p.add_argument("--vdisk", help="vdisk binary to measure (default target/release/vdisk)")
     p.add_argument("--tmpfs-dir", default="/dev/shm", help="tmpfs directory for the tmpfs image (default /dev/shm)")
@@ -165,7 +171,7 @@ def main():
             r = results[sec] = {"_meta": {"date": started, "command": command, "mode": meta["mode"],
                                           "syscall_seconds": args.syscall_seconds}}
             {"fio": section_fio, "ablations": section_ablations, "loop": section_loop,
-             "overlay": section_overlay, "vm": section_vm, "rbd": section_rbd}[sec](b, r)
+             "overlay": section_overlay, "vm": section_vm, "rbd": section_rbd, "scale": section_scale}[sec](b, r)
             r["_meta"]["minutes"] = (time.monotonic() - ts) / 60
             log(f"== section {sec} took {(time.monotonic() - ts) / 60:.1f} min")
     except (KeyboardInterrupt, Interrupted) as e:

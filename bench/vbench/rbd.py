@@ -2,8 +2,10 @@
 one monitor, one memstore OSD, so the OSD keeps data in RAM) and, side by side in one
 run, vdisk serving it over NBD (fio's nbd engine, as in the matrix) and fio's own rbd
 engine on the same image (librbd in fio's process: the no-server limit). qemu-nbd with
-qemu's rbd driver needs qemu-block-extra matching the installed QEMU; where its rbd
-driver does not load, its rows say so. Jobs: 4K randread/randwrite QD32, 1M seq
+qemu's rbd driver needs qemu-block-extra matching the installed QEMU: where the system's
+QEMU has no block-rbd.so (Debian 12 with a backported QEMU 10), bench/qemu72.sh unpacks
+Debian 12's qemu-utils and qemu-block-extra 7.2 into bench/out/qemu72 and that qemu-nbd
+runs with QEMU_MODULE_DIR set to its module directory; if that fails too, its rows say so. Jobs: 4K randread/randwrite QD32, 1M seq
 read/write QD8. The image (1 GiB) is filled once with 1M writes before the first job.
 """
 
@@ -24,6 +26,23 @@ RBD_TARGETS = ["vdisk", "qemu-nbd rbd", "fio rbd"]
 RIG = ROOT / "scripts" / "cephrig" / "ceph-micro.sh"
 IMAGE = "bench"
 IMAGE_BYTES = 1 * GiB
+QEMU72 = ROOT / "bench" / "qemu72.sh"
+SYSTEM_MODULE_DIRS = ("/usr/lib/x86_64-linux-gnu/qemu", "/usr/lib/qemu")
+
+
+def qemu_nbd_rbd():
+    """The qemu-nbd that has an rbd driver and the environment it needs: the system's if its
+    QEMU has block-rbd.so, else QEMU 7.2's unpacked by bench/qemu72.sh (run once, cached in
+    bench/out/qemu72). Raises StartError saying why when there is none."""
+    if any((Path(d) / "block-rbd.so").exists() for d in SYSTEM_MODULE_DIRS):
+        return "qemu-nbd", {}
+    r = subprocess.run(["bash", str(QEMU72)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=600)
+    lines = r.stdout.split()
+    if r.returncode != 0 or len(lines) != 2:
+        raise StartError("this qemu-nbd has no rbd block driver and bench/qemu72.sh could not unpack QEMU 7.2's: "
+                         + (r.stderr.strip().splitlines() or ["no output"])[-1])
+    return lines[0], {"QEMU_MODULE_DIR": lines[1]}
 
 
 class Cluster:
@@ -71,15 +90,15 @@ def one(b, cl, target, jid):
         r["rss_mib"] = None
         return r
     sock = str(b.sockdir / f"rbd-{slug(target)}.sock")
+    env = {"CEPH_CONF": cl.conf}
     if target == "vdisk":
         argv = [str(b.vdisk), "serve", f"rbd:rbd/{IMAGE}", "--socket", sock, "--ceph-conf", cl.conf]
     else:
-        if not any(Path(d).glob("block-rbd.so") for d in ("/usr/lib/x86_64-linux-gnu/qemu", "/usr/lib/qemu")):
-            raise StartError("this qemu-nbd has no rbd block driver (block-rbd.so from qemu-block-extra of the "
-                             "same QEMU version); Debian 12's 7.2 would have to be unpacked beside it")
-        argv = ["qemu-nbd", "-t", "-f", "raw", "--cache=writeback", "-k", sock, "-x", IMAGE, "--shared=8",
+        exe, more = qemu_nbd_rbd()
+        env.update(more)
+        argv = [exe, "-t", "-f", "raw", "--cache=writeback", "-k", sock, "-x", IMAGE, "--shared=8",
                 f"rbd:rbd/{IMAGE}:conf={cl.conf}"]
-    srv = Server(f"{target}", PIN["server"] + argv, sock, env={"CEPH_CONF": cl.conf})
+    srv = Server(f"{target}", PIN["server"] + argv, sock, env=env)
     srv.start(timeout=40)
     try:
         c0, t0 = srv.cpu_seconds(), time.monotonic()
@@ -89,7 +108,10 @@ def one(b, cl, target, jid):
         srv.stop()
     r["rss_mib"] = srv.rss_mib
     r["cpu_pct"] = 100 * (c1 - c0) / (t1 - t0) if c0 is not None and c1 is not None else None
-    r["server_cmd"] = shlex.join(argv)
+    r["server_cmd"] = "".join(f"{k}={v} " for k, v in env.items() if k != "CEPH_CONF") + shlex.join(argv)
+    if target != "vdisk":
+        ver = subprocess.run([argv[0], "--version"], stdout=subprocess.PIPE, text=True, timeout=30).stdout
+        r["server_version"] = "qemu-nbd " + ver.splitlines()[0].split(" ", 1)[-1]
     return r
 
 

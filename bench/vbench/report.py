@@ -337,6 +337,17 @@ OVERLAY_KIND = {"vdisk uring": "UML COW v3", "vdisk threads": "UML COW v3", "vdi
                 "vdisk qcow2 threads": "qcow2", "qemu-nbd": "qcow2", "nbdkit": "cow filter"}
 
 
+def qemu_note(cells):
+    """Which qemu-nbd served the rbd rows: the system's, or QEMU 7.2's from bench/qemu72.sh."""
+    for k, c in cells.items():
+        if k.endswith("|qemu-nbd rbd") and c.get("server_version"):
+            how = (" with `QEMU_MODULE_DIR` set to the block modules unpacked beside it by bench/qemu72.sh "
+                   "(Debian 12's qemu-utils and qemu-block-extra 7.2: the system's QEMU has no rbd driver)"
+                   if "QEMU_MODULE_DIR=" in c.get("server_cmd", "") else "")
+            return f", {c['server_version']}{how}"
+    return ", when a qemu-nbd with an rbd block driver is found (the system's, or QEMU 7.2's from bench/qemu72.sh)"
+
+
 def md_rbd(res, meta):
     out = ["### 6. Ceph RBD: one image on a single-node memstore cluster\n"]
     if "error" in res:
@@ -363,9 +374,84 @@ def md_rbd(res, meta):
         "**vdisk**: `vdisk serve rbd:rbd/bench` (the RBD engine: librbd AIO, completions on an eventfd), fio's "
         "nbd engine on its unix socket. **fio rbd**: `fio --ioengine=rbd` on the same image, librbd inside fio "
         "(no server, no NBD hop: the limit a server approaches). **qemu-nbd rbd**: `qemu-nbd -f raw "
-        "rbd:rbd/bench:conf=...`, when this QEMU has its rbd block driver. librbd's cache as the cluster sets it "
+        "rbd:rbd/bench:conf=... --shared=8`" + qemu_note(cells) + ". librbd's cache as the cluster sets it "
         f"(Pacific: on, writethrough until the first flush). {load}: other work on the machine moves these "
         "figures; compare rows of one run.")
+    out.append("")
+    return out
+
+
+def md_scale(res, meta):
+    """Section "scale": many exports on one server, vdisk beside qemu-storage-daemon."""
+    out = ["### 7. Scale: many exports on one server\n"]
+    def f(v, fmt="{:.1f}"):
+        return "–" if v is None else fmt.format(v)
+    idle = res.get("idle", {})
+    if idle:
+        out += ["| idle exports | vdisk RSS MiB | vdisk Pss MiB | vdisk threads | qsd RSS MiB | qsd Pss MiB | "
+                "qsd threads | RSS vdisk / qsd |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for n in sorted({int(k.split("|")[0]) for k in idle}):
+            v, q = idle.get(f"{n}|vdisk", {}), idle.get(f"{n}|qsd", {})
+            cells = []
+            for c in (v, q):
+                cells += ([cell_err(c), "", ""] if "error" in c else
+                          [f(c.get("rss_mib")), f(c.get("pss_mib")), f(c.get("threads"), "{:d}")])
+            out.append(f"| {n:,} | " + " | ".join(cells) + f" | {fmt_ratio(ratio(v.get('rss_mib'), q.get('rss_mib')))} |")
+        out.append("")
+    add = res.get("add", {})
+    if add:
+        p, c = add.get("pipelined", {}), add.get("ctl", {})
+        out += ["| exports added through the control socket | wall s | RSS MiB | Pss MiB | threads | note |",
+                "| ---: | ---: | ---: | ---: | ---: | --- |"]
+        if "error" in p:
+            out.append(f"| {add.get('count', 0):,} | {cell_err(p)} | | | | |")
+        else:
+            out.append(f"| {add.get('count', 0):,} (export_add pipelined on one connection) | {f(p.get('seconds'))} | "
+                       f"{f(p.get('rss_mib'))} | {f(p.get('pss_mib'))} | {f(p.get('threads'), '{:d}')} | "
+                       f"{p.get('error_note', '')} |")
+        if "error" in c:
+            out.append(f"| `vdisk ctl add` once per export | {cell_err(c)} | | | | |")
+        elif c:
+            out.append(f"| {c['n']} (`vdisk ctl add`, one process each) | {f(c['seconds'])} | | | | "
+                       f"{c['ms_per_add']:.1f} ms per add |")
+        out.append("")
+    busy = res.get("busy", {})
+    if busy:
+        out += ["| 4 busy exports, 4K randread QD32 each | vdisk IOPS | qsd IOPS |", "| --- | ---: | ---: |"]
+        for case, title in (("alone", "alone on the server"), ("beside", "beside 996 idle exports")):
+            out.append(f"| {title} | " + " | ".join(
+                cell_err(busy.get(f"{k}|{case}", {"error": "not run"})) if "error" in busy.get(f"{k}|{case}", {"error": 1})
+                else fmt_num(busy[f"{k}|{case}"]["iops"]) for k in ("vdisk", "qsd")) + " |")
+        out.append("| beside / alone | " + " | ".join(fmt_ratio(ratio(busy.get(f"{k}|beside", {}).get("iops"),
+                                                                         busy.get(f"{k}|alone", {}).get("iops")))
+                                                      for k in ("vdisk", "qsd")) + " |")
+        out.append("")
+    fair = res.get("fair", {})
+    if fair:
+        out += ["| server | 4K QD1 randread p99 alone µs | p99 beside 4K randwrite QD128 µs | ratio | "
+                "QD1 IOPS alone / beside | the writer's IOPS |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for k, title in (("vdisk", "vdisk"), ("qsd", "qemu-storage-daemon, one iothread")):
+            r = fair.get(k, {"error": "not run"})
+            if "error" in r:
+                out.append(f"| {title} | {cell_err(r)} | | | | |")
+                continue
+            a, w = r["alone"], r["with"]
+            out.append(f"| {title} | {a['p99_us']:.0f} | {w['p99_us']:.0f} | {fmt_ratio(ratio(w['p99_us'], a['p99_us']))} | "
+                       f"{fmt_num(a['iops'])} / {fmt_num(w['iops'])} | {fmt_num(r['noisy']['iops'])} |")
+        out.append("")
+    load = f"load average {' '.join(res.get('loadavg_start', ['?']))} at the start of the section, " \
+           f"{' '.join(res.get('loadavg_end', ['?']))} at its end"
+    out.append(
+        "1 GiB sparse raw files in /dev/shm (the busy and fairness ones 256 MiB, filled with data). "
+        "**vdisk**: `vdisk serve --control C --socket S" + (f" {res['io_threads']}" if res.get("io_threads") else "")
+        + "`, every export added with `export_add` (docs/control.md), pipelined on one connection. "
+        f"**qsd** ({res.get('qsd') or 'qemu-storage-daemon'}): `--blockdev driver=file,aio=io_uring` and `--export "
+        "type=nbd` per file on one `--nbd-server` (the main loop; the fairness row puts both exports on one "
+        "`--object iothread`). RSS = VmRSS, Pss from smaps_rollup, threads from /proc/PID/status, read once the "
+        f"thread count stops moving after the last add. Descriptor limit {res.get('nofile', 0):,} for every server. "
+        f"fio's nbd engine, one job per export, all at once, {res.get('runtime', '?')} s after a 1 s ramp; busy: "
+        f"median of {res.get('repeat', 1)} round(s), alone and beside alternating, a fresh server each; fairness: "
+        f"one server, the round of median ratio of {res.get('repeat', 1)}. {load}.")
     out.append("")
     return out
 
@@ -509,7 +595,7 @@ def render(results, meta, md_path, png_path):
     if png_path and png_path.exists() and "fio" in results:
         lines += [f"![fio matrix on tmpfs, normalised to the best peer]({png_path.name})", ""]
     for sec, fn in (("fio", md_fio), ("loop", md_loop), ("ablations", md_ablations), ("overlay", md_overlay),
-                    ("vm", md_vm), ("rbd", md_rbd)):
+                    ("vm", md_vm), ("rbd", md_rbd), ("scale", md_scale)):
         if sec in results:
             r = results[sec]
             sm = r.get("_meta", {})

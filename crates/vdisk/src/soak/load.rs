@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use super::check;
+use super::churn::{Churn, ChurnReport};
 use super::server::Served;
 use super::Rng;
 use vdisk_nbd::client::{Client as Conn, Cmd, Reply, FUA};
@@ -30,6 +31,8 @@ pub struct LoadConfig<'a> {
     pub export_size: u64,
     pub duration: Duration,
     pub seed: u64,
+    /// Exports added, removed and added again through the control socket meanwhile (soak/churn.rs).
+    pub churn: usize,
 }
 
 /// What a block must read as.
@@ -49,6 +52,7 @@ pub struct LoadReport {
     pub errors: Vec<String>,
     pub error_count: u64,
     pub verified_blocks: u64,
+    pub churn: Option<ChurnReport>,
 }
 
 struct Worker {
@@ -263,9 +267,23 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
             per_export * MAX_BLOCKS * BLOCK as u64
         ));
     }
-    let server = Served::start(cfg.dir, &images, &["--engine", cfg.engine])?;
+    let control = cfg.dir.join("soak-ctl.sock");
+    let control_arg = control.to_string_lossy().into_owned();
+    let mut extra = vec!["--engine", cfg.engine];
+    if cfg.churn > 0 {
+        extra.extend(["--control", control_arg.as_str()]);
+    }
+    if cfg.churn > 0 {
+        super::churn::raise_fd_limit();
+    }
+    let server = Served::start(cfg.dir, &images, &extra)?;
+    let churn = match cfg.churn {
+        0 => None,
+        n => Some(Churn::start(cfg.dir, &control, &server.socket, n, cfg.seed)?),
+    };
     let started = Instant::now();
     let outcomes = load(cfg, &server.socket, region);
+    let churn = churn.map(Churn::finish);
     let seconds = started.elapsed().as_secs_f64();
     server.stop()?;
     let mut report = LoadReport {
@@ -275,6 +293,7 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
         errors: Vec::new(),
         error_count: 0,
         verified_blocks: 0,
+        churn: None,
     };
     for (o, _) in &outcomes {
         for (h, oh) in report.latency.iter_mut().zip(&o.latency) {
@@ -284,6 +303,11 @@ pub fn run(cfg: &LoadConfig) -> Result<LoadReport, String> {
         report.error_count += o.error_count;
         report.errors.extend(o.errors.iter().cloned());
     }
+    if let Some(c) = &churn {
+        report.error_count += c.error_count;
+        report.errors.extend(c.errors.iter().cloned());
+    }
+    report.churn = churn;
     verify_after_restart(cfg, &images, &outcomes, &mut report)?;
     for p in &images {
         let _ = std::fs::remove_file(p);

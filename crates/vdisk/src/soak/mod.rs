@@ -7,6 +7,7 @@
 //! the server runs.
 
 mod check;
+mod churn;
 mod crash;
 mod load;
 mod power;
@@ -74,7 +75,8 @@ Examples:
   vdisk soak                                  2000 rounds, then 60 s of load per engine
   vdisk soak --rounds 100 --seconds 0         crash rounds only
   vdisk soak --rounds 60 --seconds 0 --power-loss mixed    power cuts
-  vdisk soak --rounds 0 --seconds 300 --engine uring --json"
+  vdisk soak --rounds 0 --seconds 300 --engine uring --json
+  vdisk soak --rounds 0 --seconds 20 --exports 1000 --export-size 32M    16 loaded, 984 added and removed"
 )]
 pub struct SoakArgs {
     /// Crash rounds (0: none).
@@ -86,8 +88,12 @@ pub struct SoakArgs {
     /// Client connections during the load.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub connections: u16,
-    /// Exports (images) the load connections are spread over.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
+    /// Exports on the load's server. The load's connections are spread over the first 16; any
+    /// beyond those are 1 MiB sparse files added through the server's control socket while the
+    /// load runs, then removed and added again 16 at a time until it ends, each probed after
+    /// every add (its last write still there, a new one written and read back), all removed at
+    /// the end.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=20000))]
     pub exports: u16,
     /// Size of each load export (K/M/G suffixes).
     #[arg(long, default_value = "256M", value_parser = parse_size)]
@@ -243,10 +249,11 @@ fn load_phase(
         dir,
         engine,
         connections: a.connections as usize,
-        exports: a.exports as usize,
+        exports: (a.exports as usize).min(churn::BUSY),
         export_size: a.export_size,
         duration: Duration::from_secs(a.seconds),
         seed,
+        churn: (a.exports as usize).saturating_sub(churn::BUSY),
     };
     let r = load::run(&cfg)?;
     let requests: u64 = r.latency.iter().map(|(_, h)| h.len()).sum();
@@ -267,6 +274,7 @@ fn load_phase(
         "engine": engine, "seconds": r.seconds, "connections": a.connections, "exports": a.exports,
         "requests": requests, "bytes": r.bytes, "errors": r.error_count, "error_messages": r.errors,
         "verified_blocks": r.verified_blocks, "latency_us": latency,
+        "churn": r.churn.as_ref().map(|c| c.json()),
     });
     let failed = (r.error_count > 0)
         .then(|| format!("load ({engine}): {} errors, first: {}", r.error_count, r.errors.join("; ")));
@@ -279,13 +287,20 @@ fn print_load(a: &SoakArgs, engine: &str, r: &load::LoadReport, requests: u64) {
         "load ({engine}): {} connections over {} exports for {:.1} s: {requests} requests ({:.0}/s), \
          {:.0} MiB/s of data, {} errors, {} blocks verified after a restart",
         a.connections,
-        a.exports,
+        a.exports.min(churn::BUSY as u16),
         r.seconds,
         requests as f64 / r.seconds,
         r.bytes as f64 / r.seconds / (1 << 20) as f64,
         r.error_count,
         r.verified_blocks
     );
+    if let Some(c) = &r.churn {
+        println!(
+            "  beside them {} exports through the control socket: all added in {:.1} s; {} adds, {} removes, {} \
+             probes (each: its last write read back, a new one written and read back), {} errors",
+            c.exports, c.first_add_seconds, c.adds, c.removes, c.probes, c.error_count
+        );
+    }
     println!("  {:<7} {:>9} {:>9} {:>9} {:>10} {:>9}", "command", "count", "p50 µs", "p99 µs", "p99.9 µs", "max µs");
     for (cmd, h) in &r.latency {
         println!(
