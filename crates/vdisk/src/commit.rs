@@ -7,8 +7,8 @@ use vdisk_image::cow::OverlayOptions;
 use vdisk_image::{CowImage, Format, Image};
 
 use crate::cli::CommitArgs;
-use crate::size::human;
 use crate::Failure;
+use vdisk_daemon::size::human;
 
 pub fn run(a: CommitArgs) -> Result<(), Failure> {
     // The format's own open below needs concrete types (for the merge), so

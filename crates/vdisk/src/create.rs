@@ -7,11 +7,11 @@ use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use vdisk_image::{CowImage, Format, Image, Qcow2Image, RawImage, RbdImage};
 
 use crate::cli::{CreateArgs, CreateFormat};
-use crate::size::human;
 use crate::Failure;
+use vdisk_daemon::size::human;
 
 pub fn run(a: CreateArgs) -> Result<(), Failure> {
-    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+    if let Some(spec) = vdisk_daemon::formats::rbd_spec(&a.image, &a.ceph.options())? {
         return rbd(&a, &spec);
     }
     let format = a.format.unwrap_or(if a.backing.is_some() { CreateFormat::Cow } else { CreateFormat::Raw });
@@ -53,7 +53,7 @@ fn cow(a: &CreateArgs) -> Result<(), Failure> {
     if a.size.is_some() || a.preallocate {
         return Err(Failure::usage("a COW overlay takes its size from BASE: drop --size and --preallocate"));
     }
-    if let Some(spec) = crate::formats::rbd_spec(base, &a.ceph.options())? {
+    if let Some(spec) = vdisk_daemon::formats::rbd_spec(base, &a.ceph.options())? {
         CowImage::create_over_rbd(&a.image, &spec)?;
         println!("created {} (cow overlay over RBD snapshot {spec}, {})", a.image.display(), human(spec_size(a)?));
         return Ok(());
@@ -94,7 +94,7 @@ fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
     };
     let base = match &a.backing {
         None => None,
-        Some(b) if crate::formats::rbd_spec(b, &a.ceph.options())?.is_some() => {
+        Some(b) if vdisk_daemon::formats::rbd_spec(b, &a.ceph.options())?.is_some() => {
             return Err(Failure::usage(format!(
                 "{}: a qcow2 overlay over an RBD snapshot is not supported; make a COW overlay (drop --format qcow2)",
                 b.display()

@@ -7,93 +7,12 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 
-use clap::{Args, Subcommand, ValueEnum};
+use clap::ValueEnum;
 use serde_json::{json, Map, Value};
+use vdisk_daemon::size::human;
 
-use crate::cli::{BackingArgs, FormatArg};
-use crate::size::{human, parse_size};
+use crate::cli::{CtlArgs, CtlCommand, QosArgs};
 use crate::Failure;
-
-#[derive(Args)]
-pub struct CtlArgs {
-    /// The server's control socket (`vdisk serve --control PATH`); default: $VDISK_CONTROL.
-    #[arg(long, global = true, value_name = "PATH")]
-    pub control: Option<PathBuf>,
-    /// Print the server's answer as JSON instead of a table.
-    #[arg(long, global = true)]
-    pub json: bool,
-    #[command(subcommand)]
-    pub command: CtlCommand,
-}
-
-/// QoS limits; 0 lifts one. Bytes/s take K, M, G suffixes.
-#[derive(Args, Clone, Default)]
-pub struct QosArgs {
-    /// Requests per second.
-    #[arg(long, value_name = "N")]
-    pub iops: Option<u64>,
-    /// Bytes per second, reads and writes together.
-    #[arg(long, value_name = "N", value_parser = parse_size)]
-    pub bps: Option<u64>,
-    /// Bytes read per second.
-    #[arg(long, value_name = "N", value_parser = parse_size)]
-    pub read_bps: Option<u64>,
-    /// Bytes written per second.
-    #[arg(long, value_name = "N", value_parser = parse_size)]
-    pub write_bps: Option<u64>,
-}
-
-#[derive(Subcommand)]
-pub enum CtlCommand {
-    /// Serve one more image (the same checks as at start; nothing is left half-started on failure).
-    Add {
-        /// The image (made absolute here, so the server finds it whatever its directory).
-        image: PathBuf,
-        /// Export name (default: the image's file stem); a name in use is refused.
-        #[arg(long)]
-        name: Option<String>,
-        /// Refuse every write, trim and zero.
-        #[arg(long)]
-        readonly: bool,
-        #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
-        format: FormatArg,
-        #[command(flatten)]
-        backing: BackingArgs,
-        /// Also serve it as a regular file at PATH through FUSE.
-        #[arg(long, value_name = "PATH")]
-        fuse: Option<PathBuf>,
-        /// Also serve it to a VM on this vhost-user-blk socket.
-        #[arg(long, value_name = "SOCKET")]
-        vhost_user_blk: Option<PathBuf>,
-        /// Virtqueues for --vhost-user-blk (default: one per CPU).
-        #[arg(long, value_name = "N", requires = "vhost_user_blk", value_parser = clap::value_parser!(u16).range(1..=64))]
-        num_queues: Option<u16>,
-        #[command(flatten)]
-        qos: QosArgs,
-    },
-    /// Stop serving an export; refused while clients are attached, unless --hard.
-    Remove {
-        name: String,
-        /// Finish what is in flight, flush, disconnect NBD clients, unmount the
-        /// FUSE file, disconnect the VM, close the image.
-        #[arg(long)]
-        hard: bool,
-    },
-    /// The exports served.
-    List,
-    /// Requests, bytes, errors and latency of one export, or of all.
-    Stats { name: Option<String> },
-    /// Change an export's QoS limits, live.
-    Qos {
-        name: String,
-        #[command(flatten)]
-        qos: QosArgs,
-    },
-    /// The server's version, uptime and totals.
-    Info,
-    /// Reread the server's --config FILE and apply the difference (as SIGHUP does).
-    Reload,
-}
 
 pub fn run(a: CtlArgs) -> Result<(), Failure> {
     let control =
@@ -227,7 +146,9 @@ fn human_output(method: &str, r: &Value) -> String {
         }
         "export_remove" => format!("removed export {}\n", r["name"]),
         "export_list" => list_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
-        "export_stats" => crate::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r))),
+        "export_stats" => {
+            vdisk_control::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r)))
+        }
         "export_set_qos" => format!("export {}: qos {}\n", r["name"], qos_text(&r["qos"])),
         "server_info" => {
             let fields = r.as_object().into_iter().flatten();
@@ -302,7 +223,7 @@ fn list_table(exports: &[Value]) -> String {
             ]
         })
         .collect();
-    let mut out = crate::stats::render(&header, &rows);
+    let mut out = vdisk_control::stats::render(&header, &rows);
     for e in exports {
         if let Some(why) = e["failure"].as_str() {
             out.push_str(&format!("{}: {why}\n", e["name"].as_str().unwrap_or("")));

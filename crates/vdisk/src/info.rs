@@ -6,11 +6,11 @@ use vdisk_image::rbd::Spec;
 use vdisk_image::{cow, Format, Image, RawImage, RbdImage};
 
 use crate::cli::InfoArgs;
-use crate::size::human;
 use crate::Failure;
+use vdisk_daemon::size::human;
 
 pub fn run(a: InfoArgs) -> Result<(), Failure> {
-    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+    if let Some(spec) = vdisk_daemon::formats::rbd_spec(&a.image, &a.ceph.options())? {
         return rbd_info(&spec, a.json);
     }
     // A file that cannot be opened is "raw": opening it below says why.

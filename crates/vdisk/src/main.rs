@@ -1,28 +1,17 @@
-//! `vdisk`: the command line. It parses what the user asked for, opens the
-//! images, starts one engine per device and the exports over them, and stops
-//! them cleanly. A user mistake is one line on stderr and exit code 2.
+//! `vdisk`: the command line and its wiring. It parses what the user asked
+//! for and runs it: `serve` builds the daemon (crates/vdisk-daemon) with its
+//! control socket (crates/vdisk-control) and waits for signals; `soak` is
+//! crates/vdisk-soak; the rest are small commands on images. A user mistake
+//! is one line on stderr and exit code 2.
 
 mod cli;
 mod commit;
-mod config;
-mod control;
 mod create;
 mod ctl;
-mod daemon;
-mod formats;
-mod fuse;
 mod info;
 mod logger;
-mod metrics;
-mod reload;
-mod security;
+mod merge;
 mod serve;
-mod size;
-mod soak;
-mod stats;
-mod stopping;
-mod systemd;
-mod vhost;
 
 use std::process::ExitCode;
 
@@ -50,7 +39,7 @@ fn main() -> ExitCode {
         cli::Command::Serve(a) => serve::run(*a),
         cli::Command::Commit(a) => commit::run(a),
         cli::Command::Ctl(a) => ctl::run(a),
-        cli::Command::Soak(a) => soak::run(a),
+        cli::Command::Soak(a) => vdisk_soak::run(a).map_err(Failure::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -84,10 +73,6 @@ impl Failure {
         Failure { message: message.into(), usage: false }
     }
 
-    pub fn is_usage(&self) -> bool {
-        self.usage
-    }
-
     fn exit_code(&self) -> u8 {
         if self.usage {
             2
@@ -106,27 +91,16 @@ impl std::fmt::Display for Failure {
 /// Image errors the user caused (a missing file, a directory, a bad name) exit 2.
 impl From<vdisk_image::Error> for Failure {
     fn from(e: vdisk_image::Error) -> Self {
-        use vdisk_image::ErrorKind::*;
-        match e.kind() {
-            InvalidInput | NotFound | ReadOnly | Corrupt => Failure::usage(advised(&e)),
-            _ => Failure::runtime(advised(&e)),
-        }
+        vdisk_daemon::Error::from(e).into()
     }
 }
 
-/// An image error's message with its advice in the terms of this command line.
-pub fn advised(e: &vdisk_image::Error) -> String {
-    use vdisk_image::Advice::*;
-    let advice = match e.advice() {
-        Some(CreateImage) => " (create one with `vdisk create IMAGE --size 10G`)",
-        Some(ReadOnly) => " (try --readonly)",
-        Some(NoDirectIo) => "; serve it without --direct",
-        Some(NameBacking) => "; name the backing file with --backing PATH",
-        Some(IgnoreBackingMtime) => {
-            "; if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH"
+/// The daemon's errors: a failure exits 1, a refusal of what was asked 2.
+impl From<vdisk_daemon::Error> for Failure {
+    fn from(e: vdisk_daemon::Error) -> Self {
+        match e.kind() {
+            vdisk_daemon::ErrorKind::Failed => Failure::runtime(e.to_string()),
+            _ => Failure::usage(e.to_string()),
         }
-        Some(CephConfig) => "; name the Ceph configuration with --ceph-conf PATH (or :conf=PATH) and the client with --ceph-id NAME (or :id=NAME)",
-        Some(_) | None => "",
-    };
-    format!("{e}{advice}")
+    }
 }
