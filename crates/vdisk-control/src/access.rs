@@ -41,7 +41,7 @@ impl Access {
     /// nobody else can connect before both are right.
     pub fn apply(&self, path: &Path) -> Result<(), Error> {
         let fail = |what: &str, e: std::io::Error| {
-            Error::failed(format!("cannot {what} control socket {}: {e}", path.display()))
+            Error::failed(format!("cannot {what} control socket {}", path.display())).at(path).because(e)
         };
         if let Some((name, gid)) = &self.group {
             std::os::unix::fs::chown(path, None, Some(*gid))

@@ -136,7 +136,7 @@ impl ControlSocket {
         let acceptor = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || accept_loop(listener, served, policy, stop))
-            .map_err(|e| Error::failed(format!("cannot start the control socket thread: {e}")))?;
+            .map_err(|e| Error::failed("cannot start the control socket thread").because(e))?;
         Ok(ControlSocket { path: path.to_owned(), remove, stopping, acceptor: Some(acceptor) })
     }
 }
@@ -266,7 +266,7 @@ fn fault(e: Error) -> Fault {
         Invalid => ERR_INVALID,
         _ => ERR_FAILED,
     };
-    Fault::new(code, e.message())
+    Fault::new(code, e.report().to_string())
 }
 
 /// Runs a changing request on its own thread; past `deadline` gives it up
@@ -285,7 +285,7 @@ fn within(
         .spawn(move || {
             let _ = tx.send(change(&t));
         })
-        .map_err(|e| Error::failed(format!("cannot start a thread for {what}: {e}")))?;
+        .map_err(|e| Error::failed(format!("cannot start a thread for {what}")).because(e))?;
     let until = Instant::now() + deadline;
     loop {
         let wait = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(20));
@@ -361,7 +361,7 @@ mod tests {
             Ok(Value::Null)
         });
         let e = r.unwrap_err();
-        assert!(e.message().contains("did not finish within") && e.message().contains("nothing was"), "{e}");
+        assert!(e.message().contains("did not finish within") && e.message().contains("nothing was"), "{}", e.report());
         assert!(started.elapsed() < Duration::from_millis(350), "answered at the deadline, not after the open");
         std::thread::sleep(Duration::from_millis(600));
         assert!(!changed.load(Ordering::SeqCst), "the late open changed nothing");

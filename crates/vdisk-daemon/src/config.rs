@@ -136,7 +136,7 @@ pub fn load(path: &Path) -> Result<Config, Error> {
     ] {
         *p = p.take().map(|p| dir.join(p));
     }
-    check_tls(&server).map_err(|e| at(Some(server_span), &format!("[server] TLS settings: {e}")))?;
+    check_tls(&server).map_err(|e| at(Some(server_span), &format!("[server] TLS settings: {}", e.report())))?;
     let mut names = HashSet::new();
     let (mut exports, mut lines) = (Vec::new(), Vec::new());
     for table in file.export {
@@ -169,7 +169,7 @@ fn check_server(s: &ServerTable) -> Result<(), (Range<usize>, String)> {
     }
     for (key, value, example) in [("listen", &s.listen, "127.0.0.1:10809"), ("metrics", &s.metrics, "127.0.0.1:9187")] {
         if let Some(v) = value {
-            crate::listen::parse_listen(v.get_ref(), key, example).map_err(|e| (v.span(), e.to_string()))?;
+            crate::listen::parse_listen(v.get_ref(), key, example).map_err(|e| (v.span(), e.report().to_string()))?;
         }
     }
     if let Some(t) = &s.stop_timeout {
@@ -283,9 +283,9 @@ mod tests {
     #[test]
     fn mistakes_name_file_and_line() {
         let (path, c) = file("[server]\n\n[[export]]\nimage = \"a\"\nname = \"\"\n");
-        let e = c.unwrap_err().to_string();
+        let e = c.unwrap_err().report().to_string();
         assert!(e.starts_with(&format!("{}:3: name \"\"", path.display())), "{e}");
         let (_, c) = file("[[export]]\nimage = \"a\"\nbps = \"ten\"\n");
-        assert!(c.unwrap_err().to_string().contains(":1: export \"a\": bps \"ten\""));
+        assert!(c.unwrap_err().report().to_string().contains(":1: export \"a\": bps \"ten\""));
     }
 }

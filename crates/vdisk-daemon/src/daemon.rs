@@ -315,8 +315,9 @@ impl Daemon {
         _change: MutexGuard<'_, bool>,
     ) -> Result<Vec<String>, Error> {
         let format = image.format();
-        let device = Device::start(&name, image, &self.settings.engine)
-            .map_err(|e| Error::failed(format!("cannot start workers for {}: {e}", spec.image.display())))?;
+        let device = Device::start(&name, image, &self.settings.engine).map_err(|e| {
+            Error::failed(format!("cannot start workers for {}", spec.image.display())).at(&spec.image).because(e)
+        })?;
         let device = Arc::new(device);
         device.set_limits(spec.limits());
         let mut notes = vec![self.describe(&name, &description, &device)];
@@ -342,8 +343,8 @@ impl Daemon {
     /// An export's allow list, checked: the patterns parse, and the server
     /// learns who its clients are (else the list could never admit anyone).
     fn allow_list(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Error> {
-        let allow =
-            vdisk_nbd::allow::Allow::new(patterns).map_err(|e| Error::invalid(format!("export {name:?}: {e}")))?;
+        let allow = vdisk_nbd::allow::Allow::new(patterns)
+            .map_err(|e| Error::invalid(format!("export {name:?}")).because(e))?;
         if !allow.is_open() && !self.nbd.identifies_clients() {
             return Err(Error::invalid(format!("export {name:?} has an allow list, but {}", NO_IDENTITIES)));
         }
@@ -414,10 +415,10 @@ impl Daemon {
         let stopped = match stop_export(running, &|_| {}) {
             // Removing a failed export is how it is brought back: that is no error of the removal.
             Err(errors) if failed => {
-                log::warn!(export:% = name; "export {name:?} had failed; stopped: {}", errors.join("; "));
+                log::warn!(export:% = name; "export {name:?} had failed; stopped: {}", joined(&errors));
                 Ok(())
             }
-            r => r.map_err(|errors| Error::failed(errors.join("; "))),
+            r => r.map_err(|errors| Error::failed(joined(&errors))),
         };
         log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
         stopped
@@ -553,7 +554,7 @@ impl Daemon {
             }
             names.keys().cloned().collect()
         };
-        let errors: Vec<String> = std::thread::scope(|scope| {
+        let errors: Vec<Error> = std::thread::scope(|scope| {
             let stopping: Vec<_> = all
                 .into_iter()
                 .rev()
@@ -567,7 +568,7 @@ impl Daemon {
                             &name,
                             match &stopped {
                                 Ok(()) => Step::Done,
-                                Err(e) => Step::Failed(e.join("; ")),
+                                Err(e) => Step::Failed(joined(e)),
                             },
                         );
                         stopped.err().unwrap_or_default()
@@ -576,7 +577,7 @@ impl Daemon {
                 .collect();
             stopping
                 .into_iter()
-                .flat_map(|t| t.join().unwrap_or_else(|_| vec!["a stop thread panicked".into()]))
+                .flat_map(|t| t.join().unwrap_or_else(|_| vec![Error::failed("a stop thread panicked")]))
                 .collect()
         });
         let mut names = self.removing.names.lock().unwrap();
@@ -588,27 +589,27 @@ impl Daemon {
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(Error::failed(errors.join("; ")))
+            Err(Error::failed(joined(&errors)))
         }
     }
 }
 
 /// Stops an export's FUSE file and vhost socket, then finishes and flushes its
 /// device, telling `step` as it goes. Goes on past failures and returns all of them.
-fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<String>> {
+fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<Error>> {
     let Running { name, device, frontends, .. } = running;
     let mut errors = Vec::new();
     step(Step::Frontends);
     for f in frontends.into_iter().rev() {
         if let Err(e) = f.stop() {
-            errors.push(format!("export {name:?}: {e}"));
+            errors.push(e.context(format_args!("export {name:?}")));
         }
     }
     step(Step::Flushing);
     let failed = device.failure().is_some();
     match device.shutdown() {
-        Err(e) if failed => errors.push(format!("export {name:?}: {e}")),
-        Err(e) => errors.push(format!("flush of export {name:?} failed: {e}")),
+        Err(e) if failed => errors.push(Error::failed(format!("export {name:?}")).because(e)),
+        Err(e) => errors.push(Error::failed(format!("flush of export {name:?} failed")).because(e)),
         Ok(()) => {}
     }
     if errors.is_empty() {
@@ -648,4 +649,9 @@ fn check_name(name: &str) -> Result<(), Error> {
         ));
     }
     Ok(())
+}
+
+/// Several errors in one line, each with its causes.
+fn joined(errors: &[Error]) -> String {
+    errors.iter().map(|e| e.report().to_string()).collect::<Vec<_>>().join("; ")
 }

@@ -33,8 +33,8 @@ pub fn start(
 struct Fuse(FuseExport);
 
 impl Frontend for Fuse {
-    fn stop(self: Box<Self>) -> Result<(), String> {
-        self.0.stop().map_err(|e| advised(&e))
+    fn stop(self: Box<Self>) -> Result<(), Error> {
+        self.0.stop().map_err(|e| Error::failed(advised(&e)))
     }
 }
 

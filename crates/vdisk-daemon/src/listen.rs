@@ -34,7 +34,7 @@ pub fn bind_unix(path: &Path, mode: u32, flag: &str) -> Result<UnixListener, Err
     let bound = UnixListener::bind(path);
     // SAFETY: as above, restoring the previous mask.
     unsafe { libc::umask(old) };
-    bound.map_err(|e| Error::invalid(format!("cannot listen on unix socket {}: {e}", path.display())))
+    bound.map_err(|e| Error::invalid(format!("cannot listen on unix socket {}", path.display())).at(path).because(e))
 }
 
 /// HOST:PORT, :PORT or PORT (host 127.0.0.1).

@@ -40,8 +40,7 @@ impl MetricsServer {
 
     /// Serves on `listener`, bound already (by us, or by the service manager).
     pub fn serve(listener: TcpListener, daemon: Arc<Daemon>) -> Result<MetricsServer, Error> {
-        let addr =
-            listener.local_addr().map_err(|e| Error::failed(format!("the metrics socket has no address: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::failed("the metrics socket has no address").because(e))?;
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Exports(daemon)));
         let stopping = Arc::new(AtomicBool::new(false));
@@ -74,7 +73,7 @@ impl MetricsServer {
                     }
                 }
             })
-            .map_err(|e| Error::failed(format!("cannot start the metrics thread: {e}")))?;
+            .map_err(|e| Error::failed("cannot start the metrics thread").because(e))?;
         Ok(MetricsServer { addr, stopping, thread: Some(thread) })
     }
 }

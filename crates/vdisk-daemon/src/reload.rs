@@ -108,8 +108,8 @@ fn name(spec: &ExportSpec) -> String {
 /// the ones made are taken back, as for any failed add.
 fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<ReloadReport, Error> {
     let new = crate::config::load(&source.path).map_err(|f| {
-        log::error!("reload: {f}; nothing changed");
-        Error::invalid(format!("{f}; nothing changed"))
+        log::error!("reload: {}; nothing changed", f.report());
+        Error::invalid(format!("{}; nothing changed", f.report()))
     })?;
     // The file says what should be served: one of its exports removed with
     // `vdisk ctl remove` since is added again, as new.
@@ -160,11 +160,11 @@ fn add_new(
             Err(e) => {
                 for undo in report.added.drain(..).rev() {
                     if let Err(u) = daemon.remove(&undo, true) {
-                        log::warn!(export:% = undo; "reload: cannot take back export {undo:?}: {u}");
+                        log::warn!(export:% = undo; "reload: cannot take back export {undo:?}: {}", u.report());
                     }
                     source.managed.retain(|m| m.name.as_deref() != Some(undo.as_str()));
                 }
-                let message = format!("{}: export {n:?}: {e}; nothing changed", source.path.display());
+                let message = format!("{}: export {n:?}: {}; nothing changed", source.path.display(), e.report());
                 log::error!(export:% = n; "reload: {message}");
                 return Err(Error::new(e.kind(), message));
             }
@@ -190,7 +190,7 @@ fn restart_failed(
         let Some(why) = daemon.failure(&n) else { continue };
         log::warn!(export:% = n; "reload: export {n:?} had failed ({why}): starting it again");
         if let Err(e) = daemon.remove_within(&n, true, ticket) {
-            keep(report, &n, format!("it had failed ({why}) and could not be removed to start again: {e}"));
+            keep(report, &n, format!("it had failed ({why}) and could not be removed to start again: {}", e.report()));
             continue;
         }
         // No longer served: should the add fail, the next reload adds it as new.
@@ -204,7 +204,8 @@ fn restart_failed(
                 report,
                 &n,
                 format!(
-                    "it had failed ({why}) and was removed, but adding it again failed: {e}; the next reload tries again"
+                    "it had failed ({why}) and was removed, but adding it again failed: {}; the next reload tries again",
+                    e.report()
                 ),
             ),
         }
@@ -229,7 +230,7 @@ fn change(daemon: &Daemon, source: &mut Source, spec: &ExportSpec, report: &mut 
                 old.set_limits(spec.limits());
                 report.qos_changed.push(n.clone());
             }
-            Err(e) => keep(report, &n, e.to_string()),
+            Err(e) => keep(report, &n, e.report().to_string()),
         }
     }
     if old != spec {
@@ -256,7 +257,7 @@ fn remove_vanished(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], rep
             // Removed already (`vdisk ctl remove`): nothing left to do.
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => {
-                keep(report, &n, format!("{e}; it is removed at a later reload once idle"));
+                keep(report, &n, format!("{}; it is removed at a later reload once idle", e.report()));
                 continue;
             }
         }

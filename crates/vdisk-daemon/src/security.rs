@@ -68,7 +68,7 @@ pub fn export_allow(flags: &[String]) -> Result<Vec<(String, String)>, Error> {
                     "--export-allow {f:?} is not NAME=PATTERN (e.g. --export-allow disk=CN=vm-* or disk='*.example.org')"
                 )));
             };
-            vdisk_nbd::allow::Allow::new(&[pattern]).map_err(|e| Error::invalid(format!("--export-allow {f}: {e}")))?;
+            vdisk_nbd::allow::Allow::new(&[pattern]).map_err(|e| Error::invalid(format!("--export-allow {f}")).because(e))?;
             Ok((name.to_owned(), pattern.to_owned()))
         })
         .collect()
@@ -162,5 +162,5 @@ fn load(mode: TlsMode, a: &TlsSettings, verify: bool) -> Result<Tls, Error> {
 }
 
 fn exists(p: &Path) -> Result<(), Error> {
-    std::fs::metadata(p).map(|_| ()).map_err(|e| Error::invalid(format!("cannot use {}: {e}", p.display())))
+    std::fs::metadata(p).map(|_| ()).map_err(|e| Error::invalid(format!("cannot use {}", p.display())).at(p).because(e))
 }

@@ -204,10 +204,9 @@ impl PidFile {
     /// Writes our pid (at readiness).
     pub fn write_pid(&mut self) -> Result<(), Error> {
         let pid = format!("{}\n", std::process::id());
-        self.file
-            .set_len(0)
-            .and_then(|()| self.file.write_all_at(pid.as_bytes(), 0))
-            .map_err(|e| Error::failed(format!("cannot write --pid-file {}: {e}", self.path.display())))
+        self.file.set_len(0).and_then(|()| self.file.write_all_at(pid.as_bytes(), 0)).map_err(|e| {
+            Error::failed(format!("cannot write --pid-file {}", self.path.display())).at(&self.path).because(e)
+        })
     }
 }
 

@@ -28,7 +28,7 @@ pub fn start(
         if !inherited {
             let _ = std::fs::remove_file(socket);
         }
-        Error::failed(format!("cannot start the vhost-user-blk export on {}: {e}", socket.display()))
+        Error::failed(format!("cannot start the vhost-user-blk export on {}", socket.display())).at(socket).because(e)
     })?;
     let export = if inherited { export.keep_socket_file() } else { export };
     banner.push(format!(
@@ -48,7 +48,7 @@ pub fn start(
 struct Export(VhostBlk);
 
 impl Frontend for Export {
-    fn stop(self: Box<Self>) -> Result<(), String> {
-        self.0.stop().map_err(|e| format!("vhost-user-blk: {e}"))
+    fn stop(self: Box<Self>) -> Result<(), Error> {
+        self.0.stop().map_err(|e| Error::failed("vhost-user-blk").because(e))
     }
 }

@@ -10,14 +10,14 @@ use std::path::PathBuf;
 use clap::ValueEnum;
 use serde_json::{json, Map, Value};
 use vdisk_daemon::size::human;
+use vdisk_daemon::Error;
 
 use crate::cli::{CtlArgs, CtlCommand, QosArgs};
-use crate::Failure;
 
-pub fn run(a: CtlArgs) -> Result<(), Failure> {
+pub fn run(a: CtlArgs) -> Result<(), Error> {
     let control =
         a.control.clone().or_else(|| std::env::var_os("VDISK_CONTROL").map(PathBuf::from)).ok_or_else(|| {
-            Failure::usage(
+            Error::invalid(
                 "which server? give --control PATH (as given to `vdisk serve --control`) or set VDISK_CONTROL",
             )
         })?;
@@ -43,14 +43,15 @@ fn qos_params(q: QosArgs, into: &mut Map<String, Value>) {
 }
 
 /// The JSON-RPC method and params for a command.
-fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure> {
+fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
     let mut p = Map::new();
     let method = match c {
         CtlCommand::Add { image, name, readonly, format, backing, fuse, vhost_user_blk, num_queues, qos } => {
             let image = if vdisk_image::rbd::is_rbd(&image) {
                 image // rbd:POOL/IMAGE is no path
             } else {
-                std::path::absolute(&image).map_err(|e| Failure::usage(format!("{}: {e}", image.display())))?
+                std::path::absolute(&image)
+                    .map_err(|e| Error::invalid(image.display().to_string()).at(&image).because(e))?
             };
             p.insert("image".into(), json!(image));
             // The wire spells a format as the command line does.
@@ -94,7 +95,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure>
             p.insert("name".into(), name.into());
             qos_params(qos, &mut p);
             if p.len() == 1 {
-                return Err(Failure::usage(
+                return Err(Error::invalid(
                     "qos: give at least one of --iops, --bps, --read-bps, --write-bps (0 lifts)",
                 ));
             }
@@ -107,9 +108,9 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure>
 }
 
 /// Sends one request and returns its result; a JSON-RPC error is a runtime failure (exit 1).
-fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> Result<Value, Failure> {
+fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> Result<Value, Error> {
     let unreachable = |e: std::io::Error| {
-        Failure::runtime(format!(
+        Error::failed(format!(
             "cannot talk to the server at {}: {e} (is `vdisk serve --control {}` running?)",
             control.display(),
             control.display()
@@ -117,7 +118,7 @@ fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> 
     };
     let mut stream = UnixStream::connect(control).map_err(|e| {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
-            Failure::runtime(format!(
+            Error::failed(format!(
                 "cannot talk to the server at {}: {e}: the control socket's mode and group (--control-mode, \
                  --control-group) do not let this user connect",
                 control.display()
@@ -131,9 +132,9 @@ fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> 
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(unreachable)?;
     let resp: Value = serde_json::from_str(&line)
-        .map_err(|e| Failure::runtime(format!("the server's answer is not JSON ({e}): {line:?}")))?;
+        .map_err(|e| Error::failed(format!("the server's answer is not JSON ({e}): {line:?}")))?;
     if let Some(err) = resp.get("error") {
-        return Err(Failure::runtime(err["message"].as_str().unwrap_or("the server refused").to_owned()));
+        return Err(Error::failed(err["message"].as_str().unwrap_or("the server refused").to_owned()));
     }
     Ok(resp.get("result").cloned().unwrap_or(Value::Null))
 }

@@ -17,6 +17,7 @@ use std::process::ExitCode;
 
 use clap::error::ErrorKind;
 use clap::Parser;
+use vdisk_daemon::Error;
 
 fn main() -> ExitCode {
     let cli = match cli::Cli::try_parse() {
@@ -39,68 +40,27 @@ fn main() -> ExitCode {
         cli::Command::Serve(a) => serve::run(*a),
         cli::Command::Commit(a) => commit::run(a),
         cli::Command::Ctl(a) => ctl::run(a),
-        cli::Command::Soak(a) => vdisk_soak::run(a).map_err(Failure::from),
+        cli::Command::Soak(a) => vdisk_soak::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             if json_logs {
                 // One JSON object per line on stderr, the last words too.
-                log::error!("{e}");
+                log::error!("{}", e.report());
             } else {
-                eprintln!("vdisk: {e}");
+                eprintln!("vdisk: {}", e.report());
             }
-            ExitCode::from(e.exit_code())
+            ExitCode::from(exit_code(&e))
         }
     }
 }
 
-/// An error for the user: the message, and whether it was their input (exit 2) or the system (exit 1).
-#[derive(Debug)]
-pub struct Failure {
-    message: String,
-    usage: bool,
-}
-
-impl Failure {
-    /// The user asked for something that cannot be: exit code 2.
-    pub fn usage(message: impl Into<String>) -> Self {
-        Failure { message: message.into(), usage: true }
-    }
-
-    /// Something failed while doing what was asked: exit code 1.
-    pub fn runtime(message: impl Into<String>) -> Self {
-        Failure { message: message.into(), usage: false }
-    }
-
-    fn exit_code(&self) -> u8 {
-        if self.usage {
-            2
-        } else {
-            1
-        }
-    }
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-/// Image errors the user caused (a missing file, a directory, a bad name) exit 2.
-impl From<vdisk_image::Error> for Failure {
-    fn from(e: vdisk_image::Error) -> Self {
-        vdisk_daemon::Error::from(e).into()
-    }
-}
-
-/// The daemon's errors: a failure exits 1, a refusal of what was asked 2.
-impl From<vdisk_daemon::Error> for Failure {
-    fn from(e: vdisk_daemon::Error) -> Self {
-        match e.kind() {
-            vdisk_daemon::ErrorKind::Failed => Failure::runtime(e.to_string()),
-            _ => Failure::usage(e.to_string()),
-        }
+/// Something failed while doing what was asked: 1; the user asked for
+/// something that cannot be (a refusal of any other kind): 2.
+fn exit_code(e: &Error) -> u8 {
+    match e.kind() {
+        vdisk_daemon::ErrorKind::Failed => 1,
+        _ => 2,
     }
 }

@@ -159,7 +159,7 @@ mod tests {
         merge(&mut a, &c.unwrap().server);
         assert_eq!(a.stop_timeout, Some(std::time::Duration::from_millis(500)), "the command line wins");
         let (path, c) = file("[server]\nstop_timeout = \"soon\"\n");
-        let e = c.unwrap_err().to_string();
+        let e = c.unwrap_err().report().to_string();
         assert!(e.starts_with(&format!("{}:2: stop_timeout: \"soon\"", path.display())), "{e}");
     }
 
@@ -175,9 +175,9 @@ mod tests {
         assert_eq!(a.image_roots, [path.parent().unwrap().join("vm"), PathBuf::from("/srv")], "relative to the file");
         assert_eq!(a.control_timeout, Some(9), "the command line wins");
         let (_, c) = file("[server]\ncontrol_mode = \"0999\"\n");
-        assert!(c.unwrap_err().to_string().contains(":2: control_mode"));
+        assert!(c.unwrap_err().report().to_string().contains(":2: control_mode"));
         let (_, c) = file("[server]\ncontrol_timeout = 0\n");
-        assert!(c.unwrap_err().to_string().contains("control_timeout"));
+        assert!(c.unwrap_err().report().to_string().contains("control_timeout"));
     }
 
     /// One export, every key a reader takes, through the command line, the

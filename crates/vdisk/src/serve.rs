@@ -17,18 +17,17 @@ use vdisk_daemon::reload::{Reloader, Source};
 use vdisk_daemon::spec::export_name;
 use vdisk_daemon::stopping::{StopProgress, Watchdog};
 use vdisk_daemon::systemd::{self, Inherited, PidFile};
-use vdisk_daemon::{security, Daemon, ExportSpec, Origin, Reload, Settings, Ticket};
+use vdisk_daemon::{security, Daemon, Error, ExportSpec, Origin, Reload, Settings, Ticket};
 use vdisk_engine::{EngineConfig, EngineKind};
 use vdisk_image::RawImage;
 use vdisk_nbd::{Listener, Server, ServerOptions};
 
 use crate::cli::{EngineArg, ServeArgs};
 use crate::merge::{image_format, tls_settings};
-use crate::Failure;
 
 const DEMO_SIZE: u64 = 1 << 30;
 
-pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
+pub fn run(mut a: ServeArgs) -> Result<(), Error> {
     let config = a.config.as_deref().map(vdisk_daemon::config::load).transpose()?;
     if let Some(c) = &config {
         crate::merge::merge(&mut a, &c.server);
@@ -50,8 +49,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     security::check_allow(&policy, specs.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
     let tls = policy.tls.as_ref().map(|t| t.summary.clone());
     let options = server_options(&a, policy);
-    let server =
-        Server::new(Vec::new(), options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
+    let server = Server::new(Vec::new(), options).map_err(|e| Error::failed("cannot start the server").because(e))?;
     let daemon = Arc::new(Daemon::new(settings(&a)?, server.clone()));
     let served = Served { daemon: daemon.clone(), reload: Arc::new(Reload::new(daemon.clone())) };
     let mut banner = Vec::new();
@@ -63,7 +61,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
         Err(e) => {
             // Unmount and close what did start; its failures are logged, the first cause reported.
             if let Err(more) = daemon.shutdown(&StopProgress::default()) {
-                log::warn!("{more}");
+                log::warn!("{}", more.report());
             }
             return Err(e);
         }
@@ -79,9 +77,9 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(Err(e)) = pid_file.as_mut().map(PidFile::write_pid) {
         if let Err(more) = daemon.shutdown(&StopProgress::default()) {
-            log::warn!("{more}");
+            log::warn!("{}", more.report());
         }
-        return Err(e.into());
+        return Err(e);
     }
     println!(
         "vdisk: stop with Ctrl-C (SIGINT) or SIGTERM{}",
@@ -125,7 +123,7 @@ fn default_buffer_memory() -> usize {
 
 /// `--check`: everything start-up would check, without serving: the file, the
 /// flags with it, TLS credentials, every image (opened read-only and closed).
-fn check(a: &ServeArgs, config: Option<&Config>) -> Result<(), Failure> {
+fn check(a: &ServeArgs, config: Option<&Config>) -> Result<(), Error> {
     let policy = security::policy(&tls_settings(&a.security))?;
     security::check_allow(&policy, export_specs(a, None)?.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
     let cli = export_specs(a, None)?.into_iter().map(|s| (s, "the command line".to_owned()));
@@ -140,15 +138,15 @@ fn check(a: &ServeArgs, config: Option<&Config>) -> Result<(), Failure> {
     for (spec, at, roots) in cli.into_iter().chain(file) {
         let name = spec.name.clone().unwrap_or_default();
         if !names.insert(name.clone()) {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{at}: export {name:?} is named on the command line and in the file: rename one (name = \"...\")"
             )));
         }
         let options = vdisk_image::OpenOptions { read_only: true, ..spec.open_options(false) };
         let opened = vdisk_image::files::confined(roots, || vdisk_daemon::formats::open(&spec.image, &options))
-            .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
+            .map_err(|e| Error::invalid(format!("{at}: export {name:?}: {}", e.report())))?;
         if opened.image.size() == 0 {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{at}: export {name:?}: {} is empty (make a disk with `vdisk create IMAGE --size 10G`)",
                 spec.image.display()
             )));
@@ -160,7 +158,7 @@ fn check(a: &ServeArgs, config: Option<&Config>) -> Result<(), Failure> {
 }
 
 /// Adds the config file's exports and lets the daemon follow the file from now on.
-fn start_config(served: &Served, config: Option<&Config>, banner: &mut Vec<String>) -> Result<(), Failure> {
+fn start_config(served: &Served, config: Option<&Config>, banner: &mut Vec<String>) -> Result<(), Error> {
     let Some(c) = config else { return Ok(()) };
     for (spec, line) in c.exports.iter().zip(&c.lines) {
         // Beneath the image roots, if any, as what a reload adds later.
@@ -187,17 +185,17 @@ fn serve_until_signal(
     listeners: Listeners,
     signals: libc::sigset_t,
     bound: (Duration, Vec<PathBuf>, Duration),
-) -> Result<(), Failure> {
+) -> Result<(), Error> {
     let stop = Arc::new(Stop::default());
     {
         let (limit, remove, reload) = bound;
         let reloader = Reloader::start(served.reload.clone(), reload)
-            .map_err(|e| Failure::runtime(format!("cannot start the reload thread: {e}")))?;
+            .map_err(|e| Error::failed("cannot start the reload thread").because(e))?;
         let (server, stop, daemon) = (server.clone(), stop.clone(), served.daemon.clone());
         std::thread::Builder::new()
             .name("signals".into())
             .spawn(move || wait_for_signals(signals, (&server, &daemon, &reloader), &stop, (limit, remove)))
-            .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
+            .map_err(|e| Error::failed("cannot start the signal thread").because(e))?;
     }
     let Listeners { nbd, socket, control, metrics, .. } = listeners;
     // Accepts until the signal, then waits for the last connection to end:
@@ -207,7 +205,7 @@ fn serve_until_signal(
         std::thread::Builder::new()
             .name("nbd-serve".into())
             .spawn(move || server.serve(nbd))
-            .map_err(|e| Failure::runtime(format!("cannot start the NBD server thread: {e}")))?
+            .map_err(|e| Error::failed("cannot start the NBD server thread").because(e))?
     };
     let watchdog = stop.wait();
     let progress = watchdog.progress();
@@ -217,7 +215,7 @@ fn serve_until_signal(
     progress.phase("stopping the exports");
     let mut errors = Vec::new();
     if let Err(e) = served.daemon.shutdown(progress) {
-        errors.push(format!("at shutdown: {e}"));
+        errors.push(format!("at shutdown: {}", e.report()));
     }
     progress.phase("waiting for the last NBD connections to end");
     match serving.join() {
@@ -233,11 +231,11 @@ fn serve_until_signal(
         log::info!("stopped cleanly");
         Ok(())
     } else {
-        Err(Failure::runtime(errors.join("; ")))
+        Err(Error::failed(errors.join("; ")))
     }
 }
 
-fn settings(a: &ServeArgs) -> Result<Settings, Failure> {
+fn settings(a: &ServeArgs) -> Result<Settings, Error> {
     let engine = EngineConfig {
         kind: match a.engine.unwrap_or(EngineArg::Uring) {
             EngineArg::Uring => EngineKind::Uring,
@@ -255,13 +253,13 @@ fn settings(a: &ServeArgs) -> Result<Settings, Failure> {
     let roots = if a.image_roots.is_empty() {
         None
     } else {
-        Some(Arc::new(vdisk_image::files::Roots::open(&a.image_roots).map_err(|e| Failure::usage(e.to_string()))?))
+        Some(Arc::new(vdisk_image::files::Roots::open(&a.image_roots).map_err(|e| Error::invalid(e.to_string()))?))
     };
     Ok(Settings { engine, direct: a.direct, socket_mode: a.socket_mode(), fuse_uring: a.fuse_uring, roots })
 }
 
 /// The exports the command line asks for, checked against each other.
-pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>, Failure> {
+pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>, Error> {
     let paths: Vec<PathBuf> = demo.into_iter().chain(a.images.iter().cloned()).collect();
     for (flag, n) in [
         ("--export-name", a.security.export_name.len()),
@@ -269,7 +267,7 @@ pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<E
         ("--vhost-user-blk", a.vhost_user_blk.len()),
     ] {
         if n > paths.len() {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{n} {flag} but {} image(s): give {flag} at most once per image, in image order",
                 paths.len()
             )));
@@ -280,7 +278,7 @@ pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<E
     for (i, path) in paths.iter().enumerate() {
         let name = a.security.export_name.get(i).cloned().unwrap_or_else(|| export_name(path));
         if specs.iter().any(|s| s.name.as_deref() == Some(&name)) {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "two images would both be export {name:?} ({}); export names come from file stems: rename one or use --export-name",
                 path.display()
             )));
@@ -303,7 +301,7 @@ pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<E
     for (name, pattern) in allow {
         let Some(spec) = specs.iter_mut().find(|s| s.name.as_deref() == Some(&name)) else {
             let names: Vec<_> = specs.iter().filter_map(|s| s.name.as_deref()).collect();
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "--export-allow {name}={pattern}: no export {name:?} on the command line (exports: {}); \
                  for exports of the config file, write allow = [...] in their [[export]]",
                 if names.is_empty() { "none".to_owned() } else { names.join(", ") }
@@ -314,7 +312,7 @@ pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<E
     Ok(specs)
 }
 
-fn start_exports(daemon: &Daemon, specs: Vec<ExportSpec>, banner: &mut Vec<String>) -> Result<(), Failure> {
+fn start_exports(daemon: &Daemon, specs: Vec<ExportSpec>, banner: &mut Vec<String>) -> Result<(), Error> {
     for spec in specs {
         banner.extend(daemon.add(spec)?);
     }
@@ -332,7 +330,7 @@ struct Listeners {
 }
 
 impl Listeners {
-    fn open(a: &ServeArgs, served: &Served, tls: bool) -> Result<Listeners, Failure> {
+    fn open(a: &ServeArgs, served: &Served, tls: bool) -> Result<Listeners, Error> {
         let daemon = &served.daemon;
         let mut l = Listeners { nbd: Vec::new(), socket: None, control: None, metrics: None, banner: Vec::new() };
         let first = daemon.names().into_iter().next().unwrap_or_else(|| "NAME".into());
@@ -368,7 +366,7 @@ impl Listeners {
     }
 
     /// Takes the NBD sockets the service manager passed; false if there are none.
-    fn inherit_nbd(&mut self, first: &str, tls: bool) -> Result<bool, Failure> {
+    fn inherit_nbd(&mut self, first: &str, tls: bool) -> Result<bool, Error> {
         let scheme = if tls { "nbds" } else { "nbd" };
         for i in systemd::listeners("nbd")? {
             match i {
@@ -390,13 +388,13 @@ impl Listeners {
         Ok(!self.nbd.is_empty())
     }
 
-    fn open_control(&mut self, a: &ServeArgs, served: &Served) -> Result<(), Failure> {
+    fn open_control(&mut self, a: &ServeArgs, served: &Served) -> Result<(), Error> {
         let inherited = systemd::listeners("control")?.into_iter().find_map(|i| match i {
             Inherited::Unix(l, Some(path)) => Some((l, path)),
             _ => None,
         });
         // The control socket's own mode and group: --socket-mode never applies to it.
-        let policy = || -> Result<vdisk_control::Policy, Failure> {
+        let policy = || -> Result<vdisk_control::Policy, Error> {
             Ok(vdisk_control::Policy {
                 access: vdisk_control::Access::new(a.control_mode, a.control_group.as_deref())?,
                 deadline: a
@@ -419,7 +417,7 @@ impl Listeners {
         Ok(())
     }
 
-    fn open_nbd(&mut self, a: &ServeArgs, first: &str, tls: bool) -> Result<(), Failure> {
+    fn open_nbd(&mut self, a: &ServeArgs, first: &str, tls: bool) -> Result<(), Error> {
         if let Some(path) = &self.socket {
             self.nbd.push(Listener::Unix(bind_unix(path, a.socket_mode(), "--socket")?, path.clone()));
             self.banner.push(format!("vdisk: listening on unix socket {}", path.display()));
@@ -436,7 +434,7 @@ impl Listeners {
         if let Some(addr) = &a.listen {
             let addr = parse_listen(addr, "--listen", "127.0.0.1:10809")?;
             let tcp = TcpListener::bind(addr).map_err(|e| {
-                Failure::usage(format!(
+                Error::invalid(format!(
                     "cannot listen on {addr}: {e} (is another server using the port? pick another with --listen HOST:PORT)"
                 ))
             })?;
@@ -465,9 +463,10 @@ struct DemoImage {
 }
 
 impl DemoImage {
-    fn create() -> Result<DemoImage, Failure> {
+    fn create() -> Result<DemoImage, Error> {
         let dir = std::env::temp_dir().join(format!("vdisk-demo-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| Failure::runtime(format!("cannot create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::failed(format!("cannot create {}", dir.display())).at(&dir).because(e))?;
         let demo = DemoImage { image: dir.join("demo.img"), dir };
         let _ = std::fs::remove_file(&demo.image);
         RawImage::create(&demo.image, DEMO_SIZE, None)?;
