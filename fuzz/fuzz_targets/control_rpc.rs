@@ -1,6 +1,6 @@
 //! The control socket's JSON-RPC request handler: any line in gives one
 //! well-formed JSON-RPC response line out (or none, for a notification),
-//! never a panic. The parser is crates/vdisk/src/control/rpc.rs itself,
+//! never a panic. The parser is crates/vdisk-control/src/rpc.rs itself,
 //! compiled in here; the handler behind it records nothing and answers as
 //! the daemon would for a request it accepts or refuses.
 #![no_main]
@@ -8,7 +8,7 @@
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
 
-#[path = "../../crates/vdisk/src/control/rpc.rs"]
+#[path = "../../crates/vdisk-control/src/rpc.rs"]
 #[allow(dead_code)]
 mod rpc;
 

@@ -10,6 +10,7 @@ pub mod allow;
 pub mod budget;
 pub mod client;
 mod conn;
+mod engine;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;

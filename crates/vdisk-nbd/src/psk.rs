@@ -33,7 +33,7 @@ use openssl::ssl::{
 };
 
 use crate::allow::PeerIdentity;
-use crate::tls::{CredentialError, CredentialErrorKind, Engine};
+use crate::engine::{CredentialError, CredentialErrorKind, Engine};
 
 /// TLS 1.3 suites with SHA-256: the hash OpenSSL's PSK callback gives TLS 1.3
 /// external keys, and GnuTLS's default for them.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use crate::handshake::Transport;
-use crate::tls::{Tls, TlsStream};
+use crate::tls::{Socket, Tls, TlsStream};
 
 const IOV_MAX: usize = 1024;
 
@@ -214,7 +214,7 @@ impl Transport for Stream {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "TLS is already on"));
         }
         let plain = self.try_clone()?;
-        *self = Stream::Tls(Arc::new(TlsStream::accept(plain, tls)?));
+        *self = Stream::Tls(Arc::new(TlsStream::accept(Box::new(plain), tls)?));
         Ok(())
     }
 
@@ -223,5 +223,28 @@ impl Transport for Stream {
             Stream::Tls(t) => t.peer_identity(),
             _ => None,
         }
+    }
+}
+
+/// The plain stream under a TLS session.
+impl Socket for Stream {
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        Stream::recv(self, buf)
+    }
+
+    fn send_from(&self, slices: &[&[u8]], skip: usize, blocking: bool) -> io::Result<usize> {
+        Stream::send_from(self, slices, skip, blocking)
+    }
+
+    fn shutdown(&self, how: Shutdown) {
+        Stream::shutdown(self, how)
+    }
+
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        Stream::set_read_timeout(self, t)
+    }
+
+    fn peer(&self) -> String {
+        Stream::peer(self)
     }
 }

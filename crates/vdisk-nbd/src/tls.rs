@@ -29,9 +29,24 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig, ServerConnection};
 
 use crate::allow::PeerIdentity;
+use crate::engine::Engine;
+pub use crate::engine::{CredentialError, CredentialErrorKind};
 #[cfg(feature = "psk")]
 use crate::psk::{PskKeys, PskServer};
-use crate::stream::Stream;
+
+/// The plain socket under a TLS session (a unix or TCP stream): what
+/// [`TlsStream`] needs of it, so that the session does not depend on the
+/// connection's stream type, which holds sessions.
+pub trait Socket: AsRawFd + Send + Sync {
+    /// Reads what is there (ciphertext).
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize>;
+    /// One vectored send of `slices` from `skip` bytes in; WouldBlock without `blocking` when full.
+    fn send_from(&self, slices: &[&[u8]], skip: usize, blocking: bool) -> io::Result<usize>;
+    fn shutdown(&self, how: std::net::Shutdown);
+    fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()>;
+    /// Who is at the other end, for logs.
+    fn peer(&self) -> String;
+}
 
 /// When clients must use TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,27 +71,6 @@ enum Creds {
     X509(Arc<ServerConfig>),
     #[cfg(feature = "psk")]
     Psk(PskServer),
-}
-
-/// A TLS session as [`TlsStream`] drives it: ciphertext in and out by hand,
-/// plaintext in and out; nothing ever touches the socket.
-pub(crate) trait Engine: Send {
-    fn is_handshaking(&self) -> bool;
-    /// Ciphertext waits for [`Engine::write_tls`].
-    fn wants_write(&self) -> bool;
-    /// Takes ciphertext from the socket; returns the bytes taken.
-    fn read_tls(&mut self, data: &[u8]) -> io::Result<usize>;
-    /// Handles what [`Engine::read_tls`] took (handshake steps, alerts).
-    fn process(&mut self) -> io::Result<()>;
-    /// Hands pending ciphertext to `w`.
-    fn write_tls(&mut self, w: &mut dyn Write) -> io::Result<usize>;
-    /// Decrypted bytes; WouldBlock when more ciphertext is needed, 0 at the end.
-    fn read_plain(&mut self, buf: &mut [u8]) -> io::Result<usize>;
-    /// Encrypts plaintext; returns the bytes taken (fewer when its buffer is full).
-    fn write_plain(&mut self, iov: &[IoSlice<'_>]) -> io::Result<usize>;
-    fn send_close_notify(&mut self);
-    /// Who the client proved to be, once the handshake is done (None: anonymous).
-    fn peer_identity(&self) -> Option<PeerIdentity>;
 }
 
 impl Engine for ServerConnection {
@@ -133,50 +127,6 @@ pub struct TlsFiles {
 const TLS_BUFFER: usize = 4 << 20;
 /// Ciphertext read from the socket at once.
 const RX_BUFFER: usize = 256 << 10;
-
-/// Why TLS credentials cannot be used: a kind, and a message that names the
-/// file and what is wrong with it (never a command-line flag).
-#[derive(Debug, Clone)]
-pub struct CredentialError {
-    kind: CredentialErrorKind,
-    message: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CredentialErrorKind {
-    /// A file cannot be read.
-    Unreadable,
-    /// A file's contents are not usable credentials.
-    Invalid,
-    /// A secret is readable by every user.
-    Exposed,
-    /// This build cannot use this kind of credentials (PSK without OpenSSL).
-    NotBuilt,
-    /// The TLS library refused its own setup.
-    Setup,
-}
-
-impl CredentialError {
-    pub(crate) fn new(kind: CredentialErrorKind, message: impl Into<String>) -> Self {
-        CredentialError { kind, message: message.into() }
-    }
-
-    pub(crate) fn invalid(message: impl Into<String>) -> Self {
-        Self::new(CredentialErrorKind::Invalid, message)
-    }
-
-    pub fn kind(&self) -> CredentialErrorKind {
-        self.kind
-    }
-}
-
-impl std::fmt::Display for CredentialError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for CredentialError {}
 
 fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, CredentialError> {
     let iter = CertificateDer::pem_file_iter(path).map_err(|e| {
@@ -430,13 +380,13 @@ impl RecordWatch {
 
 /// A connection after STARTTLS: everything goes through `conn`.
 pub struct TlsStream {
-    sock: Stream,
+    sock: Box<dyn Socket>,
     conn: Mutex<Box<dyn Engine>>,
     rx: Mutex<Rx>,
 }
 
 /// Hands ciphertext to the socket without ever blocking.
-struct SocketWriter<'a>(&'a Stream);
+struct SocketWriter<'a>(&'a dyn Socket);
 
 impl Write for SocketWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
@@ -475,7 +425,7 @@ fn wait_writable(fd: i32) -> io::Result<()> {
 
 impl TlsStream {
     /// Runs the TLS handshake as the server on `sock` (the STARTTLS ACK already sent).
-    pub fn accept(sock: Stream, tls: &Tls) -> io::Result<TlsStream> {
+    pub fn accept(sock: Box<dyn Socket>, tls: &Tls) -> io::Result<TlsStream> {
         let t = TlsStream {
             sock,
             conn: Mutex::new(tls.session()?),
@@ -551,7 +501,7 @@ impl TlsStream {
     /// Sends the ciphertext the engine holds: true when all went, false when the socket is full.
     fn flush_locked(&self, conn: &mut dyn Engine) -> io::Result<bool> {
         while conn.wants_write() {
-            match conn.write_tls(&mut SocketWriter(&self.sock)) {
+            match conn.write_tls(&mut SocketWriter(&*self.sock)) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
@@ -635,8 +585,8 @@ impl TlsStream {
         let _ = self.flush_locked(&mut **conn);
     }
 
-    pub fn socket(&self) -> &Stream {
-        &self.sock
+    pub fn socket(&self) -> &dyn Socket {
+        &*self.sock
     }
 }
 

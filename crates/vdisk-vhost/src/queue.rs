@@ -24,16 +24,14 @@ use vdisk_engine::slab::Slab;
 use vdisk_engine::{Buf, Command, Data, Device, Lent, Op, Request, Sink};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
-    Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
-    GuestRegionMmap,
+    Address, Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestRegionMmap,
 };
 
 use crate::config::{ID_BYTES, SECTOR};
 use crate::parse::{self, Action, Limits, Parsed, Seg, S_IOERR, S_OK};
 
-pub type Mem = GuestMemoryMmap<()>;
 pub type Gm = GuestMemoryAtomic<Mem>;
-pub use crate::vring::Vring;
+pub use crate::vring::{Mem, Vring};
 
 /// What every queue of a device shares.
 pub struct Shared {

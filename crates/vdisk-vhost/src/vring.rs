@@ -9,9 +9,12 @@ use std::io::Write;
 use std::sync::{Mutex, MutexGuard};
 
 use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryMmap;
 
 use crate::inflight::QueueLog;
-use crate::queue::Mem;
+
+/// The guest's memory, as the frontend shared it.
+pub type Mem = GuestMemoryMmap<()>;
 
 pub struct Vring {
     state: Mutex<RingState>,

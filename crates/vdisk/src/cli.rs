@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::size::parse_size;
+use vdisk_daemon::size::parse_size;
 
 #[derive(Parser)]
 #[command(
@@ -116,8 +116,8 @@ Examples:
   vdisk ctl --control /run/vdisk.ctl remove vm1 --hard
   vdisk ctl --control /run/vdisk.ctl reload                reread the server's --config FILE"
     )]
-    Ctl(crate::ctl::CtlArgs),
-    Soak(crate::soak::SoakArgs),
+    Ctl(CtlArgs),
+    Soak(vdisk_soak::SoakArgs),
 }
 
 #[derive(Args)]
@@ -168,8 +168,7 @@ pub struct CommitArgs {
     pub backing: BackingArgs,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum TlsArg {
     /// No TLS: STARTTLS is refused.
     Off,
@@ -262,8 +261,7 @@ impl CephArgs {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum FormatArg {
     /// qcow2 or a COW overlay if the file starts with their magic, raw otherwise.
     Auto,
@@ -286,16 +284,7 @@ pub struct InfoArgs {
     pub ceph: CephArgs,
 }
 
-/// An octal permission mode such as 0600 or 660.
-pub(crate) fn parse_mode(s: &str) -> Result<u32, String> {
-    u32::from_str_radix(s.trim_start_matches("0o"), 8)
-        .ok()
-        .filter(|m| *m <= 0o777)
-        .ok_or_else(|| format!("{s:?} is not an octal permission mode such as 0600 or 0660"))
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum EngineArg {
     Uring,
     Threads,
@@ -339,7 +328,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(1..))]
     pub send_timeout: Option<u32>,
     /// Permissions of the unix sockets, in octal: who may connect (default 0600: the owner only).
-    #[arg(long, value_parser = parse_mode, value_name = "MODE")]
+    #[arg(long, value_parser = vdisk_daemon::config::parse_mode, value_name = "MODE")]
     pub socket_mode: Option<u32>,
     /// Control socket (unix, JSON-RPC 2.0, one object per line; docs/control.md):
     /// add, remove and inspect exports while serving, with `vdisk ctl`. With it
@@ -348,7 +337,7 @@ pub struct ServeArgs {
     pub control: Option<PathBuf>,
     /// Permissions of the control socket, in octal (default 0600; --socket-mode
     /// never applies to it). Group or other access needs --image-root.
-    #[arg(long, value_parser = parse_mode, value_name = "MODE")]
+    #[arg(long, value_parser = vdisk_daemon::config::parse_mode, value_name = "MODE")]
     pub control_mode: Option<u32>,
     /// The control socket's group: its members may change exports, like the
     /// server's own user (with --control-mode 0660, only they may connect).
@@ -390,7 +379,7 @@ pub struct ServeArgs {
     /// (30s, 500ms, 2m; default 30s). Past it, what could not be flushed is
     /// logged by export and vdisk exits with status 3 without waiting for
     /// storage that does not answer; a second signal gives up at once.
-    #[arg(long, value_name = "DURATION", value_parser = crate::stopping::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = vdisk_daemon::stopping::parse_duration)]
     pub stop_timeout: Option<std::time::Duration>,
     /// Refuse every write, trim and zero.
     #[arg(long)]
@@ -438,4 +427,85 @@ impl ServeArgs {
     pub fn socket_mode(&self) -> u32 {
         self.socket_mode.unwrap_or(0o600)
     }
+}
+
+#[derive(Args)]
+pub struct CtlArgs {
+    /// The server's control socket (`vdisk serve --control PATH`); default: $VDISK_CONTROL.
+    #[arg(long, global = true, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Print the server's answer as JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+/// QoS limits; 0 lifts one. Bytes/s take K, M, G suffixes.
+#[derive(Args, Clone, Default)]
+pub struct QosArgs {
+    /// Requests per second.
+    #[arg(long, value_name = "N")]
+    pub iops: Option<u64>,
+    /// Bytes per second, reads and writes together.
+    #[arg(long, value_name = "N", value_parser = parse_size)]
+    pub bps: Option<u64>,
+    /// Bytes read per second.
+    #[arg(long, value_name = "N", value_parser = parse_size)]
+    pub read_bps: Option<u64>,
+    /// Bytes written per second.
+    #[arg(long, value_name = "N", value_parser = parse_size)]
+    pub write_bps: Option<u64>,
+}
+
+#[derive(Subcommand)]
+pub enum CtlCommand {
+    /// Serve one more image (the same checks as at start; nothing is left half-started on failure).
+    Add {
+        /// The image (made absolute here, so the server finds it whatever its directory).
+        image: PathBuf,
+        /// Export name (default: the image's file stem); a name in use is refused.
+        #[arg(long)]
+        name: Option<String>,
+        /// Refuse every write, trim and zero.
+        #[arg(long)]
+        readonly: bool,
+        #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
+        format: FormatArg,
+        #[command(flatten)]
+        backing: BackingArgs,
+        /// Also serve it as a regular file at PATH through FUSE.
+        #[arg(long, value_name = "PATH")]
+        fuse: Option<PathBuf>,
+        /// Also serve it to a VM on this vhost-user-blk socket.
+        #[arg(long, value_name = "SOCKET")]
+        vhost_user_blk: Option<PathBuf>,
+        /// Virtqueues for --vhost-user-blk (default: one per CPU).
+        #[arg(long, value_name = "N", requires = "vhost_user_blk", value_parser = clap::value_parser!(u16).range(1..=64))]
+        num_queues: Option<u16>,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Stop serving an export; refused while clients are attached, unless --hard.
+    Remove {
+        name: String,
+        /// Finish what is in flight, flush, disconnect NBD clients, unmount the
+        /// FUSE file, disconnect the VM, close the image.
+        #[arg(long)]
+        hard: bool,
+    },
+    /// The exports served.
+    List,
+    /// Requests, bytes, errors and latency of one export, or of all.
+    Stats { name: Option<String> },
+    /// Change an export's QoS limits, live.
+    Qos {
+        name: String,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// The server's version, uptime and totals.
+    Info,
+    /// Reread the server's --config FILE and apply the difference (as SIGHUP does).
+    Reload,
 }

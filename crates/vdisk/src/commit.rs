@@ -3,31 +3,31 @@
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use vdisk_daemon::size::human;
+use vdisk_daemon::Error;
 use vdisk_image::cow::OverlayOptions;
 use vdisk_image::{CowImage, Format, Image};
 
 use crate::cli::CommitArgs;
-use crate::size::human;
-use crate::Failure;
 
-pub fn run(a: CommitArgs) -> Result<(), Failure> {
+pub fn run(a: CommitArgs) -> Result<(), Error> {
     // The format's own open below needs concrete types (for the merge), so
     // it is detected here and the format opened directly.
     match vdisk_image::detect(&a.overlay) {
         Ok(Format::Qcow2) => return qcow2(&a),
         Ok(Format::Cow) => {}
         Err(_) if !a.overlay.exists() => {
-            return Err(Failure::usage(format!("{} does not exist", a.overlay.display())));
+            return Err(Error::invalid(format!("{} does not exist", a.overlay.display())));
         }
         Err(e) => return Err(e.into()),
         Ok(Format::Rbd) => {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{} is an RBD image, not an overlay: only COW and qcow2 overlays can be committed",
                 a.overlay.display()
             )));
         }
         Ok(Format::Raw) => {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{} is not a COW overlay or a qcow2 image (no COW or qcow2 magic at its start); only overlays can \
                  be committed",
                 a.overlay.display()
@@ -55,21 +55,21 @@ pub fn run(a: CommitArgs) -> Result<(), Failure> {
 }
 
 /// A qcow2 overlay: into its raw backing file, or with --into into a new raw image.
-fn qcow2(a: &CommitArgs) -> Result<(), Failure> {
+fn qcow2(a: &CommitArgs) -> Result<(), Error> {
     if a.backing.ignore_backing_mtime {
-        return Err(Failure::usage("--ignore-backing-mtime applies to COW overlays only"));
+        return Err(Error::invalid("--ignore-backing-mtime applies to COW overlays only"));
     }
     let options =
         vdisk_image::qcow2::Qcow2Options { read_only: true, backing: a.backing.backing.clone(), ..Default::default() };
     let image = vdisk_image::Qcow2Image::open_with(&a.overlay, &options)?;
     let Some(base) = image.backing_path().map(|p| p.to_owned()) else {
-        return Err(Failure::usage(format!(
+        return Err(Error::invalid(format!(
             "{} has no backing file: there is nothing to commit into",
             a.overlay.display()
         )));
     };
     if a.into.is_none() && image.backing_format() != Some("raw") {
-        return Err(Failure::usage(format!(
+        return Err(Error::invalid(format!(
             "the backing file of {} is {}, not raw: vdisk commits a qcow2 overlay in place only into a raw \
              file; write the merged disk to a new raw image with --into NEW",
             a.overlay.display(),
@@ -89,7 +89,7 @@ fn merge(
     base: &Path,
     into_new: impl FnOnce(&Path, &dyn Fn(u64, u64)) -> Result<(), vdisk_image::Error>,
     in_place: impl FnOnce(&dyn Fn(u64, u64)) -> Result<u64, vdisk_image::Error>,
-) -> Result<(), Failure> {
+) -> Result<(), Error> {
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("merging {bar:40} {bytes}/{total_bytes} ({eta})").expect("a valid template"),
     );

@@ -3,31 +3,31 @@
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use vdisk_daemon::size::human;
+use vdisk_daemon::Error;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use vdisk_image::{CowImage, Format, Image, Qcow2Image, RawImage, RbdImage};
 
 use crate::cli::{CreateArgs, CreateFormat};
-use crate::size::human;
-use crate::Failure;
 
-pub fn run(a: CreateArgs) -> Result<(), Failure> {
-    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+pub fn run(a: CreateArgs) -> Result<(), Error> {
+    if let Some(spec) = vdisk_daemon::formats::rbd_spec(&a.image, &a.ceph.options())? {
         return rbd(&a, &spec);
     }
     let format = a.format.unwrap_or(if a.backing.is_some() { CreateFormat::Cow } else { CreateFormat::Raw });
     if a.cluster_size.is_some() && format != CreateFormat::Qcow2 {
-        return Err(Failure::usage("--cluster-size applies to --format qcow2 only"));
+        return Err(Error::invalid("--cluster-size applies to --format qcow2 only"));
     }
     match format {
         CreateFormat::Qcow2 => return qcow2(&a),
         CreateFormat::Cow => return cow(&a),
         CreateFormat::Raw if a.backing.is_some() => {
-            return Err(Failure::usage("a raw image has no backing file: use --format cow or --format qcow2"))
+            return Err(Error::invalid("a raw image has no backing file: use --format cow or --format qcow2"))
         }
         CreateFormat::Raw => {}
     }
     let Some(size) = a.size else {
-        return Err(Failure::usage(
+        return Err(Error::invalid(
             "vdisk create needs --size (e.g. --size 10G), or --backing BASE for an overlay (see --help)",
         ));
     };
@@ -46,21 +46,21 @@ pub fn run(a: CreateArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-fn cow(a: &CreateArgs) -> Result<(), Failure> {
+fn cow(a: &CreateArgs) -> Result<(), Error> {
     let Some(base) = &a.backing else {
-        return Err(Failure::usage("a COW overlay needs --backing BASE"));
+        return Err(Error::invalid("a COW overlay needs --backing BASE"));
     };
     if a.size.is_some() || a.preallocate {
-        return Err(Failure::usage("a COW overlay takes its size from BASE: drop --size and --preallocate"));
+        return Err(Error::invalid("a COW overlay takes its size from BASE: drop --size and --preallocate"));
     }
-    if let Some(spec) = crate::formats::rbd_spec(base, &a.ceph.options())? {
+    if let Some(spec) = vdisk_daemon::formats::rbd_spec(base, &a.ceph.options())? {
         CowImage::create_over_rbd(&a.image, &spec)?;
         println!("created {} (cow overlay over RBD snapshot {spec}, {})", a.image.display(), human(spec_size(a)?));
         return Ok(());
     }
     // A COW overlay reads its backing file as raw bytes: an image format there would be served as data.
     if let Ok(format @ (Format::Cow | Format::Qcow2)) = vdisk_image::detect(base) {
-        return Err(Failure::usage(format!(
+        return Err(Error::invalid(format!(
             "{} is a {format} image, and a COW overlay reads its backing file as raw bytes: make a qcow2 overlay \
              over it (--format qcow2)",
             base.display()
@@ -78,37 +78,37 @@ fn cow(a: &CreateArgs) -> Result<(), Failure> {
 }
 
 /// The format and virtual size of a base image, as a qcow2 overlay records it.
-fn probe_base(base: &Path) -> Result<(&'static str, u64), Failure> {
+fn probe_base(base: &Path) -> Result<(&'static str, u64), Error> {
     let opened = vdisk_image::open(base, &vdisk_image::OpenOptions { read_only: true, ..Default::default() })?;
     Ok((opened.format.name(), opened.image.size()))
 }
 
-fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
+fn qcow2(a: &CreateArgs) -> Result<(), Error> {
     if a.preallocate {
-        return Err(Failure::usage("--preallocate applies to raw images only"));
+        return Err(Error::invalid("--preallocate applies to raw images only"));
     }
     let cluster_bits = match a.cluster_size {
         None => DEFAULT_CLUSTER_BITS,
         Some(c) if c.is_power_of_two() && (512..=2 << 20).contains(&c) => c.trailing_zeros(),
-        Some(c) => return Err(Failure::usage(format!("--cluster-size {c}: a power of two from 512 to 2M"))),
+        Some(c) => return Err(Error::invalid(format!("--cluster-size {c}: a power of two from 512 to 2M"))),
     };
     let base = match &a.backing {
         None => None,
-        Some(b) if crate::formats::rbd_spec(b, &a.ceph.options())?.is_some() => {
-            return Err(Failure::usage(format!(
+        Some(b) if vdisk_daemon::formats::rbd_spec(b, &a.ceph.options())?.is_some() => {
+            return Err(Error::invalid(format!(
                 "{}: a qcow2 overlay over an RBD snapshot is not supported; make a COW overlay (drop --format qcow2)",
                 b.display()
             )))
         }
         Some(b) => {
             let (fmt, size) = probe_base(b)?;
-            let abs = std::path::absolute(b).map_err(|e| Failure::usage(format!("{}: {e}", b.display())))?;
+            let abs = std::path::absolute(b).map_err(|e| Error::invalid(b.display().to_string()).at(b).because(e))?;
             Some((abs, fmt, size))
         }
     };
     let size = match (a.size, &base) {
         (Some(s), Some((b, _, bsize))) if s < *bsize => {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "--size {s} is smaller than the backing file {} ({bsize} bytes)",
                 b.display()
             )))
@@ -116,7 +116,7 @@ fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
         (Some(s), _) => s,
         (None, Some((_, _, bsize))) => *bsize,
         (None, None) => {
-            return Err(Failure::usage("vdisk create --format qcow2 needs --size (e.g. --size 10G) or --backing BASE"))
+            return Err(Error::invalid("vdisk create --format qcow2 needs --size (e.g. --size 10G) or --backing BASE"))
         }
     };
     let backing = base.as_ref().map(|(p, f, _)| (p.as_path(), *f));
@@ -127,15 +127,15 @@ fn qcow2(a: &CreateArgs) -> Result<(), Failure> {
 }
 
 /// A new image on Ceph RBD.
-fn rbd(a: &CreateArgs, spec: &vdisk_image::rbd::Spec) -> Result<(), Failure> {
+fn rbd(a: &CreateArgs, spec: &vdisk_image::rbd::Spec) -> Result<(), Error> {
     if a.backing.is_some() || a.preallocate || a.format.is_some_and(|f| f != CreateFormat::Raw) {
-        return Err(Failure::usage(format!(
+        return Err(Error::invalid(format!(
             "{spec} is an RBD image: --backing, --preallocate and --format apply to image files \
              (for an overlay over an RBD snapshot: vdisk create --backing rbd:POOL/IMAGE@SNAP overlay.cow)"
         )));
     }
     let Some(size) = a.size else {
-        return Err(Failure::usage("vdisk create needs --size for an RBD image (e.g. --size 10G)"));
+        return Err(Error::invalid("vdisk create needs --size for an RBD image (e.g. --size 10G)"));
     };
     RbdImage::create(spec, size)?;
     println!("created {spec} ({}, rbd)", human(size));
@@ -143,6 +143,6 @@ fn rbd(a: &CreateArgs, spec: &vdisk_image::rbd::Spec) -> Result<(), Failure> {
 }
 
 /// The size a new overlay recorded (from its header).
-fn spec_size(a: &CreateArgs) -> Result<u64, Failure> {
+fn spec_size(a: &CreateArgs) -> Result<u64, Error> {
     Ok(vdisk_image::cow::inspect(&a.image)?.header.size)
 }

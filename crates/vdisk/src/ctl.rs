@@ -7,98 +7,17 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 
-use clap::{Args, Subcommand, ValueEnum};
+use clap::ValueEnum;
 use serde_json::{json, Map, Value};
+use vdisk_daemon::size::human;
+use vdisk_daemon::Error;
 
-use crate::cli::{BackingArgs, FormatArg};
-use crate::size::{human, parse_size};
-use crate::Failure;
+use crate::cli::{CtlArgs, CtlCommand, QosArgs};
 
-#[derive(Args)]
-pub struct CtlArgs {
-    /// The server's control socket (`vdisk serve --control PATH`); default: $VDISK_CONTROL.
-    #[arg(long, global = true, value_name = "PATH")]
-    pub control: Option<PathBuf>,
-    /// Print the server's answer as JSON instead of a table.
-    #[arg(long, global = true)]
-    pub json: bool,
-    #[command(subcommand)]
-    pub command: CtlCommand,
-}
-
-/// QoS limits; 0 lifts one. Bytes/s take K, M, G suffixes.
-#[derive(Args, Clone, Default)]
-pub struct QosArgs {
-    /// Requests per second.
-    #[arg(long, value_name = "N")]
-    pub iops: Option<u64>,
-    /// Bytes per second, reads and writes together.
-    #[arg(long, value_name = "N", value_parser = parse_size)]
-    pub bps: Option<u64>,
-    /// Bytes read per second.
-    #[arg(long, value_name = "N", value_parser = parse_size)]
-    pub read_bps: Option<u64>,
-    /// Bytes written per second.
-    #[arg(long, value_name = "N", value_parser = parse_size)]
-    pub write_bps: Option<u64>,
-}
-
-#[derive(Subcommand)]
-pub enum CtlCommand {
-    /// Serve one more image (the same checks as at start; nothing is left half-started on failure).
-    Add {
-        /// The image (made absolute here, so the server finds it whatever its directory).
-        image: PathBuf,
-        /// Export name (default: the image's file stem); a name in use is refused.
-        #[arg(long)]
-        name: Option<String>,
-        /// Refuse every write, trim and zero.
-        #[arg(long)]
-        readonly: bool,
-        #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
-        format: FormatArg,
-        #[command(flatten)]
-        backing: BackingArgs,
-        /// Also serve it as a regular file at PATH through FUSE.
-        #[arg(long, value_name = "PATH")]
-        fuse: Option<PathBuf>,
-        /// Also serve it to a VM on this vhost-user-blk socket.
-        #[arg(long, value_name = "SOCKET")]
-        vhost_user_blk: Option<PathBuf>,
-        /// Virtqueues for --vhost-user-blk (default: one per CPU).
-        #[arg(long, value_name = "N", requires = "vhost_user_blk", value_parser = clap::value_parser!(u16).range(1..=64))]
-        num_queues: Option<u16>,
-        #[command(flatten)]
-        qos: QosArgs,
-    },
-    /// Stop serving an export; refused while clients are attached, unless --hard.
-    Remove {
-        name: String,
-        /// Finish what is in flight, flush, disconnect NBD clients, unmount the
-        /// FUSE file, disconnect the VM, close the image.
-        #[arg(long)]
-        hard: bool,
-    },
-    /// The exports served.
-    List,
-    /// Requests, bytes, errors and latency of one export, or of all.
-    Stats { name: Option<String> },
-    /// Change an export's QoS limits, live.
-    Qos {
-        name: String,
-        #[command(flatten)]
-        qos: QosArgs,
-    },
-    /// The server's version, uptime and totals.
-    Info,
-    /// Reread the server's --config FILE and apply the difference (as SIGHUP does).
-    Reload,
-}
-
-pub fn run(a: CtlArgs) -> Result<(), Failure> {
+pub fn run(a: CtlArgs) -> Result<(), Error> {
     let control =
         a.control.clone().or_else(|| std::env::var_os("VDISK_CONTROL").map(PathBuf::from)).ok_or_else(|| {
-            Failure::usage(
+            Error::invalid(
                 "which server? give --control PATH (as given to `vdisk serve --control`) or set VDISK_CONTROL",
             )
         })?;
@@ -124,14 +43,15 @@ fn qos_params(q: QosArgs, into: &mut Map<String, Value>) {
 }
 
 /// The JSON-RPC method and params for a command.
-fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure> {
+fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
     let mut p = Map::new();
     let method = match c {
         CtlCommand::Add { image, name, readonly, format, backing, fuse, vhost_user_blk, num_queues, qos } => {
             let image = if vdisk_image::rbd::is_rbd(&image) {
                 image // rbd:POOL/IMAGE is no path
             } else {
-                std::path::absolute(&image).map_err(|e| Failure::usage(format!("{}: {e}", image.display())))?
+                std::path::absolute(&image)
+                    .map_err(|e| Error::invalid(image.display().to_string()).at(&image).because(e))?
             };
             p.insert("image".into(), json!(image));
             // The wire spells a format as the command line does.
@@ -175,7 +95,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure>
             p.insert("name".into(), name.into());
             qos_params(qos, &mut p);
             if p.len() == 1 {
-                return Err(Failure::usage(
+                return Err(Error::invalid(
                     "qos: give at least one of --iops, --bps, --read-bps, --write-bps (0 lifts)",
                 ));
             }
@@ -188,9 +108,9 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Failure>
 }
 
 /// Sends one request and returns its result; a JSON-RPC error is a runtime failure (exit 1).
-fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> Result<Value, Failure> {
+fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> Result<Value, Error> {
     let unreachable = |e: std::io::Error| {
-        Failure::runtime(format!(
+        Error::failed(format!(
             "cannot talk to the server at {}: {e} (is `vdisk serve --control {}` running?)",
             control.display(),
             control.display()
@@ -198,7 +118,7 @@ fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> 
     };
     let mut stream = UnixStream::connect(control).map_err(|e| {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
-            Failure::runtime(format!(
+            Error::failed(format!(
                 "cannot talk to the server at {}: {e}: the control socket's mode and group (--control-mode, \
                  --control-group) do not let this user connect",
                 control.display()
@@ -212,9 +132,9 @@ fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> 
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(unreachable)?;
     let resp: Value = serde_json::from_str(&line)
-        .map_err(|e| Failure::runtime(format!("the server's answer is not JSON ({e}): {line:?}")))?;
+        .map_err(|e| Error::failed(format!("the server's answer is not JSON ({e}): {line:?}")))?;
     if let Some(err) = resp.get("error") {
-        return Err(Failure::runtime(err["message"].as_str().unwrap_or("the server refused").to_owned()));
+        return Err(Error::failed(err["message"].as_str().unwrap_or("the server refused").to_owned()));
     }
     Ok(resp.get("result").cloned().unwrap_or(Value::Null))
 }
@@ -227,7 +147,9 @@ fn human_output(method: &str, r: &Value) -> String {
         }
         "export_remove" => format!("removed export {}\n", r["name"]),
         "export_list" => list_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
-        "export_stats" => crate::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r))),
+        "export_stats" => {
+            vdisk_control::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r)))
+        }
         "export_set_qos" => format!("export {}: qos {}\n", r["name"], qos_text(&r["qos"])),
         "server_info" => {
             let fields = r.as_object().into_iter().flatten();
@@ -302,7 +224,7 @@ fn list_table(exports: &[Value]) -> String {
             ]
         })
         .collect();
-    let mut out = crate::stats::render(&header, &rows);
+    let mut out = vdisk_control::stats::render(&header, &rows);
     for e in exports {
         if let Some(why) = e["failure"].as_str() {
             out.push_str(&format!("{}: {why}\n", e["name"].as_str().unwrap_or("")));

@@ -2,15 +2,15 @@
 
 use std::os::unix::fs::MetadataExt;
 
+use vdisk_daemon::size::human;
+use vdisk_daemon::Error;
 use vdisk_image::rbd::Spec;
 use vdisk_image::{cow, Format, Image, RawImage, RbdImage};
 
 use crate::cli::InfoArgs;
-use crate::size::human;
-use crate::Failure;
 
-pub fn run(a: InfoArgs) -> Result<(), Failure> {
-    if let Some(spec) = crate::formats::rbd_spec(&a.image, &a.ceph.options())? {
+pub fn run(a: InfoArgs) -> Result<(), Error> {
+    if let Some(spec) = vdisk_daemon::formats::rbd_spec(&a.image, &a.ceph.options())? {
         return rbd_info(&spec, a.json);
     }
     // A file that cannot be opened is "raw": opening it below says why.
@@ -39,14 +39,15 @@ pub fn run(a: InfoArgs) -> Result<(), Failure> {
 }
 
 /// Bytes the file occupies on disk.
-fn allocated(a: &InfoArgs) -> Result<u64, Failure> {
-    let meta = std::fs::metadata(&a.image).map_err(|e| Failure::runtime(format!("{}: {e}", a.image.display())))?;
+fn allocated(a: &InfoArgs) -> Result<u64, Error> {
+    let meta = std::fs::metadata(&a.image)
+        .map_err(|e| Error::failed(a.image.display().to_string()).at(&a.image).because(e))?;
     Ok(meta.blocks() * 512)
 }
 
 /// An overlay: read without locking (it may be being served) and without
 /// needing its backing file (whose state is reported instead).
-fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
+fn cow_info(a: &InfoArgs) -> Result<(), Error> {
     let i = cow::inspect(&a.image)?;
     let h = &i.header;
     let allocated = allocated(a)?;
@@ -126,7 +127,7 @@ fn cow_info(a: &InfoArgs) -> Result<(), Failure> {
 
 /// A qcow2 image: its header's facts and what its L2 tables hold, read
 /// without locking it and without opening its backing file.
-fn qcow2_info(a: &InfoArgs) -> Result<(), Failure> {
+fn qcow2_info(a: &InfoArgs) -> Result<(), Error> {
     use vdisk_image::qcow2::header::{COMPAT_LAZY_REFCOUNTS, INCOMPAT_CORRUPT, INCOMPAT_DIRTY};
     let i = vdisk_image::qcow2::inspect(&a.image)?;
     let h = &i.header;
@@ -202,7 +203,7 @@ fn qcow2_info(a: &InfoArgs) -> Result<(), Failure> {
 }
 
 /// An RBD image or snapshot, opened read-only.
-fn rbd_info(spec: &Spec, json: bool) -> Result<(), Failure> {
+fn rbd_info(spec: &Spec, json: bool) -> Result<(), Error> {
     let image = RbdImage::open(spec, true)?;
     let i = image.info()?;
     if json {

@@ -4,60 +4,64 @@
 //! let connections finish their requests, stop and flush every export (all
 //! failures reported), remove the socket files.
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
-use std::os::unix::fs::FileTypeExt;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::net::TcpListener;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use vdisk_control::{ControlSocket, Served};
+use vdisk_daemon::config::Config;
+use vdisk_daemon::listen::{bind_unix, parse_listen};
+use vdisk_daemon::metrics::MetricsServer;
+use vdisk_daemon::reload::{Reloader, Source};
+use vdisk_daemon::spec::export_name;
+use vdisk_daemon::stopping::{StopProgress, Watchdog};
+use vdisk_daemon::systemd::{self, Inherited, PidFile};
+use vdisk_daemon::{security, Daemon, Error, ExportSpec, Origin, Reload, Settings, Ticket};
 use vdisk_engine::{EngineConfig, EngineKind};
 use vdisk_image::RawImage;
 use vdisk_nbd::{Listener, Server, ServerOptions};
 
 use crate::cli::{EngineArg, ServeArgs};
-use crate::daemon::{export_name, Daemon, ExportSpec, Settings};
-use crate::stopping::{StopProgress, Watchdog};
-use crate::systemd::{Inherited, PidFile};
-use crate::Failure;
+use crate::merge::{image_format, tls_settings};
 
 const DEMO_SIZE: u64 = 1 << 30;
 
-pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
-    let config = a.config.as_deref().map(crate::config::load).transpose()?;
+pub fn run(mut a: ServeArgs) -> Result<(), Error> {
+    let config = a.config.as_deref().map(vdisk_daemon::config::load).transpose()?;
     if let Some(c) = &config {
-        crate::config::merge(&mut a, &c.server);
+        crate::merge::merge(&mut a, &c.server);
     }
     if a.check {
         return check(&a, config.as_ref());
     }
     // Before any other thread starts: the environment is read once, here.
     let mut pid_file = a.pid_file.as_deref().map(PidFile::lock).transpose()?;
-    crate::systemd::init_notify();
-    crate::systemd::init_listen_fds()?;
+    systemd::init_notify();
+    systemd::init_listen_fds()?;
     // Signals go to one thread that waits for them; block them before any thread starts.
     let signals = block_signals();
-    let daemon_mode = a.control.is_some() || config.is_some() || crate::systemd::has("control");
+    let daemon_mode = a.control.is_some() || config.is_some() || systemd::has("control");
     // Declared first, so dropped (and removed) last, on every way out of this function.
     let demo = if a.images.is_empty() && !daemon_mode { Some(DemoImage::create()?) } else { None };
     let specs = export_specs(&a, demo.as_ref().map(|d| d.image.clone()))?;
-    let policy = crate::security::policy(&a.security)?;
-    crate::security::check_allow(&policy, specs.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
+    let policy = security::policy(&tls_settings(&a.security))?;
+    security::check_allow(&policy, specs.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
     let tls = policy.tls.as_ref().map(|t| t.summary.clone());
     let options = server_options(&a, policy);
-    let server =
-        Server::new(Vec::new(), options).map_err(|e| Failure::runtime(format!("cannot start the server: {e}")))?;
+    let server = Server::new(Vec::new(), options).map_err(|e| Error::failed("cannot start the server").because(e))?;
     let daemon = Arc::new(Daemon::new(settings(&a)?, server.clone()));
+    let served = Served { daemon: daemon.clone(), reload: Arc::new(Reload::new(daemon.clone())) };
     let mut banner = Vec::new();
     let started = start_exports(&daemon, specs, &mut banner)
-        .and_then(|()| start_config(&daemon, config.as_ref(), &mut banner))
-        .and_then(|()| Listeners::open(&a, &daemon, tls.is_some()));
+        .and_then(|()| start_config(&served, config.as_ref(), &mut banner))
+        .and_then(|()| Listeners::open(&a, &served, tls.is_some()));
     let listeners = match started {
         Ok(l) => l,
         Err(e) => {
             // Unmount and close what did start; its failures are logged, the first cause reported.
             if let Err(more) = daemon.shutdown(&StopProgress::default()) {
-                log::warn!("{more}");
+                log::warn!("{}", more.report());
             }
             return Err(e);
         }
@@ -73,7 +77,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     }
     if let Some(Err(e)) = pid_file.as_mut().map(PidFile::write_pid) {
         if let Err(more) = daemon.shutdown(&StopProgress::default()) {
-            log::warn!("{more}");
+            log::warn!("{}", more.report());
         }
         return Err(e);
     }
@@ -83,13 +87,13 @@ pub fn run(mut a: ServeArgs) -> Result<(), Failure> {
     );
     println!("vdisk: ready");
     // Every listener is bound and listening: a client that connects now waits in its queue.
-    crate::systemd::notify(&format!("READY=1\nMAINPID={}\nSTATUS={}", std::process::id(), daemon.status()));
-    let limit = a.stop_timeout.unwrap_or(crate::stopping::DEFAULT_STOP_TIMEOUT);
+    systemd::notify(&format!("READY=1\nMAINPID={}\nSTATUS={}", std::process::id(), daemon.status()));
+    let limit = a.stop_timeout.unwrap_or(vdisk_daemon::stopping::DEFAULT_STOP_TIMEOUT);
     let mut remove: Vec<PathBuf> = listeners.socket.iter().cloned().collect();
     remove.extend(a.pid_file.iter().cloned());
     // A SIGHUP reload has the control requests' deadline.
-    let reload = a.control_timeout.map_or(crate::control::DEFAULT_DEADLINE, |s| Duration::from_secs(s.into()));
-    serve_until_signal(&server, &daemon, listeners, signals, (limit, remove, reload))
+    let deadline = a.control_timeout.map_or(vdisk_control::DEFAULT_DEADLINE, |s| Duration::from_secs(s.into()));
+    serve_until_signal(&server, &served, listeners, signals, (limit, remove, deadline))
 }
 
 /// Clients served at once when --max-connections is not given.
@@ -119,9 +123,9 @@ fn default_buffer_memory() -> usize {
 
 /// `--check`: everything start-up would check, without serving: the file, the
 /// flags with it, TLS credentials, every image (opened read-only and closed).
-fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Failure> {
-    let policy = crate::security::policy(&a.security)?;
-    crate::security::check_allow(&policy, export_specs(a, None)?.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
+fn check(a: &ServeArgs, config: Option<&Config>) -> Result<(), Error> {
+    let policy = security::policy(&tls_settings(&a.security))?;
+    security::check_allow(&policy, export_specs(a, None)?.iter().chain(config.iter().flat_map(|c| &c.exports)))?;
     let cli = export_specs(a, None)?.into_iter().map(|s| (s, "the command line".to_owned()));
     let file = config
         .into_iter()
@@ -134,16 +138,15 @@ fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Fa
     for (spec, at, roots) in cli.into_iter().chain(file) {
         let name = spec.name.clone().unwrap_or_default();
         if !names.insert(name.clone()) {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{at}: export {name:?} is named on the command line and in the file: rename one (name = \"...\")"
             )));
         }
-        let opened = vdisk_image::files::confined(roots, || {
-            crate::formats::open(&spec.image, spec.format, true, false, &spec.backing)
-        })
-        .map_err(|e| Failure::usage(format!("{at}: export {name:?}: {e}")))?;
+        let options = vdisk_image::OpenOptions { read_only: true, ..spec.open_options(false) };
+        let opened = vdisk_image::files::confined(roots, || vdisk_daemon::formats::open(&spec.image, &options))
+            .map_err(|e| Error::invalid(format!("{at}: export {name:?}: {}", e.report())))?;
         if opened.image.size() == 0 {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{at}: export {name:?}: {} is empty (make a disk with `vdisk create IMAGE --size 10G`)",
                 spec.image.display()
             )));
@@ -155,25 +158,18 @@ fn check(a: &ServeArgs, config: Option<&crate::config::Config>) -> Result<(), Fa
 }
 
 /// Adds the config file's exports and lets the daemon follow the file from now on.
-fn start_config(
-    daemon: &Daemon,
-    config: Option<&crate::config::Config>,
-    banner: &mut Vec<String>,
-) -> Result<(), Failure> {
+fn start_config(served: &Served, config: Option<&Config>, banner: &mut Vec<String>) -> Result<(), Error> {
     let Some(c) = config else { return Ok(()) };
     for (spec, line) in c.exports.iter().zip(&c.lines) {
         // Beneath the image roots, if any, as what a reload adds later.
-        let ticket = crate::daemon::Ticket::default();
-        let notes = daemon.add_as(spec.clone(), crate::daemon::Origin::Request, &ticket).map_err(|r| {
+        let ticket = Ticket::default();
+        let notes = served.daemon.add_as(spec.clone(), Origin::Request, &ticket).map_err(|e| {
             let name = spec.name.clone().unwrap_or_default();
-            Failure::from(crate::daemon::Refusal {
-                message: format!("{}:{line}: export {name:?}: {}", c.path.display(), r.message),
-                ..r
-            })
+            e.context(format_args!("{}:{line}: export {name:?}", c.path.display()))
         })?;
         banner.extend(notes);
     }
-    daemon.follow_config(crate::reload::Source::new(c));
+    served.reload.follow(Source::new(c));
     Ok(())
 }
 
@@ -181,25 +177,25 @@ fn start_config(
 /// every export is stopped and flushed. Every failure on the way is reported.
 /// The stop is bounded (`bound`: the limit, and files to remove if it is
 /// reached, and the deadline of a SIGHUP reload): past it the watchdog ends
-/// the process (crate::stopping). Reloads run on their own thread
-/// (crate::reload::Reloader), so the signal thread is always free for SIGTERM.
+/// the process (vdisk_daemon::stopping). Reloads run on their own thread
+/// ([`Reloader`]), so the signal thread is always free for SIGTERM.
 fn serve_until_signal(
     server: &Arc<Server>,
-    daemon: &Arc<Daemon>,
+    served: &Served,
     listeners: Listeners,
     signals: libc::sigset_t,
     bound: (Duration, Vec<PathBuf>, Duration),
-) -> Result<(), Failure> {
+) -> Result<(), Error> {
     let stop = Arc::new(Stop::default());
     {
         let (limit, remove, reload) = bound;
-        let reloader = crate::reload::Reloader::start(daemon.clone(), reload)
-            .map_err(|e| Failure::runtime(format!("cannot start the reload thread: {e}")))?;
-        let (server, stop, daemon) = (server.clone(), stop.clone(), daemon.clone());
+        let reloader = Reloader::start(served.reload.clone(), reload)
+            .map_err(|e| Error::failed("cannot start the reload thread").because(e))?;
+        let (server, stop, daemon) = (server.clone(), stop.clone(), served.daemon.clone());
         std::thread::Builder::new()
             .name("signals".into())
             .spawn(move || wait_for_signals(signals, (&server, &daemon, &reloader), &stop, (limit, remove)))
-            .map_err(|e| Failure::runtime(format!("cannot start the signal thread: {e}")))?;
+            .map_err(|e| Error::failed("cannot start the signal thread").because(e))?;
     }
     let Listeners { nbd, socket, control, metrics, .. } = listeners;
     // Accepts until the signal, then waits for the last connection to end:
@@ -209,7 +205,7 @@ fn serve_until_signal(
         std::thread::Builder::new()
             .name("nbd-serve".into())
             .spawn(move || server.serve(nbd))
-            .map_err(|e| Failure::runtime(format!("cannot start the NBD server thread: {e}")))?
+            .map_err(|e| Error::failed("cannot start the NBD server thread").because(e))?
     };
     let watchdog = stop.wait();
     let progress = watchdog.progress();
@@ -218,8 +214,8 @@ fn serve_until_signal(
     drop(metrics);
     progress.phase("stopping the exports");
     let mut errors = Vec::new();
-    if let Err(e) = daemon.shutdown(progress) {
-        errors.push(format!("at shutdown: {e}"));
+    if let Err(e) = served.daemon.shutdown(progress) {
+        errors.push(format!("at shutdown: {}", e.report()));
     }
     progress.phase("waiting for the last NBD connections to end");
     match serving.join() {
@@ -235,11 +231,11 @@ fn serve_until_signal(
         log::info!("stopped cleanly");
         Ok(())
     } else {
-        Err(Failure::runtime(errors.join("; ")))
+        Err(Error::failed(errors.join("; ")))
     }
 }
 
-fn settings(a: &ServeArgs) -> Result<Settings, Failure> {
+fn settings(a: &ServeArgs) -> Result<Settings, Error> {
     let engine = EngineConfig {
         kind: match a.engine.unwrap_or(EngineArg::Uring) {
             EngineArg::Uring => EngineKind::Uring,
@@ -257,13 +253,13 @@ fn settings(a: &ServeArgs) -> Result<Settings, Failure> {
     let roots = if a.image_roots.is_empty() {
         None
     } else {
-        Some(Arc::new(vdisk_image::files::Roots::open(&a.image_roots).map_err(|e| Failure::usage(e.to_string()))?))
+        Some(Arc::new(vdisk_image::files::Roots::open(&a.image_roots).map_err(|e| Error::invalid(e.to_string()))?))
     };
     Ok(Settings { engine, direct: a.direct, socket_mode: a.socket_mode(), fuse_uring: a.fuse_uring, roots })
 }
 
 /// The exports the command line asks for, checked against each other.
-fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>, Failure> {
+pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>, Error> {
     let paths: Vec<PathBuf> = demo.into_iter().chain(a.images.iter().cloned()).collect();
     for (flag, n) in [
         ("--export-name", a.security.export_name.len()),
@@ -271,18 +267,18 @@ fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>,
         ("--vhost-user-blk", a.vhost_user_blk.len()),
     ] {
         if n > paths.len() {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "{n} {flag} but {} image(s): give {flag} at most once per image, in image order",
                 paths.len()
             )));
         }
     }
-    let allow = crate::security::export_allow(&a.security.export_allow)?;
+    let allow = security::export_allow(&a.security.export_allow)?;
     let mut specs: Vec<ExportSpec> = Vec::new();
     for (i, path) in paths.iter().enumerate() {
         let name = a.security.export_name.get(i).cloned().unwrap_or_else(|| export_name(path));
         if specs.iter().any(|s| s.name.as_deref() == Some(&name)) {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "two images would both be export {name:?} ({}); export names come from file stems: rename one or use --export-name",
                 path.display()
             )));
@@ -291,19 +287,21 @@ fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>,
             image: path.clone(),
             name: Some(name),
             readonly: a.readonly,
-            format: a.format,
-            backing: a.backing.clone(),
+            format: image_format(a.format),
+            backing: a.backing.backing.clone(),
+            ignore_backing_mtime: a.backing.ignore_backing_mtime,
+            ceph_conf: a.backing.ceph.ceph_conf.clone(),
+            ceph_id: a.backing.ceph.ceph_id.clone(),
             fuse: a.fuse.get(i).cloned(),
             vhost_user_blk: a.vhost_user_blk.get(i).cloned(),
             num_queues: a.num_queues,
-            limits: Default::default(),
-            allow: Vec::new(),
+            ..Default::default()
         });
     }
     for (name, pattern) in allow {
         let Some(spec) = specs.iter_mut().find(|s| s.name.as_deref() == Some(&name)) else {
             let names: Vec<_> = specs.iter().filter_map(|s| s.name.as_deref()).collect();
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "--export-allow {name}={pattern}: no export {name:?} on the command line (exports: {}); \
                  for exports of the config file, write allow = [...] in their [[export]]",
                 if names.is_empty() { "none".to_owned() } else { names.join(", ") }
@@ -314,7 +312,7 @@ fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<ExportSpec>,
     Ok(specs)
 }
 
-fn start_exports(daemon: &Daemon, specs: Vec<ExportSpec>, banner: &mut Vec<String>) -> Result<(), Failure> {
+fn start_exports(daemon: &Daemon, specs: Vec<ExportSpec>, banner: &mut Vec<String>) -> Result<(), Error> {
     for spec in specs {
         banner.extend(daemon.add(spec)?);
     }
@@ -326,13 +324,14 @@ struct Listeners {
     nbd: Vec<Listener>,
     /// The NBD unix socket file, removed at exit.
     socket: Option<PathBuf>,
-    control: Option<crate::control::ControlSocket>,
-    metrics: Option<crate::metrics::MetricsServer>,
+    control: Option<ControlSocket>,
+    metrics: Option<MetricsServer>,
     banner: Vec<String>,
 }
 
 impl Listeners {
-    fn open(a: &ServeArgs, daemon: &Arc<Daemon>, tls: bool) -> Result<Listeners, Failure> {
+    fn open(a: &ServeArgs, served: &Served, tls: bool) -> Result<Listeners, Error> {
+        let daemon = &served.daemon;
         let mut l = Listeners { nbd: Vec::new(), socket: None, control: None, metrics: None, banner: Vec::new() };
         let first = daemon.names().into_iter().next().unwrap_or_else(|| "NAME".into());
         // Sockets from the service manager replace binding our own (README: Running under systemd).
@@ -347,17 +346,16 @@ impl Listeners {
         } else if a.socket.is_some() || a.listen.is_some() {
             log::info!("NBD sockets came from the service manager (LISTEN_FDS): socket/listen settings not bound");
         }
-        l.open_control(a, daemon)?;
-        let inherited = crate::systemd::listeners("metrics")?.into_iter().find_map(|i| match i {
+        l.open_control(a, served)?;
+        let inherited = systemd::listeners("metrics")?.into_iter().find_map(|i| match i {
             Inherited::Tcp(t) => Some(t),
             Inherited::Unix(..) => None,
         });
         let metrics = match (inherited, &a.metrics) {
-            (Some(t), _) => Some(crate::metrics::MetricsServer::serve(t, daemon.clone())?),
-            (None, Some(addr)) => Some(crate::metrics::MetricsServer::start(
-                parse_listen(addr, "--metrics", "127.0.0.1:9100")?,
-                daemon.clone(),
-            )?),
+            (Some(t), _) => Some(MetricsServer::serve(t, daemon.clone())?),
+            (None, Some(addr)) => {
+                Some(MetricsServer::start(parse_listen(addr, "--metrics", "127.0.0.1:9100")?, daemon.clone())?)
+            }
             (None, None) => None,
         };
         if let Some(m) = &metrics {
@@ -368,9 +366,9 @@ impl Listeners {
     }
 
     /// Takes the NBD sockets the service manager passed; false if there are none.
-    fn inherit_nbd(&mut self, first: &str, tls: bool) -> Result<bool, Failure> {
+    fn inherit_nbd(&mut self, first: &str, tls: bool) -> Result<bool, Error> {
         let scheme = if tls { "nbds" } else { "nbd" };
-        for i in crate::systemd::listeners("nbd")? {
+        for i in systemd::listeners("nbd")? {
             match i {
                 Inherited::Unix(l, path) => {
                     let path = path.unwrap_or_else(|| PathBuf::from("(unnamed)"));
@@ -390,29 +388,27 @@ impl Listeners {
         Ok(!self.nbd.is_empty())
     }
 
-    fn open_control(&mut self, a: &ServeArgs, daemon: &Arc<Daemon>) -> Result<(), Failure> {
-        let inherited = crate::systemd::listeners("control")?.into_iter().find_map(|i| match i {
+    fn open_control(&mut self, a: &ServeArgs, served: &Served) -> Result<(), Error> {
+        let inherited = systemd::listeners("control")?.into_iter().find_map(|i| match i {
             Inherited::Unix(l, Some(path)) => Some((l, path)),
             _ => None,
         });
         // The control socket's own mode and group: --socket-mode never applies to it.
-        let policy = || -> Result<crate::control::Policy, Failure> {
-            Ok(crate::control::Policy {
-                access: crate::control::Access::new(a.control_mode, a.control_group.as_deref())?,
+        let policy = || -> Result<vdisk_control::Policy, Error> {
+            Ok(vdisk_control::Policy {
+                access: vdisk_control::Access::new(a.control_mode, a.control_group.as_deref())?,
                 deadline: a
                     .control_timeout
-                    .map_or(crate::control::DEFAULT_DEADLINE, |s| std::time::Duration::from_secs(s.into())),
+                    .map_or(vdisk_control::DEFAULT_DEADLINE, |s| std::time::Duration::from_secs(s.into())),
                 roots: !a.image_roots.is_empty(),
             })
         };
         let (control, path, from) = match (inherited, &a.control) {
             (Some((l, path)), _) => {
-                let c = crate::control::ControlSocket::inherited(l, &path, policy()?, daemon.clone())?;
+                let c = ControlSocket::inherited(l, &path, policy()?, served.clone())?;
                 (c, path, " (from the service manager)")
             }
-            (None, Some(path)) => {
-                (crate::control::ControlSocket::start(path, policy()?, daemon.clone())?, path.clone(), "")
-            }
+            (None, Some(path)) => (ControlSocket::start(path, policy()?, served.clone())?, path.clone(), ""),
             (None, None) => return Ok(()),
         };
         self.control = Some(control);
@@ -421,7 +417,7 @@ impl Listeners {
         Ok(())
     }
 
-    fn open_nbd(&mut self, a: &ServeArgs, first: &str, tls: bool) -> Result<(), Failure> {
+    fn open_nbd(&mut self, a: &ServeArgs, first: &str, tls: bool) -> Result<(), Error> {
         if let Some(path) = &self.socket {
             self.nbd.push(Listener::Unix(bind_unix(path, a.socket_mode(), "--socket")?, path.clone()));
             self.banner.push(format!("vdisk: listening on unix socket {}", path.display()));
@@ -438,7 +434,7 @@ impl Listeners {
         if let Some(addr) = &a.listen {
             let addr = parse_listen(addr, "--listen", "127.0.0.1:10809")?;
             let tcp = TcpListener::bind(addr).map_err(|e| {
-                Failure::usage(format!(
+                Error::invalid(format!(
                     "cannot listen on {addr}: {e} (is another server using the port? pick another with --listen HOST:PORT)"
                 ))
             })?;
@@ -459,49 +455,6 @@ fn default_socket() -> PathBuf {
     dir.join(format!("vdisk-{}.sock", std::process::id()))
 }
 
-/// Binds a unix socket, replacing a stale socket file but never a live one or another kind of file.
-/// The socket is created with `mode` from the start (through the umask), so
-/// there is no moment at which others could connect.
-pub(crate) fn bind_unix(path: &Path, mode: u32, flag: &str) -> Result<UnixListener, Failure> {
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(Failure::usage(format!(
-                "{} exists and is not a socket; choose another {flag} path",
-                path.display()
-            )));
-        }
-        if UnixStream::connect(path).is_ok() {
-            return Err(Failure::usage(format!(
-                "{} is in use by another server; choose another {flag} path",
-                path.display()
-            )));
-        }
-        let _ = std::fs::remove_file(path);
-    }
-    // SAFETY: umask only swaps the process's file-creation mask; nothing else
-    // creates files while the server starts.
-    let old = unsafe { libc::umask(!mode & 0o777) };
-    let bound = UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
-    bound.map_err(|e| Failure::usage(format!("cannot listen on unix socket {}: {e}", path.display())))
-}
-
-/// HOST:PORT, :PORT or PORT (host 127.0.0.1).
-pub(crate) fn parse_listen(s: &str, flag: &str, example: &str) -> Result<SocketAddr, Failure> {
-    let full = if let Some(port) = s.strip_prefix(':') {
-        format!("127.0.0.1:{port}")
-    } else if s.chars().all(|c| c.is_ascii_digit()) {
-        format!("127.0.0.1:{s}")
-    } else {
-        s.to_owned()
-    };
-    full.to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next())
-        .ok_or_else(|| Failure::usage(format!("{flag} {s:?} is not HOST:PORT (e.g. {example})")))
-}
-
 /// A fresh sparse demo image, export "demo", in its own temp directory,
 /// removed when this is dropped.
 struct DemoImage {
@@ -510,9 +463,10 @@ struct DemoImage {
 }
 
 impl DemoImage {
-    fn create() -> Result<DemoImage, Failure> {
+    fn create() -> Result<DemoImage, Error> {
         let dir = std::env::temp_dir().join(format!("vdisk-demo-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| Failure::runtime(format!("cannot create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::failed(format!("cannot create {}", dir.display())).at(&dir).because(e))?;
         let demo = DemoImage { image: dir.join("demo.img"), dir };
         let _ = std::fs::remove_file(&demo.image);
         RawImage::create(&demo.image, DEMO_SIZE, None)?;
@@ -542,26 +496,6 @@ fn block_signals() -> libc::sigset_t {
     set
 }
 
-/// An export beside NBD (FUSE, vhost-user-blk) over the same devices.
-pub trait Frontend: Send {
-    /// Stops serving and releases what it holds (mount point, socket); requests
-    /// already taken are answered first.
-    fn stop(self: Box<Self>) -> Result<(), String>;
-}
-
-/// Started frontends; whatever is still here when dropped is stopped, last started first.
-pub struct Frontends(pub Vec<Box<dyn Frontend>>);
-
-impl Drop for Frontends {
-    fn drop(&mut self) {
-        while let Some(f) = self.0.pop() {
-            if let Err(e) = f.stop() {
-                log::warn!("{e}");
-            }
-        }
-    }
-}
-
 /// Set once by the signal thread (with the armed stop watchdog); the main thread waits for it.
 #[derive(Default)]
 struct Stop {
@@ -586,7 +520,7 @@ impl Stop {
 /// logs it and exits). Between signals, every few seconds, the status line for systemd.
 fn wait_for_signals(
     set: libc::sigset_t,
-    (server, daemon, reloader): (&Server, &Daemon, &crate::reload::Reloader),
+    (server, daemon, reloader): (&Server, &Daemon, &Reloader),
     stop: &Stop,
     bound: (Duration, Vec<PathBuf>),
 ) {
@@ -601,7 +535,7 @@ fn wait_for_signals(
         if sig < 0 {
             if count == 0 && status != daemon.status() {
                 status = daemon.status();
-                crate::systemd::notify(&format!("STATUS={status}"));
+                systemd::notify(&format!("STATUS={status}"));
             }
             continue;
         }
@@ -614,9 +548,9 @@ fn wait_for_signals(
         if count == 1 {
             log::warn!(
                 "signal {sig}: finishing requests, flushing and stopping (within {}; again to quit at once)",
-                crate::stopping::show(limit)
+                vdisk_daemon::stopping::show(limit)
             );
-            crate::systemd::notify("STOPPING=1\nSTATUS=stopping: finishing requests and flushing");
+            systemd::notify("STOPPING=1\nSTATUS=stopping: finishing requests and flushing");
             let w = Watchdog::arm(limit, remove.clone());
             watchdog = Some(w.clone());
             // Requests waiting for QoS tokens are in flight too: let them finish now.

@@ -1,6 +1,5 @@
-//! The command line's side of opening an image: its flags turned into
-//! [`vdisk_image::OpenOptions`], the image's one-line description for the
-//! export list, and exit codes. Which format a file is, what an `rbd:` name
+//! The daemon's side of opening an image: its one-line description for the
+//! export list, and its errors. Which format a file is, what an `rbd:` name
 //! means and which options fit which format are decided by
 //! [`vdisk_image::open`], once, for every command.
 
@@ -10,9 +9,8 @@ use std::sync::Arc;
 use vdisk_image::rbd::{ConnectOptions, Spec};
 use vdisk_image::{Format, Image, Target};
 
-use crate::cli::{BackingArgs, FormatArg};
 use crate::size::human;
-use crate::Failure;
+use crate::Error;
 
 /// An opened image and a one-line description of it for the export list.
 pub struct Opened {
@@ -20,31 +18,8 @@ pub struct Opened {
     pub description: String,
 }
 
-/// The format `--format` forces, or None to detect it.
-pub fn forced(format: FormatArg) -> Option<Format> {
-    match format {
-        FormatArg::Auto => None,
-        FormatArg::Raw => Some(Format::Raw),
-        FormatArg::Cow => Some(Format::Cow),
-        FormatArg::Qcow2 => Some(Format::Qcow2),
-    }
-}
-
-/// The open options the flags of `serve` (and an export's spec) ask for.
-pub fn options(format: FormatArg, read_only: bool, direct: bool, backing: &BackingArgs) -> vdisk_image::OpenOptions {
-    vdisk_image::OpenOptions {
-        format: forced(format),
-        read_only,
-        direct,
-        backing: backing.backing.clone(),
-        ignore_backing_mtime: backing.ignore_backing_mtime,
-        ceph: backing.ceph.options(),
-        roots: None,
-    }
-}
-
 /// The RBD image an `rbd:` name means, or None for a path.
-pub fn rbd_spec(name: &Path, defaults: &ConnectOptions) -> Result<Option<Spec>, Failure> {
+pub fn rbd_spec(name: &Path, defaults: &ConnectOptions) -> Result<Option<Spec>, Error> {
     match Target::parse(name, defaults)? {
         Target::Rbd(spec) => Ok(Some(spec)),
         Target::File(_) => Ok(None),
@@ -58,19 +33,14 @@ pub fn export_name(name: &Path) -> Option<String> {
 }
 
 /// Opens an image for serving (within the caller's image roots, if any).
-pub fn open(
-    path: &Path,
-    format: FormatArg,
-    read_only: bool,
-    direct: bool,
-    backing: &BackingArgs,
-) -> Result<Opened, Failure> {
-    let opened = vdisk_image::open(path, &options(format, read_only, direct, backing)).map_err(|e| {
+pub fn open(image: &Path, options: &vdisk_image::OpenOptions) -> Result<Opened, Error> {
+    let direct = options.direct;
+    let opened = vdisk_image::open(image, options).map_err(|e| {
         // The file system cannot do what --direct asked: the user's choice, exit 2.
         if direct && e.kind() == vdisk_image::ErrorKind::Unsupported {
-            Failure::usage(crate::advised(&e))
+            Error::invalid(crate::error::advised(&e))
         } else {
-            Failure::from(e)
+            Error::from(e)
         }
     })?;
     let description = describe(&opened);
@@ -78,7 +48,7 @@ pub fn open(
 }
 
 /// "disk.qcow2 (qcow2 over /srv/base.img (raw), 10 GiB)": what the export
-/// list shows of an image. Presentation, so the binary's: sizes in its units.
+/// list shows of an image. Presentation: sizes in the command line's units.
 pub fn describe(o: &vdisk_image::Opened) -> String {
     let size = human(o.image.size());
     let kind = match (&o.target, &o.backing) {

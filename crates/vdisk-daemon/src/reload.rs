@@ -32,10 +32,44 @@ use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-
 use crate::config::{Config, ServerTable};
-use crate::daemon::{Daemon, ExportSpec, Origin, Refusal, Ticket, ERR_INVALID, ERR_NOT_FOUND};
+use crate::daemon::{Daemon, Origin, Ticket};
+use crate::spec::{limits_text, ExportSpec};
+use crate::{Error, ErrorKind};
+
+/// The daemon and the config file it follows (`--config FILE`), held
+/// through a reload: what SIGHUP and the control socket's `config_reload` call.
+pub struct Reload {
+    daemon: Arc<Daemon>,
+    source: Mutex<Option<Source>>,
+}
+
+impl Reload {
+    pub fn new(daemon: Arc<Daemon>) -> Reload {
+        Reload { daemon, source: Mutex::new(None) }
+    }
+
+    /// From now on [`Reload::reload_within`] rereads this config file.
+    pub fn follow(&self, source: Source) {
+        *self.source.lock().unwrap() = Some(source);
+    }
+
+    /// Rereads `--config FILE` and applies the difference (SIGHUP, `vdisk ctl
+    /// reload`); tells a service manager it is reloading, then ready again.
+    /// A caller may give up (`ticket`): the exports it added are then taken back.
+    pub fn reload_within(&self, ticket: &Ticket) -> Result<ReloadReport, Error> {
+        // A reload that panicked leaves the last applied file as it was: go on from it.
+        let mut config = self.source.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(source) = config.as_mut() else {
+            log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
+            return Err(Error::invalid("this server was started without --config FILE: there is nothing to reload"));
+        };
+        crate::systemd::notify_reloading();
+        let done = apply(&self.daemon, source, ticket);
+        crate::systemd::notify(&format!("READY=1\nSTATUS={}", self.daemon.status()));
+        done
+    }
+}
 
 /// The config file and the exports it started that are still served.
 pub struct Source {
@@ -52,15 +86,17 @@ impl Source {
 }
 
 /// What a reload did, as `config_reload` answers.
-#[derive(Default)]
-struct Report {
-    added: Vec<String>,
-    removed: Vec<String>,
-    restarted: Vec<String>,
-    qos: Vec<String>,
-    unchanged: Vec<String>,
-    kept: Vec<Value>,
-    server_changed: bool,
+#[derive(Default, Debug, Clone)]
+pub struct ReloadReport {
+    pub config: PathBuf,
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub restarted: Vec<String>,
+    pub qos_changed: Vec<String>,
+    pub unchanged: Vec<String>,
+    /// Exports kept as they were: name, and why.
+    pub kept: Vec<(String, String)>,
+    pub server_changed: bool,
 }
 
 fn name(spec: &ExportSpec) -> String {
@@ -70,16 +106,17 @@ fn name(spec: &ExportSpec) -> String {
 /// Rereads the file and applies the difference (module doc: the rules).
 /// A `ticket` given up on (the control request's deadline) stops the adds;
 /// the ones made are taken back, as for any failed add.
-pub fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<Value, Refusal> {
+fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<ReloadReport, Error> {
     let new = crate::config::load(&source.path).map_err(|f| {
-        log::error!("reload: {f}; nothing changed");
-        Refusal { code: ERR_INVALID, message: format!("{f}; nothing changed") }
+        log::error!("reload: {}; nothing changed", f.report());
+        Error::invalid(format!("{}; nothing changed", f.report()))
     })?;
     // The file says what should be served: one of its exports removed with
     // `vdisk ctl remove` since is added again, as new.
     let served = daemon.names();
     source.managed.retain(|m| m.name.as_ref().is_some_and(|n| served.contains(n)));
-    let mut report = Report { server_changed: new.server != source.server, ..Default::default() };
+    let mut report =
+        ReloadReport { config: source.path.clone(), server_changed: new.server != source.server, ..Default::default() };
     add_new(daemon, source, &new.exports, &mut report, ticket)?;
     restart_failed(daemon, source, &new.exports, &mut report, ticket);
     for spec in &new.exports {
@@ -96,19 +133,10 @@ pub fn apply(daemon: &Daemon, source: &mut Source, ticket: &Ticket) -> Result<Va
         report.added.len(),
         report.removed.len(),
         report.restarted.len(),
-        report.qos.len(),
+        report.qos_changed.len(),
         report.kept.len()
     );
-    Ok(json!({
-        "config": source.path,
-        "added": report.added,
-        "removed": report.removed,
-        "restarted": report.restarted,
-        "qos_changed": report.qos,
-        "unchanged": report.unchanged,
-        "kept": report.kept,
-        "server_changed": report.server_changed,
-    }))
+    Ok(report)
 }
 
 /// Adds the exports new in the file; on a failure removes those it added and fails.
@@ -116,9 +144,9 @@ fn add_new(
     daemon: &Daemon,
     source: &mut Source,
     new: &[ExportSpec],
-    report: &mut Report,
+    report: &mut ReloadReport,
     ticket: &Ticket,
-) -> Result<(), Refusal> {
+) -> Result<(), Error> {
     let fresh: Vec<&ExportSpec> = new.iter().filter(|s| !source.managed.iter().any(|m| m.name == s.name)).collect();
     for spec in fresh {
         let n = name(spec);
@@ -132,13 +160,13 @@ fn add_new(
             Err(e) => {
                 for undo in report.added.drain(..).rev() {
                     if let Err(u) = daemon.remove(&undo, true) {
-                        log::warn!(export:% = undo; "reload: cannot take back export {undo:?}: {}", u.message);
+                        log::warn!(export:% = undo; "reload: cannot take back export {undo:?}: {}", u.report());
                     }
                     source.managed.retain(|m| m.name.as_deref() != Some(undo.as_str()));
                 }
-                let message = format!("{}: export {n:?}: {}; nothing changed", source.path.display(), e.message);
+                let message = format!("{}: export {n:?}: {}; nothing changed", source.path.display(), e.report());
                 log::error!(export:% = n; "reload: {message}");
-                return Err(Refusal { code: e.code, message });
+                return Err(Error::new(e.kind(), message));
             }
         }
     }
@@ -147,7 +175,13 @@ fn add_new(
 
 /// Brings back the exports of the file whose device failed: each is removed
 /// (its failure is no error of the removal) and added again as the file says.
-fn restart_failed(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], report: &mut Report, ticket: &Ticket) {
+fn restart_failed(
+    daemon: &Daemon,
+    source: &mut Source,
+    new: &[ExportSpec],
+    report: &mut ReloadReport,
+    ticket: &Ticket,
+) {
     for spec in new {
         let n = name(spec);
         if report.added.contains(&n) || !source.managed.iter().any(|m| m.name == spec.name) {
@@ -156,7 +190,7 @@ fn restart_failed(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], repo
         let Some(why) = daemon.failure(&n) else { continue };
         log::warn!(export:% = n; "reload: export {n:?} had failed ({why}): starting it again");
         if let Err(e) = daemon.remove_within(&n, true, ticket) {
-            keep(report, &n, format!("it had failed ({why}) and could not be removed to start again: {}", e.message));
+            keep(report, &n, format!("it had failed ({why}) and could not be removed to start again: {}", e.report()));
             continue;
         }
         // No longer served: should the add fail, the next reload adds it as new.
@@ -171,7 +205,7 @@ fn restart_failed(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], repo
                 &n,
                 format!(
                     "it had failed ({why}) and was removed, but adding it again failed: {}; the next reload tries again",
-                    e.message
+                    e.report()
                 ),
             ),
         }
@@ -179,7 +213,7 @@ fn restart_failed(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], repo
 }
 
 /// Applies a changed QoS to an export both in the served set and the file; reports other changes.
-fn change(daemon: &Daemon, source: &mut Source, spec: &ExportSpec, report: &mut Report) {
+fn change(daemon: &Daemon, source: &mut Source, spec: &ExportSpec, report: &mut ReloadReport) {
     let n = name(spec);
     let Some(old) = source.managed.iter_mut().find(|m| m.name == spec.name) else { return };
     if report.added.contains(&n) || report.restarted.contains(&n) {
@@ -189,14 +223,14 @@ fn change(daemon: &Daemon, source: &mut Source, spec: &ExportSpec, report: &mut 
         report.unchanged.push(n);
         return;
     }
-    if old.limits != spec.limits {
-        match daemon.set_qos(&n, spec.limits) {
+    if old.limits() != spec.limits() {
+        match daemon.set_qos(&n, spec.limits()) {
             Ok(()) => {
-                log::info!(export:% = n; "reload: export {n:?}: QoS now {}", crate::daemon::limits_json(spec.limits));
-                old.limits = spec.limits;
-                report.qos.push(n.clone());
+                log::info!(export:% = n; "reload: export {n:?}: QoS now {}", limits_text(spec.limits()));
+                old.set_limits(spec.limits());
+                report.qos_changed.push(n.clone());
             }
-            Err(e) => keep(report, &n, e.message),
+            Err(e) => keep(report, &n, e.report().to_string()),
         }
     }
     if old != spec {
@@ -209,21 +243,21 @@ fn change(daemon: &Daemon, source: &mut Source, spec: &ExportSpec, report: &mut 
     }
 }
 
-fn keep(report: &mut Report, n: &str, reason: String) {
+fn keep(report: &mut ReloadReport, n: &str, reason: String) {
     log::warn!(export:% = n; "reload: export {n:?} kept as it was: {reason}");
-    report.kept.push(json!({"name": n, "reason": reason}));
+    report.kept.push((n.to_owned(), reason));
 }
 
 /// Removes, safely, the exports the file no longer has.
-fn remove_vanished(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], report: &mut Report) {
+fn remove_vanished(daemon: &Daemon, source: &mut Source, new: &[ExportSpec], report: &mut ReloadReport) {
     let gone: Vec<String> = source.managed.iter().filter(|m| !new.iter().any(|s| s.name == m.name)).map(name).collect();
     for n in gone {
         match daemon.remove(&n, false) {
             Ok(()) => report.removed.push(n.clone()),
             // Removed already (`vdisk ctl remove`): nothing left to do.
-            Err(e) if e.code == ERR_NOT_FOUND => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => {
-                keep(report, &n, format!("{}; it is removed at a later reload once idle", e.message));
+                keep(report, &n, format!("{}; it is removed at a later reload once idle", e.report()));
                 continue;
             }
         }
@@ -245,8 +279,8 @@ struct Wanted {
 }
 
 impl Reloader {
-    /// Starts the reload thread for `daemon`.
-    pub fn start(daemon: Arc<Daemon>, deadline: Duration) -> std::io::Result<Reloader> {
+    /// Starts the reload thread for `reload`.
+    pub fn start(reload: Arc<Reload>, deadline: Duration) -> std::io::Result<Reloader> {
         let shared = Arc::new(Wanted::default());
         let s = shared.clone();
         std::thread::Builder::new().name("reload".into()).spawn(move || loop {
@@ -254,7 +288,7 @@ impl Reloader {
                 let mut st = s.cond.wait_while(s.state.lock().unwrap(), |st| !st.0).unwrap();
                 *st = (false, true);
             }
-            reload_once(&daemon, deadline);
+            reload_once(&reload, deadline);
             s.state.lock().unwrap().1 = false;
         })?;
         Ok(Reloader { shared })
@@ -275,13 +309,13 @@ impl Reloader {
 
 /// One reload on a thread of its own, given up past `deadline` (then
 /// waited for, so reloads never overlap: the next one queues behind it).
-fn reload_once(daemon: &Arc<Daemon>, deadline: Duration) {
+fn reload_once(reload: &Arc<Reload>, deadline: Duration) {
     let ticket = Arc::new(Ticket::default());
     let (tx, rx) = mpsc::channel();
-    let (d, t) = (daemon.clone(), ticket.clone());
+    let (r, t) = (reload.clone(), ticket.clone());
     // Its outcome, failures included, is logged by the reload itself.
     let spawned = std::thread::Builder::new().name("reload-run".into()).spawn(move || {
-        let _ = tx.send(d.reload_within(&t).is_ok());
+        let _ = tx.send(r.reload_within(&t).is_ok());
     });
     if let Err(e) = spawned {
         log::error!("reload: cannot start a thread for it ({e}); nothing changed");
@@ -304,7 +338,7 @@ fn reload_once(daemon: &Arc<Daemon>, deadline: Duration) {
         deadline.as_secs()
     );
     // The service manager waits for READY=1 after RELOADING=1: the reload is over, failed.
-    crate::systemd::notify(&format!("READY=1\nSTATUS=reload failed (past its deadline); {}", daemon.status()));
+    crate::systemd::notify(&format!("READY=1\nSTATUS=reload failed (past its deadline); {}", reload.daemon.status()));
     // Reloads never overlap: a SIGHUP meanwhile waits for this one to end.
     let _ = rx.recv();
 }

@@ -23,20 +23,19 @@
 //! such stops too (within the stop limit, which names them).
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use serde_json::{json, Value};
-use vdisk_engine::{Device, EngineConfig, EngineKind, Limits};
+use vdisk_engine::{Device, EngineConfig, EngineKind, Limits, Snapshot};
 use vdisk_image::files::Roots;
 use vdisk_nbd::{Export, Server};
 
-use crate::cli::{BackingArgs, FormatArg};
 use crate::formats::{self, Opened};
-use crate::serve::Frontend;
+use crate::frontend::{Frontend, Frontends};
+use crate::spec::ExportSpec;
 use crate::stopping::{Step, StopProgress};
-use crate::Failure;
+use crate::{Error, ErrorKind};
 
 /// What every export of this daemon shares: how devices run and sockets are made.
 pub struct Settings {
@@ -69,7 +68,7 @@ pub struct Ticket {
 
 impl Ticket {
     /// Marks a change as being made, or None once abandoned.
-    pub(crate) fn commit(&self) -> Option<Committing<'_>> {
+    pub fn commit(&self) -> Option<Committing<'_>> {
         let mut s = self.state.lock().unwrap();
         if s.0 {
             return None;
@@ -100,7 +99,7 @@ impl Ticket {
 }
 
 /// While alive, its ticket cannot be abandoned.
-pub(crate) struct Committing<'a>(&'a Ticket);
+pub struct Committing<'a>(&'a Ticket);
 
 impl Drop for Committing<'_> {
     fn drop(&mut self) {
@@ -108,8 +107,8 @@ impl Drop for Committing<'_> {
     }
 }
 
-fn abandoned() -> Refusal {
-    Refusal::new(ERR_FAILED, "the request ran past its deadline and was given up; nothing was changed")
+fn abandoned() -> Error {
+    Error::failed("the request ran past its deadline and was given up; nothing was changed")
 }
 
 /// A name being added: released when dropped, whatever happens.
@@ -145,21 +144,42 @@ impl Drop for Stopping<'_> {
     }
 }
 
-/// One export to add: the image and how to serve it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ExportSpec {
+/// An export as `export_list` shows it.
+#[derive(Clone, Debug)]
+pub struct ExportInfo {
+    pub name: String,
     pub image: PathBuf,
-    /// Default: the image's file stem.
-    pub name: Option<String>,
+    pub format: &'static str,
+    pub size: u64,
     pub readonly: bool,
-    pub format: FormatArg,
-    pub backing: BackingArgs,
+    /// NBD clients attached.
+    pub connections: usize,
     pub fuse: Option<PathBuf>,
     pub vhost_user_blk: Option<PathBuf>,
-    pub num_queues: Option<u16>,
-    pub limits: Limits,
-    /// TLS identities that may open it over NBD (vdisk_nbd::allow); empty: anyone.
+    pub qos: Limits,
+    /// Why its device failed (its requests get EIO until it is removed and added again).
+    pub failure: Option<String>,
     pub allow: Vec<String>,
+}
+
+/// An export's statistics.
+#[derive(Clone, Debug)]
+pub struct ExportStats {
+    pub name: String,
+    pub connections: usize,
+    pub snapshot: Snapshot,
+    pub failure: Option<String>,
+}
+
+/// The server as `server_info` shows it.
+#[derive(Clone, Debug)]
+pub struct ServerInfo {
+    pub version: &'static str,
+    pub pid: u32,
+    pub uptime: std::time::Duration,
+    pub exports: usize,
+    pub connections: usize,
+    pub engine: EngineKind,
 }
 
 /// An export being served.
@@ -183,50 +203,11 @@ pub struct Daemon {
     /// Exports removed from the table and still stopping (outside `changes`).
     removing: Removing,
     started: Instant,
-    /// `--config FILE` and the exports it started; held through a reload.
-    config: Mutex<Option<crate::reload::Source>>,
 }
 
 /// Why an allow list cannot work on this server.
 pub const NO_IDENTITIES: &str = "this server does not learn who its NBD clients are: allow lists need TLS \
      with client certificates (--tls-verify-peer or --tls-ca) or pre-shared keys (--tls-psk)";
-
-/// A change refused because of what the caller asked (exit 1 in `vdisk ctl`,
-/// a JSON-RPC error with this code on the control socket).
-pub const ERR_NOT_FOUND: i64 = -32001;
-pub const ERR_EXISTS: i64 = -32002;
-pub const ERR_BUSY: i64 = -32003;
-pub const ERR_INVALID: i64 = -32004;
-pub const ERR_FAILED: i64 = -32005;
-
-/// Why the daemon refused: a JSON-RPC error code and a message for people.
-#[derive(Debug)]
-pub struct Refusal {
-    pub code: i64,
-    pub message: String,
-}
-
-impl Refusal {
-    fn new(code: i64, message: impl Into<String>) -> Self {
-        Refusal { code, message: message.into() }
-    }
-}
-
-impl From<Failure> for Refusal {
-    fn from(f: Failure) -> Self {
-        let code = if f.is_usage() { ERR_INVALID } else { ERR_FAILED };
-        Refusal { code, message: f.to_string() }
-    }
-}
-
-impl From<Refusal> for Failure {
-    fn from(r: Refusal) -> Self {
-        match r.code {
-            ERR_FAILED => Failure::runtime(r.message),
-            _ => Failure::usage(r.message),
-        }
-    }
-}
 
 impl Daemon {
     pub fn new(settings: Settings, nbd: Arc<Server>) -> Daemon {
@@ -238,32 +219,7 @@ impl Daemon {
             reserved: Mutex::new(HashSet::new()),
             removing: Removing::default(),
             started: Instant::now(),
-            config: Mutex::new(None),
         }
-    }
-
-    /// From now on [`Daemon::reload`] rereads this config file.
-    pub fn follow_config(&self, source: crate::reload::Source) {
-        *self.config.lock().unwrap() = Some(source);
-    }
-
-    /// Rereads `--config FILE` and applies the difference (SIGHUP, `vdisk ctl
-    /// reload`); tells a service manager it is reloading, then ready again.
-    /// A caller may give up (`ticket`): the exports it added are then taken back.
-    pub fn reload_within(&self, ticket: &Ticket) -> Result<Value, Refusal> {
-        // A reload that panicked leaves the last applied file as it was: go on from it.
-        let mut config = self.config.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(source) = config.as_mut() else {
-            log::warn!("reload asked for, but this server was started without --config FILE: nothing to reread");
-            return Err(Refusal::new(
-                ERR_INVALID,
-                "this server was started without --config FILE: there is nothing to reload",
-            ));
-        };
-        crate::systemd::notify_reloading();
-        let done = crate::reload::apply(self, source, ticket);
-        crate::systemd::notify(&format!("READY=1\nSTATUS={}", self.status()));
-        done
     }
 
     /// One line for a service manager's status: exports and clients.
@@ -274,14 +230,14 @@ impl Daemon {
 
     /// Starts serving one export of the operator's (the command line);
     /// returns lines worth printing (where it is served).
-    pub fn add(&self, spec: ExportSpec) -> Result<Vec<String>, Refusal> {
+    pub fn add(&self, spec: ExportSpec) -> Result<Vec<String>, Error> {
         self.add_as(spec, Origin::Operator, &Ticket::default())
     }
 
     /// Starts serving one export for `origin`, unless `ticket` is abandoned
     /// before it is started (the module doc: how the open avoids the lock).
-    pub fn add_as(&self, spec: ExportSpec, origin: Origin, ticket: &Ticket) -> Result<Vec<String>, Refusal> {
-        let name = spec.name.clone().unwrap_or_else(|| export_name(&spec.image));
+    pub fn add_as(&self, spec: ExportSpec, origin: Origin, ticket: &Ticket) -> Result<Vec<String>, Error> {
+        let name = spec.export_name();
         check_name(&name)?;
         let roots = match origin {
             Origin::Request => self.settings.roots.clone(),
@@ -294,11 +250,11 @@ impl Daemon {
         let allow = self.allow_list(&name, &spec.allow)?;
         let _reserved = self.reserve(&name)?;
         let Opened { image, description } = vdisk_image::files::confined(roots, || {
-            formats::open(&spec.image, spec.format, spec.readonly, self.settings.direct, &spec.backing)
+            formats::open(&spec.image, &spec.open_options(self.settings.direct))
         })?;
         if image.size() == 0 {
-            return Err(Refusal::new(
-                ERR_INVALID,
+            return Err(Error::new(
+                ErrorKind::Invalid,
                 format!(
                     "{} is empty: a disk needs a size (make one with `vdisk create IMAGE --size 10G`)",
                     spec.image.display()
@@ -307,7 +263,7 @@ impl Daemon {
         }
         let closed = self.changes.lock().unwrap();
         if *closed {
-            return Err(Refusal::new(ERR_FAILED, "the server is shutting down"));
+            return Err(Error::failed("the server is shutting down"));
         }
         // Past the deadline: the image opened late is closed here, unserved.
         let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
@@ -315,14 +271,14 @@ impl Daemon {
     }
 
     /// Reserves `name` for an add in progress, or refuses if it is taken.
-    fn reserve(&self, name: &str) -> Result<Reserved<'_>, Refusal> {
+    fn reserve(&self, name: &str) -> Result<Reserved<'_>, Error> {
         let closed = self.changes.lock().unwrap();
         if *closed {
-            return Err(Refusal::new(ERR_FAILED, "the server is shutting down"));
+            return Err(Error::failed("the server is shutting down"));
         }
         let exists = || {
-            Refusal::new(
-                ERR_EXISTS,
+            Error::new(
+                ErrorKind::Exists,
                 format!("export {name:?} exists already: remove it first, or give the new one another name (--name)"),
             )
         };
@@ -330,8 +286,8 @@ impl Daemon {
             return Err(exists());
         }
         if self.removing.names.lock().unwrap().contains_key(name) {
-            return Err(Refusal::new(
-                ERR_EXISTS,
+            return Err(Error::new(
+                ErrorKind::Exists,
                 format!(
                     "export {name:?} is being removed (its device is still stopping and flushing): add it again once \
                      the removal has ended, or pick another name"
@@ -339,8 +295,8 @@ impl Daemon {
             ));
         }
         if !self.reserved.lock().unwrap().insert(name.to_owned()) {
-            return Err(Refusal::new(
-                ERR_EXISTS,
+            return Err(Error::new(
+                ErrorKind::Exists,
                 format!("export {name:?} is being added by another request: wait for it, or pick another name"),
             ));
         }
@@ -357,15 +313,16 @@ impl Daemon {
         image: Arc<dyn vdisk_image::Image>,
         description: String,
         _change: MutexGuard<'_, bool>,
-    ) -> Result<Vec<String>, Refusal> {
+    ) -> Result<Vec<String>, Error> {
         let format = image.format();
-        let device = Device::start(&name, image, &self.settings.engine)
-            .map_err(|e| Refusal::new(ERR_FAILED, format!("cannot start workers for {}: {e}", spec.image.display())))?;
+        let device = Device::start(&name, image, &self.settings.engine).map_err(|e| {
+            Error::failed(format!("cannot start workers for {}", spec.image.display())).at(&spec.image).because(e)
+        })?;
         let device = Arc::new(device);
-        device.set_limits(spec.limits);
+        device.set_limits(spec.limits());
         let mut notes = vec![self.describe(&name, &description, &device)];
         // Stopped again (unmounted, closed) if anything below fails.
-        let mut frontends = crate::serve::Frontends(Vec::new());
+        let mut frontends = Frontends(Vec::new());
         if let Some(path) = &spec.fuse {
             frontends.0.push(crate::fuse::start(path, &device, self.settings.fuse_uring, &mut notes)?);
         }
@@ -375,7 +332,7 @@ impl Daemon {
         }
         let export = Export { name: name.clone(), description, device: device.clone(), allow };
         if self.nbd.add_export(export).is_err() {
-            return Err(Refusal::new(ERR_EXISTS, format!("export {name:?} is already served over NBD")));
+            return Err(Error::new(ErrorKind::Exists, format!("export {name:?} is already served over NBD")));
         }
         let frontends = std::mem::take(&mut frontends.0);
         log::info!(export:% = name; "export {name:?} added: {}", notes[0].trim_start_matches("vdisk: "));
@@ -385,11 +342,11 @@ impl Daemon {
 
     /// An export's allow list, checked: the patterns parse, and the server
     /// learns who its clients are (else the list could never admit anyone).
-    fn allow_list(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Refusal> {
+    fn allow_list(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Error> {
         let allow = vdisk_nbd::allow::Allow::new(patterns)
-            .map_err(|e| Refusal::new(ERR_INVALID, format!("export {name:?}: {e}")))?;
+            .map_err(|e| Error::invalid(format!("export {name:?}")).because(e))?;
         if !allow.is_open() && !self.nbd.identifies_clients() {
-            return Err(Refusal::new(ERR_INVALID, format!("export {name:?} has an allow list, but {}", NO_IDENTITIES)));
+            return Err(Error::invalid(format!("export {name:?} has an allow list, but {}", NO_IDENTITIES)));
         }
         Ok(allow)
     }
@@ -411,26 +368,29 @@ impl Daemon {
     /// attached. With it: no new requests, those in flight finish, NBD clients
     /// are disconnected, the FUSE file unmounted, the vhost-user frontend
     /// disconnected, the device flushed and the image closed.
-    pub fn remove(&self, name: &str, hard: bool) -> Result<(), Refusal> {
+    pub fn remove(&self, name: &str, hard: bool) -> Result<(), Error> {
         self.remove_within(name, hard, &Ticket::default())
     }
 
     /// [`Daemon::remove`], unless `ticket` was abandoned before it starts.
     /// The export leaves the table under the change lock; its stop and flush
     /// run after the lock is let go (the module doc).
-    pub fn remove_within(&self, name: &str, hard: bool, ticket: &Ticket) -> Result<(), Refusal> {
+    pub fn remove_within(&self, name: &str, hard: bool, ticket: &Ticket) -> Result<(), Error> {
         let (running, _stopping) = {
             let _change = self.changes.lock().unwrap();
             let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
             let Some((at, export)) = self.nbd.remove_export(name) else {
-                return Err(Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)")));
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("no export {name:?} (`vdisk ctl list` shows them)"),
+                ));
             };
             if !hard {
                 let attached = self.attached(name);
                 if !attached.is_empty() {
                     self.nbd.restore_export(at, export);
-                    return Err(Refusal::new(
-                        ERR_BUSY,
+                    return Err(Error::new(
+                        ErrorKind::Busy,
                         format!("export {name:?} is in use: {}; `remove --hard` disconnects them", attached.join(", ")),
                     ));
                 }
@@ -455,10 +415,10 @@ impl Daemon {
         let stopped = match stop_export(running, &|_| {}) {
             // Removing a failed export is how it is brought back: that is no error of the removal.
             Err(errors) if failed => {
-                log::warn!(export:% = name; "export {name:?} had failed; stopped: {}", errors.join("; "));
+                log::warn!(export:% = name; "export {name:?} had failed; stopped: {}", joined(&errors));
                 Ok(())
             }
-            r => r.map_err(|errors| Refusal::new(ERR_FAILED, errors.join("; "))),
+            r => r.map_err(|errors| Error::failed(joined(&errors))),
         };
         log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
         stopped
@@ -489,22 +449,22 @@ impl Daemon {
     }
 
     /// Changes the QoS limits of export `name`, live.
-    pub fn set_qos(&self, name: &str, limits: Limits) -> Result<(), Refusal> {
+    pub fn set_qos(&self, name: &str, limits: Limits) -> Result<(), Error> {
         self.set_qos_within(name, limits, &Ticket::default())
     }
 
     /// [`Daemon::set_qos`], unless `ticket` was abandoned before it starts.
-    pub fn set_qos_within(&self, name: &str, limits: Limits, ticket: &Ticket) -> Result<(), Refusal> {
+    pub fn set_qos_within(&self, name: &str, limits: Limits, ticket: &Ticket) -> Result<(), Error> {
         let _change = self.changes.lock().unwrap();
         let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
         let mut exports = self.exports.lock().unwrap();
         let e = exports.iter_mut().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
         e.device.set_limits(limits);
-        e.spec.limits = limits;
+        e.spec.set_limits(limits);
         Ok(())
     }
 
-    pub fn limits(&self, name: &str) -> Result<Limits, Refusal> {
+    pub fn limits(&self, name: &str) -> Result<Limits, Error> {
         let exports = self.exports.lock().unwrap();
         exports.iter().find(|e| e.name == name).map(|e| e.device.limits()).ok_or_else(|| not_found(name))
     }
@@ -521,46 +481,38 @@ impl Daemon {
     }
 
     /// Every export, as `export_list` shows them.
-    pub fn list(&self) -> Value {
+    pub fn list(&self) -> Vec<ExportInfo> {
         let exports = self.exports.lock().unwrap();
-        Value::Array(exports.iter().map(|e| self.entry(e)).collect())
-    }
-
-    fn entry(&self, e: &Running) -> Value {
-        let mut transports = vec![json!({"type": "nbd"})];
-        if let Some(p) = &e.spec.fuse {
-            transports.push(json!({"type": "fuse", "path": p}));
-        }
-        if let Some(p) = &e.spec.vhost_user_blk {
-            transports.push(json!({"type": "vhost-user-blk", "path": p}));
-        }
-        json!({
-            "name": e.name,
-            "image": e.spec.image,
-            "format": e.format,
-            "size": e.device.size(),
-            "readonly": e.device.read_only(),
-            "connections": self.nbd.connections_to(&e.name),
-            "transports": transports,
-            "qos": limits_json(e.device.limits()),
-            "state": state(&e.device),
-            "failure": e.device.failure(),
-            "allow": e.spec.allow,
-        })
+        exports
+            .iter()
+            .map(|e| ExportInfo {
+                name: e.name.clone(),
+                image: e.spec.image.clone(),
+                format: e.format,
+                size: e.device.size(),
+                readonly: e.device.read_only(),
+                connections: self.nbd.connections_to(&e.name),
+                fuse: e.spec.fuse.clone(),
+                vhost_user_blk: e.spec.vhost_user_blk.clone(),
+                qos: e.device.limits(),
+                failure: e.device.failure(),
+                allow: e.spec.allow.clone(),
+            })
+            .collect()
     }
 
     /// The statistics of export `name`, or of every export.
-    pub fn stats(&self, name: Option<&str>) -> Result<Value, Refusal> {
+    pub fn stats(&self, name: Option<&str>) -> Result<Vec<ExportStats>, Error> {
         let exports = self.exports.lock().unwrap();
-        let one = |e: &Running| {
-            let mut v = crate::stats::to_json(&e.name, self.nbd.connections_to(&e.name), &e.device.stats());
-            v["state"] = json!(state(&e.device));
-            v["failure"] = json!(e.device.failure());
-            v
+        let one = |e: &Running| ExportStats {
+            name: e.name.clone(),
+            connections: self.nbd.connections_to(&e.name),
+            snapshot: e.device.stats(),
+            failure: e.device.failure(),
         };
         match name {
-            Some(n) => exports.iter().find(|e| e.name == n).map(one).ok_or_else(|| not_found(n)),
-            None => Ok(Value::Array(exports.iter().map(one).collect())),
+            Some(n) => exports.iter().find(|e| e.name == n).map(|e| vec![one(e)]).ok_or_else(|| not_found(n)),
+            None => Ok(exports.iter().map(one).collect()),
         }
     }
 
@@ -570,16 +522,15 @@ impl Daemon {
         exports.iter().map(|e| (e.name.clone(), e.device.clone(), self.nbd.connections_to(&e.name))).collect()
     }
 
-    pub fn info(&self) -> Value {
-        let e = &self.settings.engine;
-        json!({
-            "version": env!("CARGO_PKG_VERSION"),
-            "pid": std::process::id(),
-            "uptime_seconds": self.started.elapsed().as_secs(),
-            "exports": self.exports.lock().unwrap().len(),
-            "connections": self.nbd.connections(),
-            "engine": match e.kind { EngineKind::Uring => "uring", EngineKind::Threads => "threads", EngineKind::Rbd => "rbd" },
-        })
+    pub fn info(&self) -> ServerInfo {
+        ServerInfo {
+            version: env!("CARGO_PKG_VERSION"),
+            pid: std::process::id(),
+            uptime: self.started.elapsed(),
+            exports: self.exports.lock().unwrap().len(),
+            connections: self.nbd.connections(),
+            engine: self.settings.engine.kind,
+        }
     }
 
     /// Stops every export once the NBD server stops accepting: each export's
@@ -587,7 +538,7 @@ impl Daemon {
     /// Exports stop in parallel, so one whose storage does not answer keeps no
     /// other from being flushed; `progress` follows each (the stop watchdog
     /// reads it). Refuses further changes. Every failure is reported.
-    pub fn shutdown(&self, progress: &StopProgress) -> Result<(), Failure> {
+    pub fn shutdown(&self, progress: &StopProgress) -> Result<(), Error> {
         let mut closed = self.changes.lock().unwrap();
         *closed = true;
         let all = std::mem::take(&mut *self.exports.lock().unwrap());
@@ -603,7 +554,7 @@ impl Daemon {
             }
             names.keys().cloned().collect()
         };
-        let errors: Vec<String> = std::thread::scope(|scope| {
+        let errors: Vec<Error> = std::thread::scope(|scope| {
             let stopping: Vec<_> = all
                 .into_iter()
                 .rev()
@@ -617,7 +568,7 @@ impl Daemon {
                             &name,
                             match &stopped {
                                 Ok(()) => Step::Done,
-                                Err(e) => Step::Failed(e.join("; ")),
+                                Err(e) => Step::Failed(joined(e)),
                             },
                         );
                         stopped.err().unwrap_or_default()
@@ -626,7 +577,7 @@ impl Daemon {
                 .collect();
             stopping
                 .into_iter()
-                .flat_map(|t| t.join().unwrap_or_else(|_| vec!["a stop thread panicked".into()]))
+                .flat_map(|t| t.join().unwrap_or_else(|_| vec![Error::failed("a stop thread panicked")]))
                 .collect()
         });
         let mut names = self.removing.names.lock().unwrap();
@@ -638,27 +589,27 @@ impl Daemon {
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(Failure::runtime(errors.join("; ")))
+            Err(Error::failed(joined(&errors)))
         }
     }
 }
 
 /// Stops an export's FUSE file and vhost socket, then finishes and flushes its
 /// device, telling `step` as it goes. Goes on past failures and returns all of them.
-fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<String>> {
+fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<Error>> {
     let Running { name, device, frontends, .. } = running;
     let mut errors = Vec::new();
     step(Step::Frontends);
     for f in frontends.into_iter().rev() {
         if let Err(e) = f.stop() {
-            errors.push(format!("export {name:?}: {e}"));
+            errors.push(e.context(format_args!("export {name:?}")));
         }
     }
     step(Step::Flushing);
     let failed = device.failure().is_some();
     match device.shutdown() {
-        Err(e) if failed => errors.push(format!("export {name:?}: {e}")),
-        Err(e) => errors.push(format!("flush of export {name:?} failed: {e}")),
+        Err(e) if failed => errors.push(Error::failed(format!("export {name:?}")).because(e)),
+        Err(e) => errors.push(Error::failed(format!("flush of export {name:?} failed")).because(e)),
         Ok(()) => {}
     }
     if errors.is_empty() {
@@ -668,18 +619,8 @@ fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<String>>
     }
 }
 
-/// "serving", or "failed" once the device's engine failed (its requests get
-/// EIO until the export is removed and added again).
-fn state(device: &Device) -> &'static str {
-    if device.failure().is_some() {
-        "failed"
-    } else {
-        "serving"
-    }
-}
-
-fn not_found(name: &str) -> Refusal {
-    Refusal::new(ERR_NOT_FOUND, format!("no export {name:?} (`vdisk ctl list` shows them)"))
+fn not_found(name: &str) -> Error {
+    Error::new(ErrorKind::NotFound, format!("no export {name:?} (`vdisk ctl list` shows them)"))
 }
 
 /// With image roots, the paths a request names besides the image: the FUSE
@@ -687,35 +628,30 @@ fn not_found(name: &str) -> Refusal {
 /// (else a request could mount a disk over any file), and a Ceph
 /// configuration file too. The image and backing files are opened beneath
 /// them by [`vdisk_image::files::confined`].
-fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec, Refusal> {
+fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec, Error> {
     for p in [&mut spec.fuse, &mut spec.vhost_user_blk].into_iter().flatten() {
-        *p = roots.check_new(p).map_err(|e| Refusal::new(ERR_INVALID, e.to_string()))?;
+        *p = roots.check_new(p).map_err(|e| Error::invalid(e.to_string()))?;
     }
-    let named = crate::formats::rbd_spec(&spec.image, &Default::default()).ok().flatten().and_then(|s| s.options.conf);
-    for conf in [spec.backing.ceph.ceph_conf.clone(), named].into_iter().flatten() {
+    let named = formats::rbd_spec(&spec.image, &Default::default()).ok().flatten().and_then(|s| s.options.conf);
+    for conf in [spec.ceph_conf.clone(), named].into_iter().flatten() {
         vdisk_image::files::confined(Some(roots.clone()), || vdisk_image::files::check_confined(&conf))
-            .map_err(|e| Refusal::new(ERR_INVALID, e.to_string()))?;
+            .map_err(|e| Error::invalid(e.to_string()))?;
     }
     Ok(spec)
 }
 
 /// NBD names are at most 4096 bytes; an empty one would shadow the default export.
-fn check_name(name: &str) -> Result<(), Refusal> {
+fn check_name(name: &str) -> Result<(), Error> {
     if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
-        return Err(Refusal::new(
-            ERR_INVALID,
+        return Err(Error::new(
+            ErrorKind::Invalid,
             format!("{name:?} cannot be an export name: give 1 to 4096 bytes without control characters (--name)"),
         ));
     }
     Ok(())
 }
 
-pub fn limits_json(l: Limits) -> Value {
-    json!({"iops": l.iops, "bps": l.bps, "read_bps": l.read_bps, "write_bps": l.write_bps})
-}
-
-/// The export name of an image: an RBD image's name (and snapshot), a file's stem.
-pub fn export_name(path: &Path) -> String {
-    crate::formats::export_name(path)
-        .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "disk".into()))
+/// Several errors in one line, each with its causes.
+fn joined(errors: &[Error]) -> String {
+    errors.iter().map(|e| e.report().to_string()).collect::<Vec<_>>().join("; ")
 }

@@ -21,7 +21,7 @@ use vdisk_engine::stats::{Latency, LATENCY_BOUNDS};
 use vdisk_engine::Snapshot;
 
 use crate::daemon::Daemon;
-use crate::Failure;
+use crate::Error;
 
 /// The metrics endpoint; dropping it stops it.
 pub struct MetricsServer {
@@ -31,17 +31,16 @@ pub struct MetricsServer {
 }
 
 impl MetricsServer {
-    pub fn start(addr: SocketAddr, daemon: Arc<Daemon>) -> Result<MetricsServer, Failure> {
+    pub fn start(addr: SocketAddr, daemon: Arc<Daemon>) -> Result<MetricsServer, Error> {
         let listener = TcpListener::bind(addr).map_err(|e| {
-            Failure::usage(format!("cannot serve metrics on {addr}: {e} (pick another --metrics HOST:PORT)"))
+            Error::invalid(format!("cannot serve metrics on {addr}: {e} (pick another --metrics HOST:PORT)"))
         })?;
         Self::serve(listener, daemon)
     }
 
     /// Serves on `listener`, bound already (by us, or by the service manager).
-    pub fn serve(listener: TcpListener, daemon: Arc<Daemon>) -> Result<MetricsServer, Failure> {
-        let addr =
-            listener.local_addr().map_err(|e| Failure::runtime(format!("the metrics socket has no address: {e}")))?;
+    pub fn serve(listener: TcpListener, daemon: Arc<Daemon>) -> Result<MetricsServer, Error> {
+        let addr = listener.local_addr().map_err(|e| Error::failed("the metrics socket has no address").because(e))?;
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Exports(daemon)));
         let stopping = Arc::new(AtomicBool::new(false));
@@ -74,7 +73,7 @@ impl MetricsServer {
                     }
                 }
             })
-            .map_err(|e| Failure::runtime(format!("cannot start the metrics thread: {e}")))?;
+            .map_err(|e| Error::failed("cannot start the metrics thread").because(e))?;
         Ok(MetricsServer { addr, stopping, thread: Some(thread) })
     }
 }

@@ -11,7 +11,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use crate::Failure;
+use vdisk_daemon::Error;
 
 /// The control socket's permissions and who may change things through it.
 #[derive(Clone, Debug)]
@@ -24,7 +24,7 @@ pub struct Access {
 
 impl Access {
     /// `mode` (default 0600) and the group named (looked up now).
-    pub fn new(mode: Option<u32>, group: Option<&str>) -> Result<Access, Failure> {
+    pub fn new(mode: Option<u32>, group: Option<&str>) -> Result<Access, Error> {
         let group = group.map(|g| group_id(g).map(|gid| (g.to_owned(), gid))).transpose()?;
         // SAFETY: geteuid has no preconditions and cannot fail.
         let own_uid = unsafe { libc::geteuid() };
@@ -39,9 +39,9 @@ impl Access {
 
     /// Gives the bound socket (made 0600) its group and then its mode, so
     /// nobody else can connect before both are right.
-    pub fn apply(&self, path: &Path) -> Result<(), Failure> {
+    pub fn apply(&self, path: &Path) -> Result<(), Error> {
         let fail = |what: &str, e: std::io::Error| {
-            Failure::runtime(format!("cannot {what} control socket {}: {e}", path.display()))
+            Error::failed(format!("cannot {what} control socket {}", path.display())).at(path).because(e)
         };
         if let Some((name, gid)) = &self.group {
             std::os::unix::fs::chown(path, None, Some(*gid))
@@ -118,11 +118,11 @@ impl Peer {
 }
 
 /// The id of group `name` (or a number), from the system's group database.
-fn group_id(name: &str) -> Result<u32, Failure> {
+fn group_id(name: &str) -> Result<u32, Error> {
     if let Ok(n) = name.parse::<u32>() {
         return Ok(n);
     }
-    let c = CString::new(name).map_err(|_| Failure::usage(format!("{name:?} is not a group name")))?;
+    let c = CString::new(name).map_err(|_| Error::invalid(format!("{name:?} is not a group name")))?;
     let mut buf = vec![0u8; 16 << 10];
     // SAFETY: group is plain data; all zeros is valid before getgrnam_r fills it.
     let mut grp: libc::group = unsafe { std::mem::zeroed() };
@@ -130,7 +130,7 @@ fn group_id(name: &str) -> Result<u32, Failure> {
     // SAFETY: every pointer is valid for the call and `buf` has the length given.
     let r = unsafe { libc::getgrnam_r(c.as_ptr(), &mut grp, buf.as_mut_ptr().cast(), buf.len(), &mut out) };
     if r != 0 || out.is_null() {
-        return Err(Failure::usage(format!(
+        return Err(Error::invalid(format!(
             "--control-group {name:?}: no such group (create it with groupadd, or give its number)"
         )));
     }

@@ -18,9 +18,15 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use crate::cli::EngineArg;
-use crate::size::parse_size;
-use crate::Failure;
+use vdisk_daemon::size::parse_size;
+use vdisk_daemon::Error;
+
+/// The engines `vdisk serve --engine` takes.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EngineArg {
+    Uring,
+    Threads,
+}
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SoakFormat {
@@ -120,7 +126,7 @@ pub struct SoakArgs {
 }
 
 /// xorshift64*: small, deterministic from a seed, good enough to pick blocks and moments.
-pub struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
@@ -147,10 +153,10 @@ fn engine_name(e: EngineArg) -> &'static str {
     }
 }
 
-pub fn run(a: SoakArgs) -> Result<(), Failure> {
+pub fn run(a: SoakArgs) -> Result<(), Error> {
     #[cfg(not(feature = "powercut"))]
     if a.power_loss != PowerLoss::Off {
-        return Err(Failure::usage(power::NOT_BUILT));
+        return Err(Error::invalid(power::NOT_BUILT));
     }
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
@@ -160,7 +166,7 @@ pub fn run(a: SoakArgs) -> Result<(), Failure> {
         None => (std::env::temp_dir().join(format!("vdisk-soak-{}", std::process::id())), true),
     };
     std::fs::create_dir_all(&dir)
-        .map_err(|e| Failure::usage(format!("cannot create {}: {e} (pick another with --dir)", dir.display())))?;
+        .map_err(|e| Error::invalid(format!("cannot create {}: {e} (pick another with --dir)", dir.display())))?;
     let engines: Vec<String> = a.engine.iter().map(|&e| engine_name(e).to_owned()).collect();
     if !a.json {
         eprintln!(
@@ -169,8 +175,7 @@ pub fn run(a: SoakArgs) -> Result<(), Failure> {
         );
     }
     let mut json = serde_json::json!({ "seed": seed });
-    let keep =
-        |msg: String| Failure::runtime(format!("{msg}\n(the images are kept in {} for inspection)", dir.display()));
+    let keep = |msg: String| Error::failed(format!("{msg}\n(the images are kept in {} for inspection)", dir.display()));
     if a.rounds > 0 {
         json["crash"] = crash_phase(&a, &dir, &engines, seed).map_err(keep)?;
     }

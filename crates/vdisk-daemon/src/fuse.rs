@@ -6,17 +6,17 @@ use std::sync::Arc;
 use vdisk_engine::Device;
 use vdisk_fuse::{FuseExport, Options};
 
-use crate::serve::Frontend;
-use crate::Failure;
+use crate::frontend::Frontend;
+use crate::Error;
 
 pub fn start(
     path: &Path,
     device: &Arc<Device>,
     uring: bool,
     banner: &mut Vec<String>,
-) -> Result<Box<dyn Frontend>, Failure> {
+) -> Result<Box<dyn Frontend>, Error> {
     let opts = Options { uring, ..Default::default() };
-    let mut export = vdisk_fuse::start(path, device.clone(), &opts).map_err(|e| Failure::usage(advised(&e)))?;
+    let mut export = vdisk_fuse::start(path, device.clone(), &opts).map_err(|e| Error::invalid(advised(&e)))?;
     banner.append(&mut export.notes);
     let mode = if device.read_only() { "read-only" } else { "read-write" };
     banner.push(format!(
@@ -33,8 +33,8 @@ pub fn start(
 struct Fuse(FuseExport);
 
 impl Frontend for Fuse {
-    fn stop(self: Box<Self>) -> Result<(), String> {
-        self.0.stop().map_err(|e| advised(&e))
+    fn stop(self: Box<Self>) -> Result<(), Error> {
+        self.0.stop().map_err(|e| Error::failed(advised(&e)))
     }
 }
 

@@ -17,7 +17,7 @@ use std::os::unix::net::{SocketAddr, UnixDatagram, UnixListener};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use crate::Failure;
+use crate::Error;
 
 /// Where `sd_notify` datagrams go, if anywhere.
 static NOTIFY: OnceLock<Option<SocketAddr>> = OnceLock::new();
@@ -64,7 +64,7 @@ pub const FD_NAMES: [&str; 4] = ["nbd", "control", "metrics", "vhost-user-blk"];
 
 /// Takes the sockets of `LISTEN_FDS` (when `LISTEN_PID` is us) and unsets the
 /// variables. Call before threads start. A name not in [`FD_NAMES`] is a usage error.
-pub fn init_listen_fds() -> Result<usize, Failure> {
+pub fn init_listen_fds() -> Result<usize, Error> {
     let var = |k: &str| std::env::var(k).ok();
     let (pid, fds, names) = (var("LISTEN_PID"), var("LISTEN_FDS"), var("LISTEN_FDNAMES"));
     for k in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
@@ -83,7 +83,7 @@ pub fn init_listen_fds() -> Result<usize, Failure> {
             Some(s) => s.to_owned(),
         };
         if !FD_NAMES.contains(&name.as_str()) {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "LISTEN_FDNAMES names socket {i} {name:?}: name each socket one of {} (FileDescriptorName= in the socket unit)",
                 FD_NAMES.join(", ")
             )));
@@ -118,11 +118,11 @@ pub enum Inherited {
 }
 
 /// The inherited sockets named `name`; one that is not a listening stream socket is an error.
-pub fn listeners(name: &str) -> Result<Vec<Inherited>, Failure> {
+pub fn listeners(name: &str) -> Result<Vec<Inherited>, Error> {
     take(name).into_iter().map(|fd| classify(fd, name)).collect()
 }
 
-fn classify(fd: OwnedFd, name: &str) -> Result<Inherited, Failure> {
+fn classify(fd: OwnedFd, name: &str) -> Result<Inherited, Error> {
     let mut family: libc::sockaddr_storage =
         // SAFETY: sockaddr_storage is plain data; all zeros is valid.
         unsafe { std::mem::zeroed() };
@@ -130,7 +130,7 @@ fn classify(fd: OwnedFd, name: &str) -> Result<Inherited, Failure> {
     // SAFETY: `family` and `len` are valid out-pointers of the size given.
     let r = unsafe { libc::getsockname(fd.as_raw_fd(), std::ptr::addr_of_mut!(family).cast(), &mut len) };
     if r != 0 {
-        return Err(Failure::usage(format!(
+        return Err(Error::invalid(format!(
             "the socket named {name:?} from the service manager is not a socket: check the socket unit"
         )));
     }
@@ -141,7 +141,7 @@ fn classify(fd: OwnedFd, name: &str) -> Result<Inherited, Failure> {
             Ok(Inherited::Unix(l, path))
         }
         libc::AF_INET | libc::AF_INET6 => Ok(Inherited::Tcp(TcpListener::from(fd))),
-        f => Err(Failure::usage(format!(
+        f => Err(Error::invalid(format!(
             "the socket named {name:?} from the service manager has address family {f}: give a unix or TCP ListenStream="
         ))),
     }
@@ -170,7 +170,7 @@ pub struct PidFile {
 }
 
 impl PidFile {
-    pub fn lock(path: &Path) -> Result<PidFile, Failure> {
+    pub fn lock(path: &Path) -> Result<PidFile, Error> {
         // The file may be removed between our open and our lock by the server
         // that held it: then lock the new one.
         for _ in 0..10 {
@@ -181,13 +181,13 @@ impl PidFile {
                 .truncate(false)
                 .open(path)
                 .map_err(|e| {
-                Failure::usage(format!("cannot open --pid-file {}: {e} (choose a writable path)", path.display()))
+                Error::invalid(format!("cannot open --pid-file {}: {e} (choose a writable path)", path.display()))
             })?;
             // SAFETY: flock on an fd we own; non-blocking, so it cannot hang.
             if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
                 let mut pid = String::new();
                 let _ = file.read_to_string(&mut pid);
-                return Err(Failure::usage(format!(
+                return Err(Error::invalid(format!(
                     "--pid-file {} is locked by another vdisk serve (pid {}): stop it, or give this one another --pid-file",
                     path.display(),
                     pid.trim()
@@ -198,19 +198,15 @@ impl PidFile {
                 return Ok(PidFile { path: path.to_owned(), file });
             }
         }
-        Err(Failure::runtime(format!(
-            "--pid-file {}: keeps being replaced; is another server starting?",
-            path.display()
-        )))
+        Err(Error::failed(format!("--pid-file {}: keeps being replaced; is another server starting?", path.display())))
     }
 
     /// Writes our pid (at readiness).
-    pub fn write_pid(&mut self) -> Result<(), Failure> {
+    pub fn write_pid(&mut self) -> Result<(), Error> {
         let pid = format!("{}\n", std::process::id());
-        self.file
-            .set_len(0)
-            .and_then(|()| self.file.write_all_at(pid.as_bytes(), 0))
-            .map_err(|e| Failure::runtime(format!("cannot write --pid-file {}: {e}", self.path.display())))
+        self.file.set_len(0).and_then(|()| self.file.write_all_at(pid.as_bytes(), 0)).map_err(|e| {
+            Error::failed(format!("cannot write --pid-file {}", self.path.display())).at(&self.path).because(e)
+        })
     }
 }
 

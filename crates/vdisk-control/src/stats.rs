@@ -44,7 +44,7 @@ pub fn table(stats: &[Value]) -> String {
         .iter()
         .map(|s| {
             let n = |k: &str| s[k].as_u64().unwrap_or(0).to_string();
-            let b = |k: &str| crate::size::human(s[k].as_u64().unwrap_or(0));
+            let b = |k: &str| vdisk_daemon::size::human(s[k].as_u64().unwrap_or(0));
             let l = |k: &str| format!("{}/{}", s["latency_us"][k]["p50"], s["latency_us"][k]["p99"]);
             let name = s["name"].as_str().unwrap_or("").to_owned();
             vec![

@@ -18,7 +18,9 @@
 //! and the change is given up (nothing half added, [`Ticket`]).
 
 mod access;
+pub mod json;
 pub mod rpc;
+pub mod stats;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -29,15 +31,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use vdisk_engine::Limits;
+use vdisk_daemon::{Daemon, Error, Origin, Reload, Ticket};
 
 pub use access::Access;
 use access::Peer;
-use rpc::{AddParams, Fault, Method, Qos, INVALID_REQUEST};
-
-use crate::cli::{BackingArgs, CephArgs, FormatArg};
-use crate::daemon::{limits_json, Daemon, ExportSpec, Origin, Refusal, Ticket, ERR_FAILED};
-use crate::Failure;
+use rpc::{Fault, Method, INVALID_REQUEST};
 
 /// The longest request line accepted.
 pub const MAX_LINE: usize = 1 << 20;
@@ -47,8 +45,22 @@ pub const MAX_CLIENTS: usize = 1024;
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long a request may take by default (`--control-timeout`).
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+/// A change refused because of what the caller asked (exit 1 in `vdisk ctl`):
+/// the JSON-RPC codes of the daemon's [`vdisk_daemon::ErrorKind`]s.
+pub const ERR_NOT_FOUND: i64 = -32001;
+pub const ERR_EXISTS: i64 = -32002;
+pub const ERR_BUSY: i64 = -32003;
+pub const ERR_INVALID: i64 = -32004;
+pub const ERR_FAILED: i64 = -32005;
 /// A changing request from someone who may only read.
 pub const ERR_DENIED: i64 = -32006;
+
+/// What the control socket serves: the daemon, and the config file it follows.
+#[derive(Clone)]
+pub struct Served {
+    pub daemon: Arc<Daemon>,
+    pub reload: Arc<Reload>,
+}
 
 /// Who may do what on the control socket, and how long a request may take.
 #[derive(Clone, Debug)]
@@ -61,9 +73,9 @@ pub struct Policy {
 
 impl Policy {
     /// Refuses a socket anyone but its owner can reach when there are no image roots.
-    fn check(&self, mode: u32, path: &Path) -> Result<(), Failure> {
+    fn check(&self, mode: u32, path: &Path) -> Result<(), Error> {
         if Access::reaches_others(mode) && !self.roots {
-            return Err(Failure::usage(format!(
+            return Err(Error::invalid(format!(
                 "control socket {} would be mode {mode:04o}: users other than its owner could add any file the \
                  server can open as a disk. Give --image-root DIR (image_roots in [server]) to confine what they \
                  add, or keep --control-mode 0600",
@@ -86,14 +98,14 @@ pub struct ControlSocket {
 impl ControlSocket {
     /// Binds `path` (0600 until its group and mode are set: nobody else can
     /// connect before they are right) and serves it.
-    pub fn start(path: &Path, policy: Policy, daemon: Arc<Daemon>) -> Result<ControlSocket, Failure> {
+    pub fn start(path: &Path, policy: Policy, served: Served) -> Result<ControlSocket, Error> {
         policy.check(policy.access.mode, path)?;
-        let listener = crate::serve::bind_unix(path, 0o600, "--control")?;
+        let listener = vdisk_daemon::listen::bind_unix(path, 0o600, "--control")?;
         if let Err(e) = policy.access.apply(path) {
             let _ = std::fs::remove_file(path);
             return Err(e);
         }
-        Self::serve(listener, path, true, policy, daemon)
+        Self::serve(listener, path, true, policy, served)
     }
 
     /// Serves on a socket the service manager made (socket activation), bound at `path`.
@@ -101,14 +113,14 @@ impl ControlSocket {
         listener: UnixListener,
         path: &Path,
         policy: Policy,
-        daemon: Arc<Daemon>,
-    ) -> Result<ControlSocket, Failure> {
+        served: Served,
+    ) -> Result<ControlSocket, Error> {
         use std::os::unix::fs::PermissionsExt;
         // Its mode is the service manager's (SocketMode=): the same rule holds.
         if let Ok(meta) = std::fs::metadata(path) {
             policy.check(meta.permissions().mode() & 0o777, path)?;
         }
-        Self::serve(listener, path, false, policy, daemon)
+        Self::serve(listener, path, false, policy, served)
     }
 
     fn serve(
@@ -116,15 +128,15 @@ impl ControlSocket {
         path: &Path,
         remove: bool,
         policy: Policy,
-        daemon: Arc<Daemon>,
-    ) -> Result<ControlSocket, Failure> {
+        served: Served,
+    ) -> Result<ControlSocket, Error> {
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = stopping.clone();
         let policy = Arc::new(policy);
         let acceptor = std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || accept_loop(listener, daemon, policy, stop))
-            .map_err(|e| Failure::runtime(format!("cannot start the control socket thread: {e}")))?;
+            .spawn(move || accept_loop(listener, served, policy, stop))
+            .map_err(|e| Error::failed("cannot start the control socket thread").because(e))?;
         Ok(ControlSocket { path: path.to_owned(), remove, stopping, acceptor: Some(acceptor) })
     }
 }
@@ -143,7 +155,7 @@ impl Drop for ControlSocket {
     }
 }
 
-fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, policy: Arc<Policy>, stopping: Arc<AtomicBool>) {
+fn accept_loop(listener: UnixListener, served: Served, policy: Arc<Policy>, stopping: Arc<AtomicBool>) {
     let clients = Arc::new(AtomicUsize::new(0));
     let (mut warned, mut closed) = (None, 0u64);
     loop {
@@ -172,10 +184,10 @@ fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, policy: Arc<Policy>,
             }
             continue;
         }
-        let (daemon, policy, count) = (daemon.clone(), policy.clone(), clients.clone());
+        let (served, policy, count) = (served.clone(), policy.clone(), clients.clone());
         let spawned =
             std::thread::Builder::new().name("control-client".into()).stack_size(256 << 10).spawn(move || {
-                if let Err(e) = client(stream, daemon, policy) {
+                if let Err(e) = client(stream, served, policy) {
                     log::debug!("control client: {e}");
                 }
                 count.fetch_sub(1, Ordering::SeqCst);
@@ -187,9 +199,9 @@ fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, policy: Arc<Policy>,
 }
 
 /// Answers one client's requests, a line each, until it leaves.
-fn client(stream: UnixStream, daemon: Arc<Daemon>, policy: Arc<Policy>) -> std::io::Result<()> {
+fn client(stream: UnixStream, served: Served, policy: Arc<Policy>) -> std::io::Result<()> {
     stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
-    let session = Session { peer: Peer::of(&stream)?, daemon, policy };
+    let session = Session { peer: Peer::of(&stream)?, served, policy };
     let mut out = stream.try_clone()?;
     let mut reader = BufReader::new(stream);
     let mut line = Vec::new();
@@ -222,7 +234,7 @@ fn client(stream: UnixStream, daemon: Arc<Daemon>, policy: Arc<Policy>) -> std::
 
 /// One connection: who is at the other end, and what it may do.
 struct Session {
-    daemon: Arc<Daemon>,
+    served: Served,
     peer: Peer,
     policy: Arc<Policy>,
 }
@@ -231,7 +243,7 @@ impl rpc::Handler for Session {
     fn call(&self, method: Method) -> Result<Value, Fault> {
         let p = &self.peer;
         if !method.changes_state() {
-            return call(&self.daemon, method, &Ticket::default()).map_err(fault);
+            return call(&self.served, method, &Ticket::default()).map_err(fault);
         }
         let what = method.name();
         if !self.policy.access.may_change(p) {
@@ -239,13 +251,22 @@ impl rpc::Handler for Session {
             return Err(Fault::new(ERR_DENIED, self.policy.access.refusal(p, what)));
         }
         log::info!("control: {what} from uid {} gid {} pid {}", p.uid, p.gid, p.pid);
-        let daemon = self.daemon.clone();
-        within(self.policy.deadline, what, move |ticket| call(&daemon, method, ticket)).map_err(fault)
+        let served = self.served.clone();
+        within(self.policy.deadline, what, move |ticket| call(&served, method, ticket)).map_err(fault)
     }
 }
 
-fn fault(r: Refusal) -> Fault {
-    Fault::new(r.code, r.message)
+/// The daemon's error as a JSON-RPC error: its kind decides the code.
+fn fault(e: Error) -> Fault {
+    use vdisk_daemon::ErrorKind::*;
+    let code = match e.kind() {
+        NotFound => ERR_NOT_FOUND,
+        Exists => ERR_EXISTS,
+        Busy => ERR_BUSY,
+        Invalid => ERR_INVALID,
+        _ => ERR_FAILED,
+    };
+    Fault::new(code, e.report().to_string())
 }
 
 /// Runs a changing request on its own thread; past `deadline` gives it up
@@ -254,8 +275,8 @@ fn fault(r: Refusal) -> Fault {
 fn within(
     deadline: Duration,
     what: &str,
-    change: impl FnOnce(&Ticket) -> Result<Value, Refusal> + Send + 'static,
-) -> Result<Value, Refusal> {
+    change: impl FnOnce(&Ticket) -> Result<Value, Error> + Send + 'static,
+) -> Result<Value, Error> {
     let ticket = Arc::new(Ticket::default());
     let (tx, rx) = mpsc::channel();
     let t = ticket.clone();
@@ -264,35 +285,29 @@ fn within(
         .spawn(move || {
             let _ = tx.send(change(&t));
         })
-        .map_err(|e| Refusal { code: ERR_FAILED, message: format!("cannot start a thread for {what}: {e}") })?;
+        .map_err(|e| Error::failed(format!("cannot start a thread for {what}")).because(e))?;
     let until = Instant::now() + deadline;
     loop {
         let wait = until.saturating_duration_since(Instant::now()).max(Duration::from_millis(20));
         match rx.recv_timeout(wait) {
             Ok(result) => return result,
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(Refusal { code: ERR_FAILED, message: format!("{what} failed (its thread ended)") })
+                return Err(Error::failed(format!("{what} failed (its thread ended)")))
             }
             Err(mpsc::RecvTimeoutError::Timeout) if ticket.abandon() => {
                 log::warn!("control: {what} ran past its deadline of {} s: given up", deadline.as_secs());
                 // A removal takes the export out first: that much is done, and said.
                 if let Some(made) = ticket.made_already() {
-                    return Err(Refusal {
-                        code: ERR_FAILED,
-                        message: format!(
-                            "{what} did not finish within {} s (--control-timeout): {made}",
-                            deadline.as_secs()
-                        ),
-                    });
-                }
-                return Err(Refusal {
-                    code: ERR_FAILED,
-                    message: format!(
-                        "{what} did not finish within {} s (--control-timeout) and was given up: nothing was \
-                         changed (is the image on a slow or hung file system?)",
+                    return Err(Error::failed(format!(
+                        "{what} did not finish within {} s (--control-timeout): {made}",
                         deadline.as_secs()
-                    ),
-                });
+                    )));
+                }
+                return Err(Error::failed(format!(
+                    "{what} did not finish within {} s (--control-timeout) and was given up: nothing was \
+                     changed (is the image on a slow or hung file system?)",
+                    deadline.as_secs()
+                )));
             }
             // A change is being made right now: wait for it to finish.
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -300,11 +315,12 @@ fn within(
     }
 }
 
-fn call(daemon: &Daemon, method: Method, ticket: &Ticket) -> Result<Value, Refusal> {
+fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error> {
+    let daemon = &served.daemon;
     match method {
         Method::ExportAdd(a) => {
-            let spec = export_spec(a);
-            let name = spec.name.clone().unwrap_or_else(|| crate::daemon::export_name(&spec.image));
+            let spec = json::export_spec(a);
+            let name = spec.export_name();
             let notes = daemon.add_as(spec, Origin::Request, ticket)?;
             Ok(json!({"name": name, "notes": notes}))
         }
@@ -312,51 +328,19 @@ fn call(daemon: &Daemon, method: Method, ticket: &Ticket) -> Result<Value, Refus
             daemon.remove_within(&name, hard, ticket)?;
             Ok(json!({"name": name, "removed": true}))
         }
-        Method::ExportList => Ok(daemon.list()),
-        Method::ExportStats { name } => daemon.stats(name.as_deref()),
-        Method::ExportSetQos { name, qos } => {
-            let limits = limits(qos, daemon.limits(&name)?);
-            daemon.set_qos_within(&name, limits, ticket)?;
-            Ok(json!({"name": name, "qos": limits_json(limits)}))
+        Method::ExportList => Ok(Value::Array(daemon.list().iter().map(json::export).collect())),
+        Method::ExportStats { name } => {
+            let stats = daemon.stats(name.as_deref())?;
+            let mut all: Vec<Value> = stats.iter().map(json::stats).collect();
+            Ok(if name.is_some() { all.pop().unwrap_or(Value::Null) } else { Value::Array(all) })
         }
-        Method::ServerInfo => Ok(daemon.info()),
-        Method::ConfigReload => daemon.reload_within(ticket),
-    }
-}
-
-/// QoS fields over `current`: an absent one keeps its value, 0 lifts it.
-fn limits(q: Qos, current: Limits) -> Limits {
-    Limits {
-        iops: q.iops.unwrap_or(current.iops),
-        bps: q.bps.unwrap_or(current.bps),
-        read_bps: q.read_bps.unwrap_or(current.read_bps),
-        write_bps: q.write_bps.unwrap_or(current.write_bps),
-    }
-}
-
-fn export_spec(a: AddParams) -> ExportSpec {
-    let format = match a.format.as_deref() {
-        Some("raw") => FormatArg::Raw,
-        Some("cow") => FormatArg::Cow,
-        Some("qcow2") => FormatArg::Qcow2,
-        // rpc checked it is one of FORMATS.
-        _ => FormatArg::Auto,
-    };
-    ExportSpec {
-        image: PathBuf::from(a.image),
-        name: a.name,
-        readonly: a.readonly,
-        format,
-        backing: BackingArgs {
-            backing: a.backing.map(PathBuf::from),
-            ignore_backing_mtime: a.ignore_backing_mtime,
-            ceph: CephArgs { ceph_conf: a.ceph_conf.map(PathBuf::from), ceph_id: a.ceph_id },
-        },
-        fuse: a.fuse.map(PathBuf::from),
-        vhost_user_blk: a.vhost_user_blk.map(PathBuf::from),
-        num_queues: a.num_queues,
-        limits: limits(a.qos, Limits::default()),
-        allow: a.allow,
+        Method::ExportSetQos { name, qos } => {
+            let limits = json::limits(qos, daemon.limits(&name)?);
+            daemon.set_qos_within(&name, limits, ticket)?;
+            Ok(json!({"name": name, "qos": json::limits_json(limits)}))
+        }
+        Method::ServerInfo => Ok(json::info(&daemon.info())),
+        Method::ConfigReload => served.reload.reload_within(ticket).map(|r| json::reload(&r)),
     }
 }
 
@@ -372,12 +356,12 @@ mod tests {
         let r = within(Duration::from_millis(100), "export_add", move |ticket| {
             // A slow open: the change is made only if the ticket still holds.
             std::thread::sleep(Duration::from_millis(400));
-            let _committing = ticket.commit().ok_or(Refusal { code: ERR_FAILED, message: "given up".into() })?;
+            let _committing = ticket.commit().ok_or(Error::failed("given up"))?;
             c.store(true, Ordering::SeqCst);
             Ok(Value::Null)
         });
         let e = r.unwrap_err();
-        assert!(e.message.contains("did not finish within") && e.message.contains("nothing was"), "{}", e.message);
+        assert!(e.message().contains("did not finish within") && e.message().contains("nothing was"), "{}", e.report());
         assert!(started.elapsed() < Duration::from_millis(350), "answered at the deadline, not after the open");
         std::thread::sleep(Duration::from_millis(600));
         assert!(!changed.load(Ordering::SeqCst), "the late open changed nothing");

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use vdisk_engine::Device;
 use vdisk_vhost::VhostBlk;
 
-use crate::serve::{bind_unix, Frontend};
-use crate::Failure;
+use crate::frontend::Frontend;
+use crate::listen::bind_unix;
+use crate::Error;
 
 pub fn start(
     socket: &Path,
@@ -15,7 +16,7 @@ pub fn start(
     num_queues: Option<u16>,
     socket_mode: u32,
     banner: &mut Vec<String>,
-) -> Result<Box<dyn Frontend>, Failure> {
+) -> Result<Box<dyn Frontend>, Error> {
     let queues =
         num_queues.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get().min(64) as u16).unwrap_or(1));
     // A socket the service manager passed is used as it is, and left to it at the end.
@@ -27,7 +28,7 @@ pub fn start(
         if !inherited {
             let _ = std::fs::remove_file(socket);
         }
-        Failure::runtime(format!("cannot start the vhost-user-blk export on {}: {e}", socket.display()))
+        Error::failed(format!("cannot start the vhost-user-blk export on {}", socket.display())).at(socket).because(e)
     })?;
     let export = if inherited { export.keep_socket_file() } else { export };
     banner.push(format!(
@@ -47,7 +48,7 @@ pub fn start(
 struct Export(VhostBlk);
 
 impl Frontend for Export {
-    fn stop(self: Box<Self>) -> Result<(), String> {
-        self.0.stop().map_err(|e| format!("vhost-user-blk: {e}"))
+    fn stop(self: Box<Self>) -> Result<(), Error> {
+        self.0.stop().map_err(|e| Error::failed("vhost-user-blk").because(e))
     }
 }

@@ -1,0 +1,165 @@
+//! The daemon's one error type: what kind of refusal or failure (which the
+//! control socket maps to a JSON-RPC code and the command line to an exit
+//! code), a message for people that says what, where and what to do, the
+//! path it concerns, and the error that caused it. Display is the message
+//! alone; [`Error::report`] adds the chain of causes, as users see it.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What went wrong, as callers decide on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// No such export.
+    NotFound,
+    /// The name is taken (served, being added or being removed).
+    Exists,
+    /// The export is in use (clients, a FUSE file, a VM attached).
+    Busy,
+    /// What was asked cannot be: a bad name, path, file, setting (the user's to fix).
+    Invalid,
+    /// Something failed while doing what was asked (the system's).
+    Failed,
+}
+
+/// The cause of an error, shared so the error stays `Clone`.
+type Source = Arc<dyn std::error::Error + Send + Sync>;
+
+/// A refusal or failure of the daemon: its kind, the message, the path it
+/// concerns and its cause.
+#[derive(Debug, Clone)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    path: Option<PathBuf>,
+    source: Option<Source>,
+}
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error { kind, message: message.into(), path: None, source: None }
+    }
+
+    /// The same error, about `path` (a file, socket or image name).
+    pub fn at(mut self, path: impl Into<PathBuf>) -> Error {
+        self.path = Some(path.into());
+        self
+    }
+
+    /// The same error, caused by `source` (an OS or library error), which the
+    /// message does not repeat.
+    pub fn because(mut self, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+        self.source = Some(Arc::from(source.into()));
+        self
+    }
+
+    /// The path it concerns, if one.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The message and every cause after it ("cannot bind x: Address in use"):
+    /// what users and logs are shown.
+    pub fn report(&self) -> Report<'_> {
+        Report(self)
+    }
+
+    /// The caller asked for something that cannot be.
+    pub fn invalid(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Invalid, message)
+    }
+
+    /// Something failed while doing what was asked.
+    pub fn failed(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Failed, message)
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The same error with `context` said first ("FILE:LINE: export \"x\": ...").
+    pub fn context(self, context: impl fmt::Display) -> Error {
+        Error { message: format!("{context}: {}", self.message), ..self }
+    }
+}
+
+/// An error with its causes, one after another: [`Error::report`].
+pub struct Report<'a>(&'a Error);
+
+impl fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.message)?;
+        let mut cause = std::error::Error::source(self.0);
+        while let Some(c) = cause {
+            write!(f, ": {c}")?;
+            cause = c.source();
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|s| s as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Image errors the user caused (a missing file, a directory, a bad name) are `Invalid`.
+impl From<vdisk_image::Error> for Error {
+    fn from(e: vdisk_image::Error) -> Self {
+        use vdisk_image::ErrorKind::*;
+        match e.kind() {
+            InvalidInput | NotFound | ReadOnly | Corrupt => Error::invalid(advised(&e)),
+            _ => Error::failed(advised(&e)),
+        }
+    }
+}
+
+/// An image error's message with its advice in the terms of vdisk's command line.
+pub fn advised(e: &vdisk_image::Error) -> String {
+    use vdisk_image::Advice::*;
+    let advice = match e.advice() {
+        Some(CreateImage) => " (create one with `vdisk create IMAGE --size 10G`)",
+        Some(ReadOnly) => " (try --readonly)",
+        Some(NoDirectIo) => "; serve it without --direct",
+        Some(NameBacking) => "; name the backing file with --backing PATH",
+        Some(IgnoreBackingMtime) => {
+            "; if it still holds the same data, pass --ignore-backing-mtime, or name the right file with --backing PATH"
+        }
+        Some(CephConfig) => "; name the Ceph configuration with --ceph-conf PATH (or :conf=PATH) and the client with --ceph-id NAME (or :id=NAME)",
+        Some(_) | None => "",
+    };
+    format!("{e}{advice}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_is_the_message_and_the_report_adds_the_causes() {
+        let os = std::io::Error::from_raw_os_error(libc::EADDRINUSE);
+        let e = Error::invalid("cannot listen on unix socket /x").at("/x").because(os);
+        assert_eq!(e.to_string(), "cannot listen on unix socket /x", "the source is not repeated");
+        let report = e.report().to_string();
+        assert!(report.starts_with("cannot listen on unix socket /x: ") && report.len() > 33, "{report}");
+        assert_eq!(e.path(), Some(Path::new("/x")));
+        assert_eq!(e.kind(), ErrorKind::Invalid);
+        assert!(std::error::Error::source(&e).is_some());
+        let outer = e.clone().context("export \"d\"");
+        assert_eq!(outer.report().to_string(), format!("export \"d\": {report}"));
+    }
+}

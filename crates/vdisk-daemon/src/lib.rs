@@ -1,0 +1,34 @@
+//! The running vdisk server as a library: a [`Daemon`] owns every export
+//! (its device, its FUSE file and vhost-user socket, its place on the NBD
+//! listeners) and adds, removes and stops them; [`reload`] applies a changed
+//! config file through the same methods; [`metrics`] serves their counters.
+//! Everything here returns typed results and one [`Error`] with an
+//! [`ErrorKind`]: no command-line parsing and no JSON. The command line
+//! (crates/vdisk) builds the daemon and maps errors to exit codes; the
+//! control socket (crates/vdisk-control) maps them to JSON-RPC.
+//!
+//! Modules, each depending only on those listed after it:
+//! `metrics`, `reload` → `config` → `security` → `daemon` → `fuse`, `vhost`
+//! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
+//! `size`; `error` below all.
+
+pub mod config;
+pub mod daemon;
+pub mod error;
+pub mod formats;
+pub mod frontend;
+mod fuse;
+pub mod listen;
+pub mod metrics;
+pub mod reload;
+pub mod security;
+pub mod size;
+pub mod spec;
+pub mod stopping;
+pub mod systemd;
+mod vhost;
+
+pub use daemon::{Daemon, ExportInfo, ExportStats, Origin, ServerInfo, Settings, Ticket};
+pub use error::{Error, ErrorKind};
+pub use reload::{Reload, ReloadReport, Reloader};
+pub use spec::{ExportSpec, ImageFormat};
