@@ -346,7 +346,10 @@ fn a_stalled_device_never_blocks_another() {
         let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let path = stalled_rig.dev.image().file_path(0).to_owned();
         let image = Stalled { inner: RawImage::open(&path, false).unwrap(), gate: gate.clone() };
-        let stalled = Device::start("stalled", Arc::new(image), &cfg).unwrap();
+        // A mapping that blocks holds up its core worker and whatever shares it
+        // (docs/design.md): the stalled device gets a core of its own.
+        let own = Core::new(1);
+        let stalled = Device::start_on(&own, "stalled", Arc::new(image), &cfg).unwrap();
         // Every worker or ring of the stalled device is stuck in a read.
         let reads: Vec<Request> = (0..64).map(|i| Request::new(Op::Read, i * 4096, 4096, i)).collect();
         stalled.submit(reads, &stalled_rig.sink);

@@ -65,6 +65,7 @@ pub struct ServerTable {
     pub max_buffer_memory: Option<Spanned<Amount>>,
     pub send_timeout: Option<Spanned<u32>>,
     pub engine: Option<EngineArg>,
+    pub io_threads: Option<u16>,
     pub tls: Option<TlsArg>,
     pub tls_certificates: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,
@@ -296,6 +297,7 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
     fill(&mut a.control, &s.control);
     fill(&mut a.metrics, &s.metrics.as_ref().map(|l| l.get_ref().clone()));
     fill(&mut a.engine, &s.engine);
+    fill(&mut a.io_threads, &s.io_threads);
     if a.socket_mode.is_none() {
         a.socket_mode = s.socket_mode.as_ref().and_then(|m| mode_of(m.get_ref()).ok());
     }
