@@ -1,7 +1,11 @@
-//! The engine moves a device's bytes. Each device has its own queue and its own
-//! pool of workers, so a busy or stalled disk never holds up another. Exports
-//! submit requests in batches; workers take them in batches, map them through
-//! the image, merge what is contiguous into single `preadv`/`pwritev` calls,
+//! The engine moves a device's bytes. Each device has its own queue, stats,
+//! QoS and health. Uring devices share the process-wide [`Core`]: a fixed set
+//! of io_uring workers (one per CPU by default) serving their ready devices
+//! round-robin, a batch each, so a thousand devices cost table entries, not
+//! threads, and a flooding device cannot starve a quiet one on its ring.
+//! Thread-engine devices keep a pool of their own, RBD devices a loop each.
+//! Exports submit requests in batches; workers take them in batches, map them
+//! through the image, merge what is contiguous into single vectored calls,
 //! and hand completions back in batches.
 //!
 //! The engine knows nothing of wire protocols: a request is a [`Command`] (an [`Op`]
@@ -176,7 +180,8 @@ enum Inline {
     CachedReads,
 }
 
-/// One virtual disk with its queue and workers.
+/// One virtual disk: its image, queue, stats, QoS and health, served by a
+/// core worker (uring) or workers of its own (threads, rbd).
 pub struct Device {
     name: String,
     kind: EngineKind,
