@@ -62,6 +62,16 @@ pub(crate) struct Shared {
     pub load: AtomicUsize,
     /// The worker's ring failed: every device on it is failed; it takes no new one.
     pub dead: AtomicBool,
+    /// The worker's thread: a device dropped there (its last owner was a
+    /// sink the worker just handed completions to) must not wait for it.
+    pub thread: OnceLock<std::thread::ThreadId>,
+}
+
+impl Shared {
+    /// True on this worker's own thread.
+    pub fn is_current(&self) -> bool {
+        self.thread.get() == Some(&std::thread::current().id())
+    }
 }
 
 impl Shared {
@@ -137,6 +147,8 @@ impl Detached {
 /// The shared I/O core: its workers, started as devices need them.
 pub struct Core {
     size: usize,
+    /// Submission-queue entries of each ring (the completion queue holds four times as many).
+    entries: u32,
     /// Started workers (their threads run for the life of the process).
     workers: Mutex<Vec<Arc<Shared>>>,
 }
@@ -161,7 +173,12 @@ impl Core {
     /// A core of its own with `workers` workers (tests; a device that must
     /// not share, e.g. one whose mapping may block).
     pub fn new(workers: usize) -> Core {
-        Core { size: workers.max(1), workers: Mutex::new(Vec::new()) }
+        Self::with_ring_entries(workers, CORE_RING_ENTRIES)
+    }
+
+    /// [`Core::new`] with rings of `entries` submission entries (tests: a tiny ring).
+    pub fn with_ring_entries(workers: usize, entries: u32) -> Core {
+        Core { size: workers.max(1), entries: entries.max(1), workers: Mutex::new(Vec::new()) }
     }
 
     /// How many workers this core runs (at most; they start as devices come).
@@ -213,8 +230,9 @@ impl Core {
                     efd: EventFd::new()?,
                     load: AtomicUsize::new(0),
                     dead: AtomicBool::new(false),
+                    thread: OnceLock::new(),
                 });
-                crate::uring::CoreWorker::spawn(shared.clone())?;
+                crate::uring::CoreWorker::spawn(shared.clone(), self.entries)?;
                 workers.push(shared.clone());
                 Ok(shared)
             }

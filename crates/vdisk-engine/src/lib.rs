@@ -518,8 +518,12 @@ impl Device {
         self.queue.close();
         let mut left = Vec::new();
         if let Some((att, detached)) = &self.attached {
-            // The core worker lets go of the device once its requests are all answered.
-            if !detached.wait(deadline) {
+            // The core worker lets go of the device once its requests are all answered;
+            // on that worker's own thread (a sink dropped the last owner) it cannot be
+            // waited for: it lets go after this returns.
+            if att.worker.is_current() {
+                left.push(format!("its requests on core worker {} (stopped from that worker)", att.worker.name));
+            } else if !detached.wait(deadline) {
                 left.push(format!("its requests on core worker {}", att.worker.name));
             }
         }

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, types, IoUring};
 use vdisk_image::{Error, Result};
 
-use crate::core::{Command, Detached, Inbox, Shared, CORE_RING_ENTRIES};
+use crate::core::{Command, Detached, Inbox, Shared};
 use crate::health;
 use crate::plan::Planner;
 use crate::queue::{Job, Queue};
@@ -112,10 +112,11 @@ pub(crate) struct CoreWorker {
 
 impl CoreWorker {
     /// Starts a worker thread with its ring, for `shared`.
-    pub fn spawn(shared: Arc<Shared>) -> std::io::Result<std::thread::JoinHandle<()>> {
-        let ring = IoUring::builder().setup_cqsize(CORE_RING_ENTRIES * 4).build(CORE_RING_ENTRIES)?;
+    pub fn spawn(shared: Arc<Shared>, entries: u32) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let ring = IoUring::builder().setup_cqsize(entries * 4).build(entries)?;
         let name = shared.name.clone();
         std::thread::Builder::new().name(name).spawn(move || {
+            let _ = shared.thread.set(std::thread::current().id());
             let w = CoreWorker {
                 shared,
                 f: Flight::new(Ring::new(ring, None)),

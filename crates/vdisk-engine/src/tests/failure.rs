@@ -216,8 +216,9 @@ fn a_tiny_ring_with_an_overflowing_completion_queue_loses_nothing() {
     // submission queue fills on every few pushes and completions overflow. (Linux
     // 6.x keeps overflowed completions and hands them over itself; a kernel that
     // answers EBUSY instead gets room made by `Ring::make_room`.)
-    let cfg = EngineConfig { kind: EngineKind::Uring, ring_entries: 2, batch: 512, coalesce: false, ..uring() };
-    let rig = Rig::new("tiny-ring", 4 << 20, false, &cfg);
+    let cfg = EngineConfig { kind: EngineKind::Uring, batch: 512, coalesce: false, ..uring() };
+    let core = Core::with_ring_entries(1, 2);
+    let rig = Rig::on(&core, "tiny-ring", 4 << 20, &cfg);
     for round in 0..3u8 {
         let batch: Vec<Request> =
             (0..512).map(|i| write(i * 8192, pattern(round.wrapping_add(i as u8), 4096), i)).collect();

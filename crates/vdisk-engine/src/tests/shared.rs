@@ -115,3 +115,41 @@ fn devices_come_and_go_while_another_serves_on_the_same_ring() {
     assert_eq!(core.loads(), vec![1], "only the steady device is left");
     steady.dev.shutdown().unwrap();
 }
+
+/// Holds the last owner of a device and drops it when its completions come
+/// (on the core worker), as an export's connection state may.
+struct LastOwner(Mutex<Option<Arc<Device>>>, Mutex<mpsc::Sender<usize>>);
+
+impl Sink for LastOwner {
+    fn complete(&self, done: Vec<Request>) {
+        drop(self.0.lock().unwrap().take());
+        self.1.lock().unwrap().send(done.len()).unwrap();
+    }
+}
+
+#[test]
+fn a_device_whose_last_owner_is_dropped_on_its_worker_does_not_wedge_it() {
+    let core = Core::new(1);
+    let other = Rig::on(&core, "owner-other", 1 << 20, &uring());
+    let doomed = Rig::on(&core, "owner-doomed", 1 << 20, &uring());
+    let (tx, rx) = mpsc::channel();
+    let owner = Arc::new(LastOwner(Mutex::new(Some(doomed.dev.clone())), Mutex::new(tx)));
+    let dev = doomed.dev.clone();
+    drop(doomed);
+    let sink: Arc<dyn Sink> = owner.clone();
+    // Many writes, so the worker is still at them when this thread lets go.
+    dev.submit((0..256).map(|i| write(i * 4096, vec![1; 4096], i)).collect(), &sink);
+    drop(dev);
+    let mut n = 0;
+    while n < 256 {
+        n += rx.recv_timeout(RECV).expect("every completion came");
+    }
+    // The worker dropped the device's last owner and goes on serving the other.
+    assert!(other.run(vec![write(0, vec![2; 4096], 1)])[0].error.is_none());
+    let deadline = std::time::Instant::now() + RECV;
+    while core.loads() != vec![1] && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(core.loads(), vec![1], "the dropped device let go of the worker");
+    other.dev.shutdown().unwrap();
+}
