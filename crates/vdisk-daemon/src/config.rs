@@ -64,6 +64,7 @@ pub struct ServerTable {
     pub max_buffer_memory: Option<Spanned<Amount>>,
     pub send_timeout: Option<Spanned<u32>>,
     pub engine: Option<EngineChoice>,
+    pub io_threads: Option<u16>,
     pub tls: Option<TlsChoice>,
     pub tls_certificates: Option<PathBuf>,
     pub tls_cert: Option<PathBuf>,

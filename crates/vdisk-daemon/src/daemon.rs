@@ -357,7 +357,9 @@ impl Daemon {
         let sync =
             format!("{}{}", if e.sync { ", sync" } else { "" }, if self.settings.direct { ", O_DIRECT" } else { "" });
         let engine = match device.kind() {
-            EngineKind::Uring => format!("io_uring engine, {} ring(s)", e.rings),
+            EngineKind::Uring => {
+                format!("io_uring engine, shared I/O core of {} ring(s)", vdisk_engine::Core::global().size())
+            }
             EngineKind::Threads => format!("thread engine, {} workers", e.workers),
             EngineKind::Rbd => "librbd AIO engine".to_owned(),
         };

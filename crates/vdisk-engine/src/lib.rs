@@ -1,7 +1,11 @@
-//! The engine moves a device's bytes. Each device has its own queue and its own
-//! pool of workers, so a busy or stalled disk never holds up another. Exports
-//! submit requests in batches; workers take them in batches, map them through
-//! the image, merge what is contiguous into single `preadv`/`pwritev` calls,
+//! The engine moves a device's bytes. Each device has its own queue, stats,
+//! QoS and health. Uring devices share the process-wide [`Core`]: a fixed set
+//! of io_uring workers (one per CPU by default) serving their ready devices
+//! round-robin, a batch each, so a thousand devices cost table entries, not
+//! threads, and a flooding device cannot starve a quiet one on its ring.
+//! Thread-engine devices keep a pool of their own, RBD devices a loop each.
+//! Exports submit requests in batches; workers take them in batches, map them
+//! through the image, merge what is contiguous into single vectored calls,
 //! and hand completions back in batches.
 //!
 //! The engine knows nothing of wire protocols: a request is a [`Command`] (an [`Op`]
@@ -24,6 +28,7 @@
 //! ([`Device::shutdown_within`]).
 
 mod buf;
+mod core;
 mod errlog;
 #[cfg(feature = "faults")]
 mod faults;
@@ -83,6 +88,7 @@ pub mod submit;
 mod sys;
 mod threads;
 mod uring;
+mod uring_ops;
 mod validate;
 pub mod wake;
 mod zero;
@@ -94,6 +100,7 @@ use std::time::{Duration, Instant};
 
 use vdisk_image::{Image, Result};
 
+pub use crate::core::Core;
 pub use buf::{Buf, ALIGN};
 pub use errlog::{ErrorLog, ERROR_LOG_INTERVAL};
 pub use lent::Lent;
@@ -109,7 +116,8 @@ use queue::Queue;
 pub enum EngineKind {
     /// A pool of worker threads doing blocking `preadv`/`pwritev2`.
     Threads,
-    /// io_uring: whole batches per `io_uring_enter`, one ring per queue thread.
+    /// io_uring: whole batches per `io_uring_enter`, on the rings of the
+    /// process-wide [`Core`] shared by every device.
     Uring,
     /// librbd's AIO, for images on Ceph RBD (chosen for them whatever was asked).
     Rbd,
@@ -121,15 +129,18 @@ pub struct EngineConfig {
     pub kind: EngineKind,
     /// Worker threads per device (thread engine).
     pub workers: usize,
-    /// Rings (each with its own thread) per device (uring engine).
+    /// Unused since the uring engine runs on the shared [`Core`] (one core
+    /// worker serves a device; `--io-threads` sets how many there are). Kept
+    /// so configurations that set it still load.
     pub rings: usize,
-    /// Submission-queue entries per ring.
+    /// Unused: the [`Core`]'s rings have a fixed size.
     pub ring_entries: u32,
-    /// Let a kernel thread poll the submission queue (uring engine).
+    /// Unused: the [`Core`]'s rings are not set up with SQPOLL.
     pub sqpoll: bool,
     /// Every write durable before it completes.
     pub sync: bool,
-    /// Most requests a worker takes from the queue at once.
+    /// Most requests a worker takes from the queue at once (on a core
+    /// worker: per device and round, the fairness quantum).
     pub batch: usize,
     /// Merge contiguous reads or writes of a batch into one vectored call.
     pub coalesce: bool,
@@ -169,7 +180,8 @@ enum Inline {
     CachedReads,
 }
 
-/// One virtual disk with its queue and workers.
+/// One virtual disk: its image, queue, stats, QoS and health, served by a
+/// core worker (uring) or workers of its own (threads, rbd).
 pub struct Device {
     name: String,
     kind: EngineKind,
@@ -185,6 +197,8 @@ pub struct Device {
     dsync_unreliable: bool,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// The core worker serving a uring device, and its "let go" signal.
+    attached: Option<(Arc<core::Attachment>, Arc<core::Detached>)>,
     /// Shared with the queue, which counts completions.
     stats: Arc<Stats>,
     qos: qos::Qos,
@@ -197,25 +211,37 @@ pub struct Device {
 impl Device {
     /// Starts the engine of a device over `image`. A uring engine the kernel
     /// cannot run falls back to threads, with a log line that says why.
+    /// The uring engine runs on the process-wide [`Core::global`].
     pub fn start(name: &str, image: Arc<dyn Image>, config: &EngineConfig) -> std::io::Result<Device> {
+        Self::start_on(Core::global(), name, image, config)
+    }
+
+    /// [`Device::start`] on the workers of `core` (for the uring engine).
+    pub fn start_on(core: &Core, name: &str, image: Arc<dyn Image>, config: &EngineConfig) -> std::io::Result<Device> {
         if rbd::uses_rbd(&*image) {
-            return Self::spawn(name, &image, config, EngineKind::Rbd);
+            return Self::spawn(core, name, &image, config, EngineKind::Rbd);
         }
         if config.kind == EngineKind::Uring {
             match uring::probe()
                 .map_err(std::io::Error::other)
-                .and_then(|()| Self::spawn(name, &image, config, EngineKind::Uring))
+                .and_then(|()| Self::spawn(core, name, &image, config, EngineKind::Uring))
             {
                 Ok(dev) => return Ok(dev),
                 Err(e) => log::warn!("{name}: io_uring unavailable ({e}); using the thread engine instead"),
             }
         }
-        Self::spawn(name, &image, config, EngineKind::Threads)
+        Self::spawn(core, name, &image, config, EngineKind::Threads)
     }
 
-    fn spawn(name: &str, image: &Arc<dyn Image>, config: &EngineConfig, kind: EngineKind) -> std::io::Result<Device> {
+    fn spawn(
+        core: &Core,
+        name: &str,
+        image: &Arc<dyn Image>,
+        config: &EngineConfig,
+        kind: EngineKind,
+    ) -> std::io::Result<Device> {
         let consumers = match kind {
-            EngineKind::Uring => config.rings,
+            EngineKind::Uring => 1,
             EngineKind::Threads => config.workers,
             // One loop per image: librbd signals all of an image's completions on one eventfd.
             EngineKind::Rbd => 1,
@@ -231,7 +257,7 @@ impl Device {
         } else {
             Inline::CachedReads
         };
-        let dev = Device {
+        let mut dev = Device {
             name: name.to_owned(),
             kind,
             inline,
@@ -243,11 +269,22 @@ impl Device {
             dsync_unreliable: image.files().first().is_some_and(sys::on_fuse),
             queue,
             workers: Mutex::new(Vec::new()),
+            attached: None,
             stats,
             qos: qos::Qos::default(),
             errors: Arc::new(ErrorLog::new(name)),
             zeros: Arc::new(zero::ZeroLadder::new(image.files().len())),
         };
+        if kind == EngineKind::Uring {
+            if dev.dsync_unreliable {
+                log::info!(
+                    "{name}: on FUSE, where RWF_DSYNC may not reach the file system; durable writes are followed by \
+                     an fdatasync"
+                );
+            }
+            dev.attached = Some(core.attach(dev.planner(), &dev.queue, config.batch)?);
+            return Ok(dev);
+        }
         for i in 0..consumers {
             let (planner, queue) = (dev.planner(), dev.queue.clone());
             let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
@@ -259,12 +296,7 @@ impl Device {
                 EngineKind::Rbd => {
                     spawn_built(format!("{name}-rbd"), move || rbd::RbdWorker::new(planner, queue, batch), |w| w.run())?
                 }
-                EngineKind::Uring => {
-                    let rc = uring::RingConfig { entries: config.ring_entries, sqpoll: config.sqpoll };
-                    // On error `dev` drops here, which stops the rings already started.
-                    let ring = move || uring::RingWorker::new(planner, queue, batch, rc);
-                    spawn_built(format!("{name}-ring{i}"), ring, |w| w.run())?
-                }
+                EngineKind::Uring => unreachable!("attached to the core above"),
             };
             dev.workers.lock().unwrap().push(handle);
         }
@@ -484,8 +516,18 @@ impl Device {
     /// Returns the names of those still running then, now detached.
     fn stop_workers(&self, deadline: Option<Instant>) -> Vec<String> {
         self.queue.close();
-        let workers = std::mem::take(&mut *self.workers.lock().unwrap());
         let mut left = Vec::new();
+        if let Some((att, detached)) = &self.attached {
+            // The core worker lets go of the device once its requests are all answered;
+            // on that worker's own thread (a sink dropped the last owner) it cannot be
+            // waited for: it lets go after this returns.
+            if att.worker.is_current() {
+                left.push(format!("its requests on core worker {} (stopped from that worker)", att.worker.name));
+            } else if !detached.wait(deadline) {
+                left.push(format!("its requests on core worker {}", att.worker.name));
+            }
+        }
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap());
         for w in workers {
             if let Some(d) = deadline {
                 while !w.is_finished() && Instant::now() < d {

@@ -4,6 +4,9 @@
 //! condvar: they register a [`Waker`] (an eventfd the ring has a read armed on)
 //! and a push writes to it only when that ring said it was going idle.
 //!
+//! A uring device's queue is served by a core worker (see `core`): a push
+//! marks the device ready on that worker, and wakes it only if it is idle.
+//!
 //! The queue also carries the device's [`Health`]: once failed, whatever a
 //! consumer takes is answered with EIO at once instead of handed to it, and
 //! [`Queue::deliver`] (the one place queued requests complete) answers with
@@ -12,8 +15,10 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
+
+use crate::core::Attachment;
 
 use crate::faults::Faults;
 use crate::health::{self, Health};
@@ -40,6 +45,8 @@ pub(crate) struct Queue {
     ready: Condvar,
     consumers: usize,
     wakers: Mutex<Vec<Arc<Waker>>>,
+    /// The core worker serving this device (uring engine): a push marks it ready there.
+    attachment: OnceLock<Arc<Attachment>>,
     /// Counts every request in ([`Queue::push`]) and out ([`Queue::deliver`]).
     stats: Arc<Stats>,
     health: Health,
@@ -61,6 +68,7 @@ impl Queue {
             ready: Condvar::new(),
             consumers: consumers.max(1),
             wakers: Mutex::new(Vec::new()),
+            attachment: OnceLock::new(),
             stats,
             health: Health::new(device),
             faults,
@@ -73,6 +81,27 @@ impl Queue {
 
     pub fn add_waker(&self, w: Arc<Waker>) {
         self.wakers.lock().unwrap().push(w);
+    }
+
+    /// Hands the queue to a core worker: from now on a push marks the device ready there.
+    pub fn attach(&self, a: Arc<Attachment>) {
+        let _ = self.attachment.set(a);
+    }
+
+    /// The core worker serving this queue, if any.
+    pub fn attachment(&self) -> Option<&Arc<Attachment>> {
+        self.attachment.get()
+    }
+
+    /// Closed, with nothing left waiting.
+    pub fn is_drained(&self) -> bool {
+        let st = self.state.lock().unwrap();
+        st.closed && st.jobs.is_empty()
+    }
+
+    /// Requests are waiting.
+    pub fn has_jobs(&self) -> bool {
+        !self.state.lock().unwrap().jobs.is_empty()
     }
 
     /// Queues a batch submitted at `started`.
@@ -95,6 +124,9 @@ impl Queue {
             self.ready.notify_one();
         } else if waiting > 1 {
             self.ready.notify_all();
+        }
+        if let Some(a) = self.attachment.get() {
+            return a.notify();
         }
         for w in self.wakers.lock().unwrap().iter() {
             if w.idle.swap(false, Ordering::SeqCst) {
@@ -164,6 +196,9 @@ impl Queue {
         for w in self.wakers.lock().unwrap().iter() {
             w.idle.store(false, Ordering::SeqCst);
             w.wake();
+        }
+        if let Some(a) = self.attachment.get() {
+            a.notify();
         }
     }
 

@@ -21,7 +21,6 @@ use crate::faults::{EnterFault, Faults};
 
 pub(crate) struct Ring {
     pub ring: IoUring,
-    pub fixed_files: bool,
     /// Completions moved out of the ring to make room (see the module's notes).
     backlog: Vec<(u64, i32)>,
     faults: Option<std::sync::Arc<Faults>>,
@@ -37,8 +36,8 @@ fn interrupted(e: &std::io::Error) -> bool {
 }
 
 impl Ring {
-    pub fn new(ring: IoUring, fixed_files: bool, faults: Option<std::sync::Arc<Faults>>) -> Ring {
-        Ring { ring, fixed_files, backlog: Vec::new(), faults }
+    pub fn new(ring: IoUring, faults: Option<std::sync::Arc<Faults>>) -> Ring {
+        Ring { ring, backlog: Vec::new(), faults }
     }
 
     /// An injected result for this enter (tests only), if any.

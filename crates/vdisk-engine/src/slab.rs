@@ -54,6 +54,16 @@ impl<T> Slab<T> {
         self.slots.drain(..).flatten()
     }
 
+    /// Every live key and its value.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &T)> + '_ {
+        self.slots.iter().enumerate().filter_map(|(k, v)| Some((k, v.as_ref()?)))
+    }
+
+    /// Every live key and its value, mutably.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (usize, &mut T)> + '_ {
+        self.slots.iter_mut().enumerate().filter_map(|(k, v)| Some((k, v.as_mut()?)))
+    }
+
     /// Values stored.
     pub fn len(&self) -> usize {
         self.live

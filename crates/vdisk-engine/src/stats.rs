@@ -4,7 +4,8 @@
 //! flushes.
 //!
 //! Counters are relaxed atomics; latencies go to one HDR histogram per class,
-//! each locked once per completed batch, never per request. This module reads
+//! each locked once per completed batch, never per request, and made only
+//! when its class first completes (an idle device holds none). This module reads
 //! requests but never changes one.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -51,13 +52,15 @@ pub struct Stats {
     write_bytes: AtomicU64,
     errors: AtomicU64,
     in_flight: AtomicI64,
-    /// Read, write, flush latencies in microseconds.
-    latency: [Mutex<Histogram<u64>>; 3],
+    /// Read, write, flush latencies in microseconds; each made on its first
+    /// sample (a histogram is ~140 KiB written at birth: an idle device of a
+    /// thousand must not pay three).
+    latency: [Mutex<Option<Histogram<u64>>>; 3],
 }
 
 impl Default for Stats {
     fn default() -> Self {
-        let hist = || Mutex::new(Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds"));
+        let hist = || Mutex::new(None);
         Stats {
             ops: Default::default(),
             read_bytes: AtomicU64::new(0),
@@ -140,14 +143,21 @@ impl Stats {
         self.in_flight.fetch_sub(n, Ordering::Relaxed);
         for (h, count) in self.latency.iter().zip(timed) {
             if count > 0 {
-                let _ = h.lock().unwrap().record_n(us, count);
+                let mut h = h.lock().unwrap();
+                let h = h.get_or_insert_with(|| {
+                    Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
+                });
+                let _ = h.record_n(us, count);
             }
         }
     }
 
     pub fn snapshot(&self) -> Snapshot {
         let op = |c: Class| self.ops[c as usize].load(Ordering::Relaxed);
-        let lat = |i: usize| latency(&self.latency[i].lock().unwrap());
+        let lat = |i: usize| match &*self.latency[i].lock().unwrap() {
+            Some(h) => latency(h),
+            None => Latency { buckets: vec![0; LATENCY_BOUNDS.len()], ..Default::default() },
+        };
         Snapshot {
             read_ops: op(Class::Read),
             read_bytes: self.read_bytes.load(Ordering::Relaxed),

@@ -42,6 +42,11 @@ impl Rig {
         Self::new_in(&std::env::temp_dir(), tag, size, read_only, config, format)
     }
 
+    /// A raw read-write device of `size` bytes on `core`'s workers.
+    fn on(core: &Core, tag: &str, size: u64, config: &EngineConfig) -> Rig {
+        Self::new_with(&std::env::temp_dir(), tag, size, false, config, Format::Raw, Some(core))
+    }
+
     fn new_in(
         base: &std::path::Path,
         tag: &str,
@@ -49,6 +54,18 @@ impl Rig {
         read_only: bool,
         config: &EngineConfig,
         format: Format,
+    ) -> Rig {
+        Self::new_with(base, tag, size, read_only, config, format, None)
+    }
+
+    fn new_with(
+        base: &std::path::Path,
+        tag: &str,
+        size: u64,
+        read_only: bool,
+        config: &EngineConfig,
+        format: Format,
+        core: Option<&Core>,
     ) -> Rig {
         let dir = base.join(format!("vdisk-engine-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -64,7 +81,7 @@ impl Rig {
                 Arc::new(CowImage::open(&overlay, read_only, None, false).unwrap())
             }
         };
-        let dev = Device::start(tag, image, config).unwrap();
+        let dev = Device::start_on(core.unwrap_or(Core::global()), tag, image, config).unwrap();
         assert_eq!(dev.kind(), config.kind, "{tag}: the engine asked for runs here");
         let (tx, rx) = mpsc::channel();
         Rig { dev: Arc::new(dev), sink: Arc::new(Collect(Mutex::new(tx))), rx, dir }
@@ -152,7 +169,7 @@ fn configs() -> Vec<(&'static str, EngineConfig)> {
         ),
         ("sync", EngineConfig { kind: EngineKind::Threads, sync: true, workers: 4, ..Default::default() }),
         ("uring", EngineConfig::default()),
-        ("uring-2rings", EngineConfig { kind: EngineKind::Uring, rings: 2, ring_entries: 8, ..Default::default() }),
+        ("uring-batch1", EngineConfig { kind: EngineKind::Uring, batch: 1, ..Default::default() }),
         ("uring-sync", EngineConfig { kind: EngineKind::Uring, sync: true, coalesce: false, ..Default::default() }),
     ]
 }
@@ -346,7 +363,10 @@ fn a_stalled_device_never_blocks_another() {
         let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let path = stalled_rig.dev.image().file_path(0).to_owned();
         let image = Stalled { inner: RawImage::open(&path, false).unwrap(), gate: gate.clone() };
-        let stalled = Device::start("stalled", Arc::new(image), &cfg).unwrap();
+        // A mapping that blocks holds up its core worker and whatever shares it
+        // (docs/design.md): the stalled device gets a core of its own.
+        let own = Core::new(1);
+        let stalled = Device::start_on(&own, "stalled", Arc::new(image), &cfg).unwrap();
         // Every worker or ring of the stalled device is stuck in a read.
         let reads: Vec<Request> = (0..64).map(|i| Request::new(Op::Read, i * 4096, 4096, i)).collect();
         stalled.submit(reads, &stalled_rig.sink);
@@ -523,3 +543,4 @@ fn stats_count_each_request_once_inline_or_queued() {
 }
 
 mod failure;
+mod shared;

@@ -1,25 +1,35 @@
-//! The io_uring engine: one ring per queue thread. Everything the thread took
-//! from the device's queue goes into the ring at once and is submitted with the
-//! same `io_uring_enter` that waits for completions; completions are reaped as
-//! a batch and delivered grouped by sink.
+//! A core worker of the io_uring engine: one thread, one ring, any number of
+//! devices (see `core`). Each loop it takes the devices marked ready, round-
+//! robin, up to one batch (the device's `batch`) from each, plans and pushes
+//! them into the ring, and submits them all with the same `io_uring_enter`
+//! that waits for completions; completions are reaped as a batch and
+//! delivered per device, grouped by sink. A device with more waiting goes to
+//! the back of the ready list, so a flooding neighbour gets one batch per
+//! round and a quiet device's requests never wait behind its backlog.
+//! The operations themselves (reads, writes, fsyncs, their completions) are
+//! in `uring_ops`; this file is the loop, attach/detach and the failure paths.
 //!
-//! The in-flight table (`ops`, `jobs`) owns every request, and with it every
-//! buffer and iovec array the kernel may touch, until that operation's
-//! completion has been reaped. All `unsafe` submission is in [`Ring::push`].
+//! The in-flight table (`Flight`: `ops`, `jobs`) owns every request, and with
+//! it every buffer and iovec array the kernel may touch, until that
+//! operation's completion has been reaped. Files are plain fds, not
+//! registered: a shared ring would need a sparse table updated on every
+//! attach and detach, for a per-op saving this engine has not needed.
 //!
-//! The contract on every way out of the worker — the queue closed and
-//! drained (shutdown), an error from `io_uring_enter` that is not EINTR nor a
-//! full completion queue (see [`crate::ring`]), a panic anywhere in the loop
-//! (caught at the thread's edge): nothing the kernel may still read or write
-//! is ever freed. On shutdown nothing is in flight but the wake read, which is
-//! cancelled and reaped. After a failure the device is failed (its requests
-//! get EIO), everything in the ring is cancelled (`IORING_OP_ASYNC_CANCEL`,
-//! any) and reaped for up to [`ABANDON_WAIT`]; what was reaped is answered
-//! with EIO and freed as usual. If something is still in the kernel then, the
-//! ring, the operations' iovecs, the wake buffer and the requests' data are
-//! leaked (`mem::forget`), never dropped, and the requests are answered with
-//! EIO and an empty buffer. The worker then answers every later request of
-//! the device with EIO until the device stops.
+//! Failure, per device: a panic while the worker handles one device's
+//! requests (planning, performing, reaping, delivering them), or an injected
+//! enter fault naming it, fails THAT device: what the worker holds of it is
+//! answered with EIO at once, its operations still in the ring are cancelled
+//! (`IORING_OP_ASYNC_CANCEL` by key) and answered with EIO as they are reaped;
+//! the worker goes on serving the others. What the kernel has not given back
+//! [`ABANDON_WAIT`] after the failure is leaked: the operation's slot stays
+//! reserved (its late completion is ignored), its memory and the requests'
+//! data are forgotten, never freed, and the requests answered with EIO.
+//! Failure of the ring itself (`io_uring_enter` failing for another reason
+//! than EINTR or a full completion queue, or a panic outside any device's
+//! requests) fails every device on the worker: everything is cancelled and
+//! reaped for up to [`ABANDON_WAIT`], the rest leaked with the ring, and the
+//! worker, now dead to new devices, answers its devices' requests with EIO
+//! until they stop.
 //!
 //! FLUSH is an `IORING_OP_FSYNC` (datasync) of the written file, not ordered against other
 //! operations in the ring: it must cover only writes *completed* before it was
@@ -30,497 +40,462 @@
 //! linked to an `IORING_OP_FSYNC` (datasync) of its file, and completes only
 //! with that fsync.
 
-use std::mem::ManuallyDrop;
-use std::os::fd::AsRawFd;
+use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{opcode, types, IoUring};
 use vdisk_image::{Error, Result};
 
+use crate::core::{Command, Detached, Inbox, Shared};
 use crate::health;
-use crate::plan::{Jobs, Planner, Run};
-use crate::queue::{Job, Queue, Waker};
+use crate::plan::Planner;
+use crate::queue::{Job, Queue};
 use crate::ring::Ring;
-use crate::slab::Slab;
-use crate::wake::EventFd;
-use crate::Op;
-
-/// Builds an SQE on file number `$file` of the image (its O_DIRECT twin when
-/// `$direct`): the registered index when files are registered, else the fd.
-macro_rules! on_file {
-    ($w:expr, $file:expr, $direct:expr, |$f:ident| $build:expr) => {
-        if $w.ring.fixed_files {
-            let twin = if $direct { $w.planner.image.files().len() } else { 0 };
-            let $f = types::Fixed(($file + twin) as u32);
-            $build
-        } else {
-            let files = if $direct { $w.planner.image.direct_files() } else { $w.planner.image.files() };
-            let $f = types::Fd(files[$file].as_raw_fd());
-            $build
-        }
-    };
-}
+use crate::uring_ops::Flight;
 
 /// user_data of the eventfd read that wakes an idle ring.
-const WAKE: u64 = u64::MAX;
-/// user_data of the cancel of that read at exit, and of the cancel of everything after a failure.
-const CANCEL: u64 = u64::MAX - 1;
-/// How long a failed worker waits for the kernel to give back what it holds
-/// before it leaks it (requests pushed meanwhile are answered as it waits).
+pub(crate) const WAKE: u64 = u64::MAX;
+/// user_data of cancels.
+pub(crate) const CANCEL: u64 = u64::MAX - 1;
+/// How long a failed device's operations may stay in the kernel before they are leaked.
 pub(crate) const ABANDON_WAIT: Duration = Duration::from_secs(2);
 
-/// How rings are set up.
-#[derive(Debug, Clone, Copy)]
-pub struct RingConfig {
-    pub entries: u32,
-    pub sqpoll: bool,
-}
-
-/// A request in flight and how many of its operations are still in the ring.
-struct JobSlot {
-    job: Job,
-    pending: usize,
-}
-
-enum OpKind {
-    /// A vectored read or write; `iov` is what the SQE points at, owned here
-    /// (and never read again) until the completion is reaped.
-    Data {
-        run: Run,
-        #[allow(dead_code)]
-        iov: Vec<libc::iovec>,
-        jobs: Jobs,
-    },
-    /// The fsync of one file for a FLUSH.
-    Fsync { job: usize },
-    /// The fdatasync linked after a durable O_DIRECT write where RWF_DSYNC
-    /// is not carried; each job of the write waits for it too.
-    WriteSync { run: Run, jobs: Jobs },
-}
-
-pub(crate) struct RingWorker {
-    /// Dropped first (in `Drop`), once nothing is in flight; never when `leaked`.
-    ring: ManuallyDrop<Ring>,
-    /// Set when the kernel may still hold memory of this worker: the ring is never dropped.
-    leaked: bool,
-    planner: Planner,
-    queue: Arc<Queue>,
-    waker: Arc<Waker>,
-    wake_buf: Box<u64>,
-    /// A read of the eventfd into `wake_buf` is in the ring.
-    wake_armed: bool,
-    /// Taken from the queue, not yet in the ring (a field, so a panic does not lose them).
-    new: Vec<Job>,
-    jobs: Slab<JobSlot>,
-    ops: Slab<OpKind>,
-    /// Completions taken from the ring; those before `seen` are handled.
-    cqes: Vec<(u64, i32)>,
-    seen: usize,
-    done: Vec<Job>,
+/// A device as its core worker sees it.
+pub(crate) struct DevState {
+    pub planner: Planner,
+    pub queue: Arc<Queue>,
+    detached: Arc<Detached>,
+    /// Its requests in `Flight::jobs`.
+    pub in_flight: usize,
+    /// Finished, to be delivered.
+    pub done: Vec<Job>,
     /// Positions in `done` of durable writes whose metadata is not yet durable.
-    owed: Vec<usize>,
+    pub owed: Vec<usize>,
+    /// Most requests taken from its queue per round.
     batch: usize,
+    /// Its queue was found closed and drained.
+    closed: bool,
+    /// When it failed (its leftovers in the kernel are leaked after [`ABANDON_WAIT`]).
+    failed_at: Option<Instant>,
+    /// Completions came for it in this reap.
+    pub touched: bool,
 }
 
-impl RingWorker {
-    /// Builds a ring for `planner.image` (files registered when the kernel allows)
-    /// and registers its waker with the queue.
-    pub fn new(planner: Planner, queue: Arc<Queue>, batch: usize, cfg: RingConfig) -> std::io::Result<Self> {
-        let mut builder = IoUring::builder();
-        if cfg.sqpoll {
-            builder.setup_sqpoll(1000);
-        }
-        let ring = builder.setup_cqsize(cfg.entries * 4).build(cfg.entries)?;
-        // Registered as the buffered files, then their O_DIRECT twins.
-        let image = &planner.image;
-        let fds: Vec<i32> = image.files().iter().chain(image.direct_files()).map(|f| f.as_raw_fd()).collect();
-        let fixed_files = ring.submitter().register_files(&fds).is_ok();
-        if planner.dsync_unreliable {
-            log::info!(
-                "{}: on FUSE, where RWF_DSYNC may not reach the file system; durable writes are followed by an \
-                 fdatasync",
-                planner.describe(0)
-            );
-        }
-        let waker = Arc::new(Waker { efd: EventFd::new()?, idle: false.into() });
-        queue.add_waker(waker.clone());
-        let faults = planner.faults.clone();
-        Ok(RingWorker {
-            ring: ManuallyDrop::new(Ring::new(ring, fixed_files, faults)),
-            leaked: false,
-            planner,
-            queue,
-            waker,
-            wake_buf: Box::new(0),
-            wake_armed: false,
-            new: Vec::with_capacity(batch.max(1)),
-            jobs: Slab::new(),
-            ops: Slab::new(),
-            cqes: Vec::new(),
-            seen: 0,
-            done: Vec::new(),
-            owed: Vec::new(),
-            batch: batch.max(1),
+impl DevState {
+    pub fn failed(&self) -> bool {
+        self.queue.health().is_failed()
+    }
+}
+
+pub(crate) struct CoreWorker {
+    shared: Arc<Shared>,
+    pub(crate) f: Flight,
+    pub(crate) devices: HashMap<u64, DevState>,
+    /// Devices whose VDISK_FAULTS rules may inject an enter fault (tests only).
+    fault_devs: Vec<u64>,
+    /// Devices failed with operations still in the kernel.
+    abandoning: Vec<u64>,
+    ready: VecDeque<u64>,
+    inbox: Inbox,
+    /// Taken from the current device's queue, not yet in the ring.
+    new: Vec<Job>,
+    /// The device whose requests the worker is handling (a panic fails it).
+    current: Option<u64>,
+    /// Devices touched by the current reap.
+    pub(crate) touched: Vec<u64>,
+    wake_buf: Box<u64>,
+    wake_armed: bool,
+}
+
+impl CoreWorker {
+    /// Starts a worker thread with its ring, for `shared`.
+    pub fn spawn(shared: Arc<Shared>, entries: u32) -> std::io::Result<std::thread::JoinHandle<()>> {
+        let ring = IoUring::builder().setup_cqsize(entries * 4).build(entries)?;
+        let name = shared.name.clone();
+        std::thread::Builder::new().name(name).spawn(move || {
+            let _ = shared.thread.set(std::thread::current().id());
+            let w = CoreWorker {
+                shared,
+                f: Flight::new(Ring::new(ring, None)),
+                devices: HashMap::new(),
+                fault_devs: Vec::new(),
+                abandoning: Vec::new(),
+                ready: VecDeque::new(),
+                inbox: Inbox::default(),
+                new: Vec::new(),
+                current: None,
+                touched: Vec::new(),
+                wake_buf: Box::new(0),
+                wake_armed: false,
+            };
+            w.run()
         })
     }
 
-    /// Serves until the queue is closed and drained. A failure (an error or
-    /// a panic) fails the device; the worker gives back what it holds (see
-    /// the module's notes) and answers the device's requests with EIO until it stops.
-    pub fn run(mut self) {
-        let cause = match catch_unwind(AssertUnwindSafe(|| self.serve())) {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => format!("its io_uring queue failed: {e}"),
-            Err(p) => format!("its io_uring queue stopped on a {}", health::panic_message(&*p)),
-        };
-        self.queue.health().fail(cause);
-        if !catch_unwind(AssertUnwindSafe(|| self.abandon())).unwrap_or(false) {
-            self.leak();
+    fn run(mut self) {
+        loop {
+            let cause = match catch_unwind(AssertUnwindSafe(|| self.serve())) {
+                Ok(Ok(())) => unreachable!("a core worker serves for the life of the process"),
+                Ok(Err(e)) => format!("its io_uring queue ({}) failed: {e}", self.shared.name),
+                Err(p) => {
+                    let cause = format!("its requests on {} hit a {}", self.shared.name, health::panic_message(&*p));
+                    if let Some(id) = self.current.take() {
+                        // One device's handling panicked: it fails, the others go on.
+                        if catch_unwind(AssertUnwindSafe(|| self.fail_device(id, cause.clone()))).is_ok() {
+                            continue;
+                        }
+                    }
+                    cause
+                }
+            };
+            self.ring_failed(cause);
+            return self.serve_dead();
         }
-        self.queue.serve_failed();
     }
 
     fn serve(&mut self) -> std::io::Result<()> {
+        self.shared.idle.store(false, Ordering::SeqCst);
         if !self.wake_armed {
             self.arm_wake()?;
         }
         loop {
-            let mut open = self.queue.try_take(self.batch, &mut self.new);
-            if !self.new.is_empty() {
-                self.start()?;
-            }
-            self.queue.deliver(&mut self.done);
-            if !open && self.jobs.is_empty() {
-                break;
-            }
+            self.take_inbox();
+            self.serve_round()?;
             // About to sleep in the kernel: say so, then look once more so no
-            // push is missed. While we sleep a push wakes us through the
-            // eventfd, so new requests never wait behind slow ones in the ring.
-            while open {
-                // Set before each look: a push after a look that found nothing sees it.
-                self.waker.idle.store(true, Ordering::SeqCst);
-                open = self.queue.try_take(self.batch, &mut self.new);
-                if self.new.is_empty() {
-                    break;
+            // push is missed. While we sleep a push wakes us through the eventfd.
+            let mut wait = self.ready.is_empty();
+            if wait {
+                self.shared.idle.store(true, Ordering::SeqCst);
+                let inbox = self.shared.inbox.lock().unwrap();
+                if !inbox.ready.is_empty() || !inbox.commands.is_empty() {
+                    wait = false;
                 }
-                self.start()?;
-                self.queue.deliver(&mut self.done);
             }
-            // One call submits the whole batch and waits for the first completion.
-            self.ring.enter(true)?;
-            self.waker.idle.store(false, Ordering::SeqCst);
+            self.inject_enter_faults();
+            if wait && !self.abandoning.is_empty() {
+                self.f.ring.wait_for(Duration::from_millis(50))?;
+            } else {
+                self.f.ring.enter(wait)?;
+            }
+            self.shared.idle.store(false, Ordering::SeqCst);
             self.reap()?;
+            self.check_abandoned();
         }
-        self.retire_wake()
     }
 
-    /// Takes the wake read back (at a clean exit) before the ring and its buffer go.
-    fn retire_wake(&mut self) -> std::io::Result<()> {
-        let cancel = opcode::AsyncCancel::new(WAKE).build().user_data(CANCEL);
-        // SAFETY: the cancel entry refers to no memory.
-        unsafe { self.ring.push(&cancel)? };
-        let mut cancelled = false;
-        while self.wake_armed || !cancelled {
-            self.ring.enter(true)?;
-            self.ring.completions(&mut self.cqes);
-            for (ud, _) in self.cqes.drain(..) {
-                match ud {
-                    WAKE => self.wake_armed = false,
-                    CANCEL => cancelled = true,
-                    _ => {}
+    /// Takes what producers and the control path left: new devices first, then
+    /// the devices that became ready, behind those already waiting their turn.
+    fn take_inbox(&mut self) {
+        {
+            let mut inbox = self.shared.inbox.lock().unwrap();
+            std::mem::swap(&mut *inbox, &mut self.inbox);
+        }
+        for c in self.inbox.commands.drain(..) {
+            match c {
+                Command::Attach { id, planner, queue, detached, batch } => {
+                    if planner.faults.is_some() {
+                        self.fault_devs.push(id);
+                    }
+                    let d = DevState {
+                        planner: *planner,
+                        queue,
+                        detached,
+                        in_flight: 0,
+                        done: Vec::new(),
+                        owed: Vec::new(),
+                        batch,
+                        closed: false,
+                        failed_at: None,
+                        touched: false,
+                    };
+                    self.devices.insert(id, d);
                 }
             }
+        }
+        self.ready.extend(self.inbox.ready.drain(..));
+    }
+
+    /// One round-robin pass over the devices ready now: up to one batch each.
+    fn serve_round(&mut self) -> std::io::Result<()> {
+        for _ in 0..self.ready.len() {
+            let Some(id) = self.ready.pop_front() else { break };
+            let Some(d) = self.devices.get_mut(&id) else { continue };
+            let att = d.queue.attachment().expect("a core device is attached").clone();
+            // Cleared before the take: a push after it marks the device ready again.
+            att.ready.store(false, Ordering::SeqCst);
+            self.current = Some(id);
+            let open = d.queue.try_take(d.batch, &mut self.new);
+            if !self.new.is_empty() {
+                self.f.start(d, id, &mut self.new)?;
+            }
+            d.queue.deliver(&mut d.done);
+            if d.queue.has_jobs() && !att.ready.swap(true, Ordering::SeqCst) {
+                self.ready.push_back(id);
+            }
+            d.closed |= !open;
+            self.current = None;
+            self.maybe_detach(id);
         }
         Ok(())
     }
 
+    /// Lets go of a stopped device once nothing of it is in flight.
+    pub(crate) fn maybe_detach(&mut self, id: u64) {
+        let Some(d) = self.devices.get(&id) else { return };
+        if d.in_flight > 0 || !d.done.is_empty() || !(d.closed || d.queue.is_drained()) {
+            return;
+        }
+        let d = self.devices.remove(&id).expect("present");
+        self.fault_devs.retain(|&x| x != id);
+        self.abandoning.retain(|&x| x != id);
+        self.shared.load.fetch_sub(1, Ordering::SeqCst);
+        d.detached.set();
+    }
+
     fn arm_wake(&mut self) -> std::io::Result<()> {
-        let read = opcode::Read::new(types::Fd(self.waker.efd.fd()), (&mut *self.wake_buf as *mut u64).cast(), 8)
+        let read = opcode::Read::new(types::Fd(self.shared.efd.fd()), (&mut *self.wake_buf as *mut u64).cast(), 8)
             .build()
             .user_data(WAKE);
-        // SAFETY: wake_buf is a heap u64 owned by this worker, which waits for this
-        // read's completion (or its cancellation) before dropping it, or leaks it.
-        unsafe { self.ring.push(&read)? };
+        // SAFETY: wake_buf is a heap u64 owned by this worker, which lives as
+        // long as the process (or leaks the buffer with the ring).
+        unsafe { self.f.ring.push(&read)? };
         self.wake_armed = true;
         Ok(())
     }
 
-    /// Queues the SQE of operation `op`. If it cannot be queued, the kernel
-    /// never saw it: the operation leaves the table.
-    ///
-    /// # Safety
-    /// As for [`Ring::push`].
-    unsafe fn push_op(&mut self, op: usize, entry: &squeue::Entry) -> std::io::Result<()> {
-        // SAFETY: the caller's contract is `Ring::push`'s.
-        let r = unsafe { self.ring.push(entry) };
-        if r.is_err() {
-            self.ops.remove(op);
-        }
-        r
-    }
-
-    /// After a failure: answers with EIO what the worker holds, cancels what
-    /// is in the ring and reaps it for up to [`ABANDON_WAIT`], answering the
-    /// device's new requests meanwhile. True when the kernel gave everything
-    /// back (then the requests in flight are answered too); false when the
-    /// worker must [`RingWorker::leak`].
-    fn abandon(&mut self) -> bool {
-        self.waker.idle.store(false, Ordering::SeqCst);
-        self.owed.clear();
-        let mut held: Vec<Job> = self.new.drain(..).collect();
-        held.append(&mut self.done);
-        self.queue.fail(&mut held);
-        // Completions taken but not handled: those operations are over.
-        let unseen: Vec<u64> = self.cqes[self.seen..].iter().map(|&(ud, _)| ud).collect();
-        self.cqes.clear();
-        self.seen = 0;
-        unseen.into_iter().for_each(|ud| self.forget_op(ud));
-        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
-        // SAFETY: a cancel refers to no memory.
-        let _ = unsafe { self.ring.push(&cancel) };
-        if self.wake_armed {
-            // The read completes even where the kernel knows no cancel-any (before 5.19).
-            self.waker.wake();
-        }
-        let deadline = Instant::now() + ABANDON_WAIT;
-        let mut none = Vec::new();
-        while (!self.ops.is_empty() || self.wake_armed) && Instant::now() < deadline {
-            // A failed device's queue answers what is waiting with EIO.
-            self.queue.try_take(1, &mut none);
-            if self.ring.wait_for(Duration::from_millis(20)).is_err() {
-                // The ring cannot be entered: wait out the deadline, then leak.
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            self.ring.completions(&mut self.cqes);
-            let reaped: Vec<u64> = self.cqes.drain(..).map(|(ud, _)| ud).collect();
-            reaped.into_iter().for_each(|ud| self.forget_op(ud));
-        }
-        if !self.ops.is_empty() || self.wake_armed {
-            return false;
-        }
-        let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
-        self.queue.fail(&mut held);
-        true
-    }
-
-    /// A completion after a failure: its operation is over and leaves the table.
-    fn forget_op(&mut self, ud: u64) {
-        match ud {
-            WAKE => self.wake_armed = false,
-            CANCEL => {}
-            op => drop(self.ops.remove(op as usize)),
-        }
-    }
-
-    /// The kernel still holds memory of this worker: the ring, the iovecs of
-    /// the operations, the wake buffer and the data of every request in
-    /// flight are leaked, never freed; the requests are answered with EIO.
-    fn leak(&mut self) {
-        self.leaked = true;
-        let (ops, name) = (self.ops.len(), self.planner.describe(0));
-        std::mem::forget(std::mem::take(&mut self.ops));
-        std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
-        let mut held: Vec<Job> = self.jobs.drain().map(|slot| slot.job).collect();
-        held.extend(self.new.drain(..).chain(self.done.drain(..)));
-        log::error!(
-            "{name}: {ops} operation(s) still in the kernel {ABANDON_WAIT:?} after the failure; their memory and \
-             the ring are leaked, never freed, and {} request(s) answered with EIO",
-            held.len()
-        );
-        self.queue.fail_leaked(&mut held);
-    }
-
-    /// Puts a batch of new requests into the ring (or completes them here when
-    /// they need no I/O or failed to map).
-    fn start(&mut self) -> std::io::Result<()> {
-        let runs = self.planner.plan(self.new.iter_mut().map(|(r, _, _)| r).enumerate());
-        let keys: Vec<usize> = self.new.drain(..).map(|job| self.jobs.insert(JobSlot { job, pending: 0 })).collect();
-        for mut run in runs {
-            for j in run.jobs.iter_mut() {
-                *j = keys[*j];
-            }
-            self.start_run(run)?;
-        }
-        for &k in &keys {
-            if self.jobs[k].job.0.op() == Op::Flush {
-                self.start_flush(k)?;
-            } else {
-                self.planner.perform_other(&mut self.jobs[k].job.0);
-            }
-            if self.jobs[k].pending == 0 {
-                self.finish(k);
-            }
-        }
-        Ok(())
-    }
-
-    /// One vectored read or write; a durable write to a file on FUSE gets its
-    /// linked fdatasync.
-    fn start_run(&mut self, run: Run) -> std::io::Result<()> {
-        let mut jobs = run.jobs.clone();
-        jobs.dedup();
-        let linked = run.write && run.dsync && self.planner.dsync_unreliable && !crate::plan::skips_data_sync();
-        for &j in &jobs {
-            self.jobs[j].pending += if linked { 2 } else { 1 };
-        }
-        let iov: Vec<libc::iovec> =
-            run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
-        let (fd, direct) = (run.file, run.direct);
-        let (offset, write, dsync, n, ptr) = (run.offset, run.write, run.dsync, iov.len() as u32, iov.as_ptr());
-        // The linked fdatasync keeps its own copy of the run's place, for error messages.
-        let sync_run = Run { segs: Default::default(), jobs: Jobs::new(), ..run };
-        let link_jobs = jobs.clone();
-        let op = self.ops.insert(OpKind::Data { run, iov, jobs });
-        let entry = if write {
-            let flags = if dsync { libc::RWF_DSYNC } else { 0 };
-            on_file!(self, fd, direct, |f| opcode::Writev::new(f, ptr, n).offset(offset).rw_flags(flags).build())
-        } else {
-            on_file!(self, fd, direct, |f| opcode::Readv::new(f, ptr, n).offset(offset).build())
-        };
-        let entry = entry.user_data(op as u64);
-        if !linked {
-            // SAFETY: the iovecs live in `ops[op]` and point into buffers of requests
-            // in `jobs`; both stay until this op's completion is reaped (or are leaked).
-            return unsafe { self.push_op(op, &entry) };
-        }
-        // Both entries must be in one submission for the link to hold.
-        if self.ring.room() < 2 {
-            self.ring.enter(false)?;
-        }
-        // SAFETY: as above, for the write.
-        unsafe { self.push_op(op, &entry.flags(squeue::Flags::IO_LINK))? };
-        let sync = self.ops.insert(OpKind::WriteSync { run: sync_run, jobs: link_jobs });
-        let entry = on_file!(self, fd, direct, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
-            .user_data(sync as u64);
-        // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
-        unsafe { self.push_op(sync, &entry) }
-    }
-
-    /// A FLUSH: an fsync of file 0 in the ring (its metadata round follows in
-    /// `reap`), or an error now when an injected failure says so.
-    fn start_flush(&mut self, k: usize) -> std::io::Result<()> {
-        let slot = &mut self.jobs[k];
-        if let Err(e) = self.planner.flush_begin() {
-            // Failed before the fsync, like a failed fsync: no metadata round.
-            slot.job.0.error = Some(e);
-            return Ok(());
-        }
-        if crate::plan::skips_data_sync() || self.planner.image.files().is_empty() {
-            // A test build told to break durability, or an image without files
-            // (nothing to sync): no fsync, only the metadata round.
-            if let Err(e) = self.planner.flush_end(Ok(())) {
-                slot.job.0.error = Some(e);
-            }
-            return Ok(());
-        }
-        // File 0 is the only one writes reach.
-        slot.pending += 1;
-        let op = self.ops.insert(OpKind::Fsync { job: k });
-        let entry = on_file!(self, 0, false, |f| opcode::Fsync::new(f).flags(types::FsyncFlags::DATASYNC).build())
-            .user_data(op as u64);
-        // SAFETY: an fsync refers to no memory; the fd is the image's, open until the engine stops.
-        unsafe { self.push_op(op, &entry) }
-    }
-
-    /// Handles every completion there is. `seen` moves past each before it
-    /// is handled, so after a panic the rest are known to be over too.
+    /// Handles every completion there is, then delivers per device.
     fn reap(&mut self) -> std::io::Result<()> {
-        self.ring.completions(&mut self.cqes);
-        while self.seen < self.cqes.len() {
-            let (ud, res) = self.cqes[self.seen];
-            self.seen += 1;
-            if ud == WAKE {
-                self.wake_armed = false;
-                self.arm_wake()?;
-                continue;
-            }
-            if ud == CANCEL {
-                continue;
-            }
-            match self.ops.remove(ud as usize).expect("a live slab key") {
-                OpKind::Data { run, iov: _, jobs } => {
-                    self.data_done(&run, res);
-                    for j in jobs {
-                        self.release(j);
-                    }
+        self.f.ring.completions(&mut self.f.cqes);
+        while self.f.seen < self.f.cqes.len() {
+            let (ud, res) = self.f.cqes[self.f.seen];
+            self.f.seen += 1;
+            match ud {
+                WAKE => {
+                    self.wake_armed = false;
+                    self.arm_wake()?;
                 }
-                OpKind::Fsync { job } => {
-                    let synced = if res < 0 { Err(std::io::Error::from_raw_os_error(-res)) } else { Ok(()) };
-                    if let Err(e) = self.planner.flush_end(synced) {
-                        self.jobs[job].job.0.error.get_or_insert(e);
+                CANCEL => {}
+                op => {
+                    let kind = self.f.ops.remove(op as usize).expect("a live slab key");
+                    let Some(id) = kind.dev() else { continue };
+                    let Some(d) = self.devices.get_mut(&id) else { continue };
+                    if !d.touched {
+                        d.touched = true;
+                        self.touched.push(id);
                     }
-                    self.release(job);
-                }
-                OpKind::WriteSync { run, jobs } => {
-                    // ECANCELED: the write failed or was short, and `data_done` finished
-                    // it with blocking calls, which sync it themselves (`dsync_unreliable`).
-                    if res < 0 && res != -libc::ECANCELED {
-                        let e = self.planner.run_error(&run, std::io::Error::from_raw_os_error(-res));
-                        for &j in &jobs {
-                            self.jobs[j].job.0.error.get_or_insert(e.clone());
-                        }
-                    }
-                    for j in jobs {
-                        self.release(j);
-                    }
+                    self.current = Some(id);
+                    self.f.completed(d, kind, res);
+                    self.current = None;
                 }
             }
         }
-        self.cqes.clear();
-        self.seen = 0;
-        if !self.owed.is_empty() {
-            // One metadata sync for every durable write this reap finished.
-            let owed = std::mem::take(&mut self.owed);
-            let done = &mut self.done;
-            self.planner
-                .settle_metadata(done.iter_mut().enumerate().filter(|(i, _)| owed.contains(i)).map(|(_, j)| &mut j.0));
+        self.f.cqes.clear();
+        self.f.seen = 0;
+        while let Some(id) = self.touched.pop() {
+            let Some(d) = self.devices.get_mut(&id) else { continue };
+            d.touched = false;
+            self.current = Some(id);
+            if !d.owed.is_empty() {
+                // One metadata sync for every durable write of the device this reap finished.
+                let owed = std::mem::take(&mut d.owed);
+                let done = &mut d.done;
+                d.planner.settle_metadata(
+                    done.iter_mut().enumerate().filter(|(i, _)| owed.contains(i)).map(|(_, j)| &mut j.0),
+                );
+            }
+            d.queue.deliver(&mut d.done);
+            self.current = None;
+            self.maybe_detach(id);
         }
         Ok(())
     }
 
-    /// Checks a data completion; what it did not do is finished by
-    /// [`Planner::finish_run`] (the same retry as the thread engine's).
-    fn data_done(&mut self, run: &Run, res: i32) {
-        if res >= 0 && res as usize == run.len() {
-            return;
-        }
-        let jobs = &mut self.jobs;
-        let fail = |job: usize, e| {
-            jobs[job].job.0.error.get_or_insert(e);
-        };
-        // SAFETY: the run's requests are in `jobs` until this op is released,
-        // after this returns; the kernel is done with them (the CQE is reaped).
-        unsafe { self.planner.finish_run(run, usize::try_from(res).ok(), fail) };
-    }
-
-    fn release(&mut self, k: usize) {
-        let slot = &mut self.jobs[k];
-        slot.pending -= 1;
-        if slot.pending == 0 {
-            if self.planner.write_done(&mut slot.job.0) {
-                self.owed.push(self.done.len());
+    /// Injected `enter#N` faults (tests only): a failing enter fails the device it names.
+    fn inject_enter_faults(&mut self) {
+        for i in 0..self.fault_devs.len() {
+            let id = self.fault_devs[i];
+            let Some(d) = self.devices.get(&id) else { continue };
+            let fault = d.planner.faults.as_ref().and_then(|f| f.check_enter());
+            if let Some(crate::faults::EnterFault::Fail(errno)) = fault {
+                let e = std::io::Error::from_raw_os_error(errno);
+                let cause = format!("its io_uring queue failed: io_uring_enter: {e} (injected by VDISK_FAULTS)");
+                self.fail_device(id, cause);
             }
-            self.finish(k);
         }
     }
 
-    fn finish(&mut self, k: usize) {
-        let slot = self.jobs.remove(k).expect("a live slab key");
-        self.done.push(slot.job);
-    }
-}
-
-impl Drop for RingWorker {
-    fn drop(&mut self) {
-        if self.leaked {
-            // The kernel may still write into memory the ring's requests point at.
-            return;
+    /// Fails device `id`: answers what the worker holds of it with EIO and
+    /// cancels what it has in the ring (answered as it is reaped).
+    fn fail_device(&mut self, id: u64, cause: String) {
+        let Some(d) = self.devices.get_mut(&id) else { return };
+        d.queue.health().fail(cause);
+        d.failed_at.get_or_insert_with(Instant::now);
+        let mut held: Vec<Job> = self.new.drain(..).collect();
+        held.append(&mut d.done);
+        d.owed.clear();
+        d.queue.fail(&mut held);
+        // Recount what each of its requests waits for: a panic may have come
+        // between an operation's push and its count.
+        let mut refs: HashMap<usize, usize> = HashMap::new();
+        let mut cancel = Vec::new();
+        for (key, op) in self.f.ops.iter() {
+            if op.dev() == Some(id) {
+                cancel.push(key);
+                for &j in op.jobs() {
+                    *refs.entry(j).or_default() += 1;
+                }
+            }
         }
-        // SAFETY: dropped here only, once; `self` is not used afterwards.
-        unsafe { ManuallyDrop::drop(&mut self.ring) };
+        let mut orphans = Vec::new();
+        for (k, slot) in self.f.jobs.iter_mut() {
+            if slot.dev == id {
+                slot.pending = refs.get(&k).copied().unwrap_or(0);
+                if slot.pending == 0 {
+                    orphans.push(k);
+                }
+            }
+        }
+        for k in orphans {
+            self.f.finish(d, k);
+        }
+        d.queue.deliver(&mut d.done);
+        for key in cancel {
+            let c = opcode::AsyncCancel::new(key as u64).build().user_data(CANCEL);
+            // SAFETY: a cancel refers to no memory.
+            if unsafe { self.f.ring.push(&c) }.is_err() {
+                break;
+            }
+        }
+        if d.in_flight > 0 {
+            self.abandoning.push(id);
+        }
+        // A stopping device may now be done.
+        self.maybe_detach(id);
+    }
+
+    /// Leaks what failed devices still have in the kernel [`ABANDON_WAIT`] after their failure.
+    fn check_abandoned(&mut self) {
+        let now = Instant::now();
+        for id in std::mem::take(&mut self.abandoning) {
+            let Some(d) = self.devices.get_mut(&id) else { continue };
+            if d.in_flight == 0 {
+                self.maybe_detach(id);
+            } else if d.failed_at.is_some_and(|t| now >= t + ABANDON_WAIT) {
+                self.f.leak_device(d, id);
+                self.maybe_detach(id);
+            } else {
+                self.abandoning.push(id);
+            }
+        }
+    }
+
+    /// The ring failed: every device fails; what the kernel gives back within
+    /// [`ABANDON_WAIT`] is answered and freed, the rest leaked with the ring.
+    fn ring_failed(&mut self, cause: String) {
+        self.shared.dead.store(true, Ordering::SeqCst);
+        self.current = None;
+        let ids: Vec<u64> = self.devices.keys().copied().collect();
+        let _ = catch_unwind(AssertUnwindSafe(|| {
+            for &id in &ids {
+                self.fail_device(id, cause.clone());
+            }
+            // Completions taken but not handled: their operations are over.
+            let unseen: Vec<(u64, i32)> = self.f.cqes.drain(self.f.seen..).collect();
+            self.f.cqes.clear();
+            self.f.seen = 0;
+            self.settle_completions(unseen);
+            let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
+            // SAFETY: a cancel refers to no memory.
+            let _ = unsafe { self.f.ring.push(&cancel) };
+            if self.wake_armed {
+                self.shared.efd.wake();
+            }
+            let deadline = Instant::now() + ABANDON_WAIT;
+            while (!self.f.ops.is_empty() || self.wake_armed) && Instant::now() < deadline {
+                if self.f.ring.wait_for(Duration::from_millis(20)).is_err() {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let mut got = Vec::new();
+                self.f.ring.completions(&mut got);
+                self.settle_completions(got);
+            }
+        }));
+        if !self.f.ops.is_empty() || self.wake_armed {
+            log::error!(
+                "{}: {} operation(s) still in the kernel {ABANDON_WAIT:?} after its ring failed; their memory and \
+                 the ring are leaked, never freed",
+                self.shared.name,
+                self.f.ops.len()
+            );
+            for id in ids {
+                if let Some(d) = self.devices.get_mut(&id) {
+                    self.f.leak_device(d, id);
+                }
+            }
+            self.f.leaked = true;
+            std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
+        }
+    }
+
+    /// After the ring failed: each completion ends its operation; its
+    /// requests (of failed devices) are answered once all of theirs are back.
+    fn settle_completions(&mut self, cqes: Vec<(u64, i32)>) {
+        for (ud, res) in cqes {
+            match ud {
+                WAKE => self.wake_armed = false,
+                CANCEL => {}
+                op => {
+                    let Some(kind) = self.f.ops.remove(op as usize) else { continue };
+                    let Some(id) = kind.dev() else { continue };
+                    if let Some(d) = self.devices.get_mut(&id) {
+                        self.f.completed(d, kind, res);
+                        d.queue.deliver(&mut d.done);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A worker whose ring failed: answers its devices' requests with EIO
+    /// (their queues do, being failed) and lets each go once it stops.
+    fn serve_dead(mut self) {
+        // SAFETY: fcntl on the worker's own eventfd, with integer arguments only.
+        unsafe { libc::fcntl(self.shared.efd.fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        let cause = format!("its io_uring queue ({}) failed earlier", self.shared.name);
+        loop {
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                self.take_inbox();
+                let ids: Vec<u64> = self.ready.drain(..).collect();
+                let news: Vec<u64> = self.devices.iter().filter(|(_, d)| !d.failed()).map(|(&id, _)| id).collect();
+                for id in news {
+                    if let Some(d) = self.devices.get(&id) {
+                        d.queue.health().fail(cause.clone());
+                    }
+                }
+                for id in ids {
+                    let Some(d) = self.devices.get_mut(&id) else { continue };
+                    if let Some(a) = d.queue.attachment() {
+                        a.ready.store(false, Ordering::SeqCst);
+                    }
+                    let mut none = Vec::new();
+                    d.closed |= !d.queue.try_take(1, &mut none);
+                    if d.queue.has_jobs() {
+                        self.ready.push_back(id);
+                    }
+                    self.maybe_detach(id);
+                }
+            }));
+            self.shared.idle.store(true, Ordering::SeqCst);
+            let mut pfd = libc::pollfd { fd: self.shared.efd.fd(), events: libc::POLLIN, revents: 0 };
+            let timeout = if self.ready.is_empty() { 100 } else { 0 };
+            // SAFETY: one valid pollfd on the worker's own eventfd.
+            unsafe { libc::poll(&mut pfd, 1, timeout) };
+            self.shared.efd.drain();
+            self.shared.idle.store(false, Ordering::SeqCst);
+        }
     }
 }
 

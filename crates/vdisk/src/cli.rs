@@ -391,9 +391,12 @@ pub struct ServeArgs {
     /// Worker threads per device (thread engine).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub workers: u16,
-    /// Rings per device, each with its own thread (uring engine).
+    /// Unused since every device shares the I/O core's rings (see --io-threads); kept for old command lines.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub rings: u16,
+    /// I/O core threads, each with one io_uring, shared by every export (uring engine). Default: one per CPU.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub io_threads: Option<u16>,
     /// Let a kernel thread poll each ring's submission queue (uring engine; costs a core while busy).
     #[arg(long)]
     pub sqpoll: bool,

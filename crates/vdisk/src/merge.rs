@@ -21,6 +21,7 @@ pub fn merge(a: &mut ServeArgs, s: &ServerTable) {
             EngineChoice::Threads => EngineArg::Threads,
         });
     }
+    fill(&mut a.io_threads, &s.io_threads);
     if a.socket_mode.is_none() {
         a.socket_mode = s.socket_mode.as_ref().and_then(|m| mode_of(m.get_ref()).ok());
     }

@@ -236,6 +236,7 @@ fn serve_until_signal(
 }
 
 fn settings(a: &ServeArgs) -> Result<Settings, Error> {
+    vdisk_engine::Core::configure(a.io_threads.map_or(0, usize::from));
     let engine = EngineConfig {
         kind: match a.engine.unwrap_or(EngineArg::Uring) {
             EngineArg::Uring => EngineKind::Uring,

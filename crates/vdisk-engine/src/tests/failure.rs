@@ -23,6 +23,8 @@ fn faults_env() {
             "fail-enter:enter#2",
             "fail-panic-uring:panic#1",
             "fail-panic-threads:panic#1",
+            "fail-panic-shared:panic#1",
+            "fail-enter-shared:enter#3",
             "fail-eintr:eintr#1,fail-eintr:eintr#2,fail-eintr:eintr#3,fail-eintr:eintr#5,fail-eintr:eintr#9",
         ];
         std::env::set_var("VDISK_FAULTS", rules.join(","));
@@ -214,8 +216,9 @@ fn a_tiny_ring_with_an_overflowing_completion_queue_loses_nothing() {
     // submission queue fills on every few pushes and completions overflow. (Linux
     // 6.x keeps overflowed completions and hands them over itself; a kernel that
     // answers EBUSY instead gets room made by `Ring::make_room`.)
-    let cfg = EngineConfig { kind: EngineKind::Uring, ring_entries: 2, batch: 512, coalesce: false, ..uring() };
-    let rig = Rig::new("tiny-ring", 4 << 20, false, &cfg);
+    let cfg = EngineConfig { kind: EngineKind::Uring, batch: 512, coalesce: false, ..uring() };
+    let core = Core::with_ring_entries(1, 2);
+    let rig = Rig::on(&core, "tiny-ring", 4 << 20, &cfg);
     for round in 0..3u8 {
         let batch: Vec<Request> =
             (0..512).map(|i| write(i * 8192, pattern(round.wrapping_add(i as u8), 4096), i)).collect();
@@ -228,4 +231,33 @@ fn a_tiny_ring_with_an_overflowing_completion_queue_loses_nothing() {
     }
     assert_eq!(rig.dev.failure(), None);
     rig.dev.shutdown().unwrap();
+}
+
+/// On a shared ring: a panic in one device's delivery while many of its
+/// reads are still in the kernel, and an injected enter failure of another,
+/// fail only those two; their requests in flight are cancelled or reaped and
+/// answered with EIO, and a third device on the same ring serves throughout.
+#[cfg(feature = "faults")]
+#[test]
+fn failures_of_two_devices_on_a_shared_ring_spare_the_third() {
+    faults_env();
+    let core = Core::new(1);
+    let other = Rig::on(&core, "fail-shared-other", 1 << 20, &uring());
+    let panicky = Rig::on(&core, "fail-panic-shared", 16 << 20, &uring());
+    let entering = Rig::on(&core, "fail-enter-shared", 1 << 20, &uring());
+    // 256 reads of 64 KiB: the first delivery panics while the rest are in flight.
+    let reads: Vec<Request> = (0..256).map(|i| Request::new(Op::Read, i * 65536, 65536, i)).collect();
+    let done = panicky.run_bounded(reads);
+    assert!(all_eio(&done), "every read of the panicked device gets EIO");
+    let mut failed = false;
+    for round in 0..6 {
+        let done = entering.run_bounded(writes(round, 8));
+        failed |= done.iter().any(|r| r.error.is_some());
+        assert!(other.run_bounded(writes(round, 8)).iter().all(|r| r.error.is_none()), "round {round}");
+    }
+    assert!(failed, "the injected enter failure failed its device");
+    assert_eq!(other.dev.failure(), None);
+    assert_failed_then_prompt(panicky, &other, "fail-panic-shared", "panic");
+    assert_failed_then_prompt(entering, &other, "fail-enter-shared", "injected");
+    assert_eq!(core.loads(), vec![1], "the failed devices let go of the worker");
 }
