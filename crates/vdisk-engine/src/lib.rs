@@ -76,6 +76,7 @@ mod faults {
 mod health;
 pub mod inflight;
 mod lent;
+mod observe;
 mod plan;
 pub mod qos;
 mod queue;
@@ -104,6 +105,7 @@ pub use crate::core::Core;
 pub use buf::{Buf, ALIGN};
 pub use errlog::{ErrorLog, ERROR_LOG_INTERVAL};
 pub use lent::Lent;
+pub use observe::Observers;
 pub use qos::Limits;
 pub use request::{Command, Data, Op, Request, Sink};
 pub use stats::{Snapshot, Stats};
@@ -206,6 +208,8 @@ pub struct Device {
     errors: Arc<ErrorLog>,
     /// What the image's files refused of the zero ladder, for every planner.
     zeros: Arc<zero::ZeroLadder>,
+    /// The dirty maps every completed write marks (bitmaps, copy jobs).
+    observers: Arc<Observers>,
 }
 
 impl Device {
@@ -274,6 +278,7 @@ impl Device {
             qos: qos::Qos::default(),
             errors: Arc::new(ErrorLog::new(name)),
             zeros: Arc::new(zero::ZeroLadder::new(image.files().len())),
+            observers: Arc::default(),
         };
         if kind == EngineKind::Uring {
             if dev.dsync_unreliable {
@@ -308,7 +313,15 @@ impl Device {
         let mut planner = plan::Planner::with_zeros(self.image.clone(), self.sync, self.coalesce, self.zeros.clone());
         planner.faults = self.faults.clone();
         planner.dsync_unreliable = self.dsync_unreliable;
+        planner.observers = self.observers.clone();
         planner
+    }
+
+    /// The dirty maps this device marks with every write, TRIM and
+    /// WRITE_ZEROES it completes (see [`Observers`]): add a map before the
+    /// copy or backup that reads it starts, remove it when done.
+    pub fn write_observers(&self) -> &Arc<Observers> {
+        &self.observers
     }
 
     /// The engine actually running (after any fallback).

@@ -74,6 +74,8 @@ pub(crate) struct Planner {
     pub dsync_unreliable: bool,
     /// What each file refused of the zero ladder (shared by the device's planners).
     pub zeros: Arc<ZeroLadder>,
+    /// The device's dirty maps, marked by every write completed here.
+    pub observers: Arc<crate::Observers>,
     extents: Vec<Extent>,
 }
 
@@ -86,7 +88,16 @@ impl Planner {
 
     /// A planner sharing a device's zero ladder.
     pub fn with_zeros(image: Arc<dyn Image>, sync: bool, coalesce: bool, zeros: Arc<ZeroLadder>) -> Self {
-        Planner { image, sync, coalesce, faults: None, dsync_unreliable: false, zeros, extents: Vec::new() }
+        Planner {
+            image,
+            sync,
+            coalesce,
+            faults: None,
+            dsync_unreliable: false,
+            zeros,
+            observers: Arc::default(),
+            extents: Vec::new(),
+        }
     }
 
     /// Maps the reads and writes among `jobs` (keyed by the caller's index) to
@@ -280,7 +291,12 @@ impl Planner {
         crate::validate::debug_assert_valid(req.op(), req.offset, req.len, &*self.image);
         let r = match &mut req.cmd {
             Command::Read { .. } | Command::Write { .. } | Command::Flush => return false,
-            Command::Trim { .. } | Command::WriteZeroes { .. } => self.deallocate(req),
+            Command::Trim { .. } | Command::WriteZeroes { .. } => {
+                let r = self.deallocate(req);
+                // Done or failed, its range may have changed (see `Observers`).
+                self.observers.record(req.offset, req.len);
+                r
+            }
             Command::Cache => self.cache(req),
             Command::BlockStatus { max, runs } => self.image.allocation(req.offset, req.len, (*max).max(1), runs),
         };
@@ -335,15 +351,20 @@ impl Planner {
         let Command::Write { fua, .. } = req.cmd else {
             return false;
         };
-        if req.error.is_some() {
+        let durable = if req.error.is_some() {
             self.image.write_failed(req.offset, req.len);
-            return false;
-        }
-        if let Err(e) = self.image.write_done(req.offset, req.len, false) {
+            false
+        } else if let Err(e) = self.image.write_done(req.offset, req.len, false) {
             req.error = Some(e);
-            return false;
-        }
-        self.sync || fua
+            false
+        } else {
+            self.sync || fua
+        };
+        // Done or failed, its range may have changed; marked once the image
+        // points at the new data, so a copy that reads after the mark sees it
+        // (see `Observers`).
+        self.observers.record(req.offset, req.len);
+        durable
     }
 
     /// One metadata sync for the durable writes of a batch; if it fails, they fail.

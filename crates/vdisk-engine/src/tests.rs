@@ -544,3 +544,37 @@ fn stats_count_each_request_once_inline_or_queued() {
 
 mod failure;
 mod shared;
+
+/// Every write, TRIM and WRITE_ZEROES a device completes, queued or inline,
+/// marks its observers' maps; reads and flushes do not, and a removed map is
+/// marked no more.
+#[test]
+fn write_observers_see_every_completed_write() {
+    use vdisk_image::bitmap::DirtyBitmap;
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("observe-{name}"), 4 << 20, false, &cfg, format);
+        let map = Arc::new(DirtyBitmap::new(4 << 20, 65536).unwrap());
+        rig.dev.write_observers().add(map.clone());
+        rig.run(vec![write(0, pattern(1, 4096), 0), Request::new(Op::Read, 1 << 20, 4096, 1)]);
+        rig.run_inline(vec![write(3 << 20, pattern(2, 512), 0), Request::new(Op::Flush, 0, 0, 1)]);
+        let trim = Request::new(Op::Trim { fua: false }, 65536, 65536, 0);
+        let zero = Request::new(Op::WriteZeroes { fua: false, no_hole: false, fast_zero: false }, 2 << 20, 4096, 1);
+        assert!(rig.run(vec![trim, zero]).iter().all(|r| r.error.is_none()), "{name}");
+        let dirty: Vec<(u64, bool)> = map.extents(0, 4 << 20, 64);
+        let runs: Vec<u64> = dirty
+            .iter()
+            .scan(0, |at, &(len, d)| {
+                let start = *at;
+                *at += len;
+                Some(if d { Some(start) } else { None })
+            })
+            .flatten()
+            .collect();
+        assert_eq!(runs, vec![0, 2 << 20, 3 << 20], "{name}: dirty runs start at {runs:?} ({dirty:?})");
+        assert_eq!(map.count(), 4, "{name}");
+        assert!(rig.dev.write_observers().remove(&map));
+        rig.run(vec![write(1 << 20, pattern(3, 4096), 0)]);
+        assert!(!map.is_dirty(1 << 20), "{name}: a removed map is not marked");
+        rig.dev.shutdown().unwrap();
+    }
+}
