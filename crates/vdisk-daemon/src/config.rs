@@ -111,12 +111,18 @@ pub fn load(path: &Path) -> Result<Config, Error> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         Error::invalid(format!("cannot read config file {}: {e} (give the path of a TOML file)", path.display()))
     })?;
+    load_text(path, &text)
+}
+
+/// [`load`] of `text` as if read from `path` (relative paths in it are
+/// relative to `path`'s directory; messages name `path`).
+pub fn load_text(path: &Path, text: &str) -> Result<Config, Error> {
     let line_of = |s: &Range<usize>| text[..s.start.min(text.len())].matches('\n').count() + 1;
     let at = |span: Option<Range<usize>>, what: &str| {
         let line = span.as_ref().map(line_of).unwrap_or(1);
         Error::invalid(format!("{}:{line}: {}", path.display(), what.trim().replace('\n', "; ")))
     };
-    let file: File = toml::from_str(&text).map_err(|e| at(e.span(), e.message()))?;
+    let file: File = toml::from_str(text).map_err(|e| at(e.span(), e.message()))?;
     let dir = std::path::absolute(path).ok().and_then(|p| p.parent().map(Path::to_owned)).unwrap_or_default();
     let (mut server, server_span) = match file.server {
         Some(s) => (s.get_ref().clone(), s.span()),

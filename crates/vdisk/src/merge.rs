@@ -113,7 +113,7 @@ mod tests {
 
     use std::path::{Path, PathBuf};
 
-    use vdisk_daemon::config::{load, Config};
+    use vdisk_daemon::config::{load_text, Config};
     use vdisk_daemon::Error;
 
     use super::*;
@@ -127,13 +127,10 @@ mod tests {
         }
     }
 
-    fn file(text: &str) -> (std::path::PathBuf, Result<Config, Error>) {
-        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("vdisk-config-{}-{n}.toml", std::process::id()));
-        std::fs::write(&path, text).unwrap();
-        let loaded = load(&path);
-        let _ = std::fs::remove_file(&path);
+    /// `text` as a config file in /etc/vdisk.
+    fn file(text: &str) -> (PathBuf, Result<Config, Error>) {
+        let path = PathBuf::from("/etc/vdisk/vdisk.toml");
+        let loaded = load_text(&path, text);
         (path, loaded)
     }
 

@@ -9,18 +9,7 @@
 
 mod common;
 
-use common::{run, s, Server, TempDir};
-
-/// nbdinfo --map=CONTEXT rows: (offset, length, flags).
-fn map(uri: &str, context: &str) -> Vec<(u64, u64, u32)> {
-    run("nbdinfo", &[&format!("--map={context}"), uri])
-        .lines()
-        .map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f[0].parse().unwrap(), f[1].parse().unwrap(), f[2].parse().unwrap())
-        })
-        .collect()
-}
+use common::{nbdinfo_map as map, run, s, Server, TempDir};
 
 const K64: u64 = 64 << 10;
 const M: u64 = 1 << 20;

@@ -121,6 +121,17 @@ pub fn run(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `nbdinfo --map=CONTEXT URI` as rows of (offset, length, flags).
+pub fn nbdinfo_map(uri: &str, context: &str) -> Vec<(u64, u64, u32)> {
+    run("nbdinfo", &[&format!("--map={context}"), uri])
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[0].parse().unwrap(), f[1].parse().unwrap(), f[2].parse().unwrap())
+        })
+        .collect()
+}
+
 /// Creates a sparse image of `size` (e.g. "64M") with `vdisk create`.
 pub fn create_image(path: &Path, size: &str) {
     let out = vdisk(&["create", path.to_str().unwrap(), "--size", size]);
