@@ -5,7 +5,8 @@ use std::os::unix::fs::FileExt;
 
 use super::*;
 use crate::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
-use crate::{ErrorKind, Extent};
+use crate::testing::read;
+use crate::ErrorKind;
 
 const SIZE: u64 = 1 << 20;
 
@@ -32,24 +33,6 @@ fn ro() -> OpenOptions {
     OpenOptions { read_only: true, ..Default::default() }
 }
 
-/// The first `len` bytes of the disk, through the image's mapping.
-fn read(image: &dyn Image, len: u64) -> Vec<u8> {
-    let mut ext = Vec::new();
-    image.map_read(0, len, &mut ext).unwrap();
-    let mut out = Vec::new();
-    for e in ext {
-        match e {
-            Extent::Zero { len } => out.extend(std::iter::repeat_n(0u8, len as usize)),
-            Extent::Data { file, offset, len } => {
-                let mut b = vec![0u8; len as usize];
-                image.files()[file].read_exact_at(&mut b, offset).unwrap();
-                out.extend(b);
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn each_format_is_detected_and_opened_as_itself() {
     let d = dir("detect");
@@ -69,7 +52,7 @@ fn each_format_is_detected_and_opened_as_itself() {
     }
     let o = open(&cow, &ro()).unwrap();
     assert_eq!(o.backing.map(|b| b.format), Some(Format::Raw));
-    assert_eq!(read(&*o.image, 512), vec![1u8; 512], "the overlay reads through to its base");
+    assert_eq!(read(&*o.image, 0, 512), vec![1u8; 512], "the overlay reads through to its base");
     assert!(open(&q, &ro()).unwrap().backing.is_none());
     assert_eq!(detect(Path::new("rbd:pool/image")).unwrap(), Format::Rbd);
     let e = detect(&d.join("missing.img")).unwrap_err();
@@ -86,7 +69,7 @@ fn format_raw_serves_an_overlay_as_its_own_bytes() {
     let opened = open(&cow, &OpenOptions { format: Some(Format::Raw), ..ro() }).unwrap();
     assert_eq!(opened.format, Format::Raw);
     assert_eq!(opened.image.size(), std::fs::metadata(&cow).unwrap().len(), "the file's size, not the disk's");
-    assert!(cow::has_magic(&read(&*opened.image, 4)), "the header is served as data");
+    assert!(cow::has_magic(&read(&*opened.image, 0, 4)), "the header is served as data");
     let _ = std::fs::remove_dir_all(&d);
 }
 
@@ -108,7 +91,7 @@ fn a_qcow2_over_a_cow_overlay_over_a_raw_file() {
         let backing = opened.backing.expect("a backing");
         assert_eq!(backing.format, Format::Cow, "{name}");
         assert_eq!(backing.name, cow.canonicalize().unwrap());
-        assert_eq!(read(&*opened.image, 512), vec![7u8; 512], "{name}: the raw base's data, two links down");
+        assert_eq!(read(&*opened.image, 0, 512), vec![7u8; 512], "{name}: the raw base's data, two links down");
     }
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -187,7 +170,7 @@ fn with_roots_the_image_and_its_chain_stay_beneath_them() {
     qcow2_over(&over_in, Some((&inside, "raw")));
     let roots = Some(Arc::new(Roots::open(std::slice::from_ref(&root)).unwrap()));
     let confined = OpenOptions { roots, ..ro() };
-    assert_eq!(read(&*open(&over_in, &confined).unwrap().image, 512), vec![5u8; 512]);
+    assert_eq!(read(&*open(&over_in, &confined).unwrap().image, 0, 512), vec![5u8; 512]);
     for p in [&outside, &over_out] {
         let e = open(p, &confined).err().expect("refused").to_string();
         assert!(e.contains("outside the image roots"), "{p:?}: {e}");

@@ -29,3 +29,22 @@ pub(crate) fn write(img: &impl Image, offset: u64, data: &[u8]) {
     let ext = start(img, offset, data.len() as u64);
     finish(img, offset, &ext, data);
 }
+
+/// Reads `len` bytes at `offset` through the image's mapping, as the engine does.
+pub(crate) fn read(img: &(impl Image + ?Sized), offset: u64, len: u64) -> Vec<u8> {
+    let mut ext = Vec::new();
+    img.map_read(offset, len, &mut ext).unwrap();
+    let mut out = Vec::new();
+    for e in ext {
+        match e {
+            Extent::Zero { len } => out.extend(std::iter::repeat_n(0u8, len as usize)),
+            Extent::Data { file, offset, len } => {
+                let mut b = vec![0u8; len as usize];
+                img.files()[file].read_exact_at(&mut b, offset).unwrap();
+                out.extend(b);
+            }
+        }
+    }
+    assert_eq!(out.len() as u64, len);
+    out
+}

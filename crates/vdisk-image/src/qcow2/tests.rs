@@ -2,8 +2,7 @@
 
 use super::create::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use super::*;
-use crate::testing::{finish, start, write};
-use std::os::unix::fs::FileExt;
+use crate::testing::{finish, read, start, write};
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("vdisk-qcow2-{}-{name}", std::process::id()));
@@ -18,24 +17,6 @@ fn created(name: &str, size: u64, cluster_bits: u32) -> PathBuf {
     let p = tmp(name);
     Qcow2Image::create(&p, &CreateOptions { size, cluster_bits, backing: None }).unwrap();
     p
-}
-
-fn read(img: &Qcow2Image, offset: u64, len: u64) -> Vec<u8> {
-    let mut ext = Vec::new();
-    img.map_read(offset, len, &mut ext).unwrap();
-    let mut out = Vec::new();
-    for e in ext {
-        match e {
-            Extent::Zero { len } => out.extend(std::iter::repeat_n(0u8, len as usize)),
-            Extent::Data { file, offset, len } => {
-                let mut b = vec![0u8; len as usize];
-                img.files()[file].read_exact_at(&mut b, offset).unwrap();
-                out.extend(b);
-            }
-        }
-    }
-    assert_eq!(out.len() as u64, len);
-    out
 }
 
 #[test]
