@@ -4,10 +4,11 @@
 //! health; it is attached to one worker (the one serving the fewest devices)
 //! for its whole life and costs that worker a table entry, not a thread.
 //!
-//! This module owns the workers' shared side — the [`Inbox`] producers and
-//! the control path write into, the idle flag and eventfd that wake a worker —
-//! and the attach/detach protocol. It never touches a request's data: the
-//! worker loop (`uring`) does. A push marks its device ready on the worker
+//! This module owns the workers (started lazily, picked by load) and the
+//! attach protocol; what a worker shares with its devices — the inbox
+//! producers and the control path write into, the idle flag and eventfd that
+//! wake it — is `mailbox`. It never touches a request's data: the worker loop
+//! (`uring`) does. A push marks its device ready on the worker
 //! (once, until the worker takes it) and writes the eventfd only when the
 //! worker said it was going idle: one wake-up per idle period, not per request.
 //!
@@ -15,11 +16,10 @@
 //! serve --io-threads N`) before the first device starts; the default is one
 //! per CPU. Workers start lazily, on the first device attached to them.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::mailbox::{Attachment, Command, Detached, Inbox, Shared};
 use crate::plan::Planner;
 use crate::queue::Queue;
 use crate::wake::EventFd;
@@ -35,114 +35,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Submission-queue entries of a core ring (its completion queue holds four times as many).
 pub(crate) const CORE_RING_ENTRIES: u32 = 512;
-
-/// What a worker is asked to do besides serving ready devices.
-pub(crate) enum Command {
-    /// Serve a new device under `id`.
-    Attach { id: u64, planner: Box<Planner>, queue: Arc<Queue>, detached: Arc<Detached>, batch: usize },
-}
-
-/// What producers and the control path hand a worker, under one lock.
-#[derive(Default)]
-pub(crate) struct Inbox {
-    pub commands: Vec<Command>,
-    /// Devices with requests waiting (or newly closed), in arrival order: the
-    /// worker serves them round-robin.
-    pub ready: VecDeque<u64>,
-}
-
-/// A worker's side that devices see.
-pub(crate) struct Shared {
-    pub name: String,
-    pub inbox: Mutex<Inbox>,
-    /// Set by the worker just before it sleeps; a push that clears it owes one wake-up.
-    pub idle: AtomicBool,
-    pub efd: EventFd,
-    /// Devices attached (the least loaded worker takes the next one).
-    pub load: AtomicUsize,
-    /// The worker's ring failed: every device on it is failed; it takes no new one.
-    pub dead: AtomicBool,
-    /// The worker's thread: a device dropped there (its last owner was a
-    /// sink the worker just handed completions to) must not wait for it.
-    pub thread: OnceLock<std::thread::ThreadId>,
-}
-
-impl Shared {
-    /// True on this worker's own thread.
-    pub fn is_current(&self) -> bool {
-        self.thread.get() == Some(&std::thread::current().id())
-    }
-}
-
-impl Shared {
-    /// Device `id` has something for the worker (`flag` is the device's
-    /// "already in the ready list" mark). Wakes the worker if it is idle.
-    pub fn notify(&self, id: u64, flag: &AtomicBool) {
-        if !flag.swap(true, Ordering::SeqCst) {
-            self.inbox.lock().unwrap().ready.push_back(id);
-        }
-        self.wake_if_idle();
-    }
-
-    pub fn wake_if_idle(&self) {
-        if self.idle.swap(false, Ordering::SeqCst) {
-            self.efd.wake();
-        }
-    }
-
-    fn command(&self, c: Command) {
-        self.inbox.lock().unwrap().commands.push(c);
-        self.idle.store(false, Ordering::SeqCst);
-        self.efd.wake();
-    }
-}
-
-/// Where a device's queue finds its worker.
-pub(crate) struct Attachment {
-    pub id: u64,
-    pub worker: Arc<Shared>,
-    /// The device is in the worker's ready list (or about to be).
-    pub ready: AtomicBool,
-}
-
-impl Attachment {
-    pub fn notify(&self) {
-        self.worker.notify(self.id, &self.ready);
-    }
-}
-
-/// Set by the worker once it let go of a device (nothing of it in flight,
-/// or what is left leaked), so its `shutdown` can return.
-#[derive(Default)]
-pub(crate) struct Detached {
-    done: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Detached {
-    pub fn set(&self) {
-        *self.done.lock().unwrap() = true;
-        self.cv.notify_all();
-    }
-
-    /// Waits until set (or `deadline`); true when set.
-    pub fn wait(&self, deadline: Option<Instant>) -> bool {
-        let mut done = self.done.lock().unwrap();
-        while !*done {
-            match deadline {
-                None => done = self.cv.wait(done).unwrap(),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return false;
-                    }
-                    done = self.cv.wait_timeout(done, left).unwrap().0;
-                }
-            }
-        }
-        true
-    }
-}
 
 /// The shared I/O core: its workers, started as devices need them.
 pub struct Core {
@@ -209,6 +101,7 @@ impl Core {
             id,
             planner: Box::new(planner),
             queue: queue.clone(),
+            attachment: attachment.clone(),
             detached: detached.clone(),
             batch: batch.max(1),
         });

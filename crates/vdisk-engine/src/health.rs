@@ -15,10 +15,15 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use vdisk_image::Error;
 
 use crate::Request;
+
+/// How long a failed device's operations may stay in the kernel (or librbd)
+/// before they are leaked.
+pub(crate) const ABANDON_WAIT: Duration = Duration::from_secs(2);
 
 pub(crate) struct Health {
     device: String,

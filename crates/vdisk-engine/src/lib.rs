@@ -76,6 +76,7 @@ mod faults {
 mod health;
 pub mod inflight;
 mod lent;
+mod mailbox;
 mod observe;
 mod plan;
 pub mod qos;
@@ -200,7 +201,7 @@ pub struct Device {
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     /// The core worker serving a uring device, and its "let go" signal.
-    attached: Option<(Arc<core::Attachment>, Arc<core::Detached>)>,
+    attached: Option<(Arc<mailbox::Attachment>, Arc<mailbox::Detached>)>,
     /// Shared with the queue, which counts completions.
     stats: Arc<Stats>,
     qos: qos::Qos,

@@ -18,8 +18,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
-use crate::core::Attachment;
-
 use crate::faults::Faults;
 use crate::health::{self, Health};
 use crate::wake::EventFd;
@@ -40,13 +38,20 @@ impl Waker {
     }
 }
 
+/// Who serves a queue that is not consumed by threads waiting on it (a core
+/// worker): told of every push and of the close, it takes the jobs itself.
+/// A trait, so the queue needs nothing of the worker's types.
+pub(crate) trait Server: Send + Sync {
+    fn notify(&self);
+}
+
 pub(crate) struct Queue {
     state: Mutex<State>,
     ready: Condvar,
     consumers: usize,
     wakers: Mutex<Vec<Arc<Waker>>>,
     /// The core worker serving this device (uring engine): a push marks it ready there.
-    attachment: OnceLock<Arc<Attachment>>,
+    server: OnceLock<Arc<dyn Server>>,
     /// Counts every request in ([`Queue::push`]) and out ([`Queue::deliver`]).
     stats: Arc<Stats>,
     health: Health,
@@ -68,7 +73,7 @@ impl Queue {
             ready: Condvar::new(),
             consumers: consumers.max(1),
             wakers: Mutex::new(Vec::new()),
-            attachment: OnceLock::new(),
+            server: OnceLock::new(),
             stats,
             health: Health::new(device),
             faults,
@@ -84,13 +89,8 @@ impl Queue {
     }
 
     /// Hands the queue to a core worker: from now on a push marks the device ready there.
-    pub fn attach(&self, a: Arc<Attachment>) {
-        let _ = self.attachment.set(a);
-    }
-
-    /// The core worker serving this queue, if any.
-    pub fn attachment(&self) -> Option<&Arc<Attachment>> {
-        self.attachment.get()
+    pub fn attach(&self, server: Arc<dyn Server>) {
+        let _ = self.server.set(server);
     }
 
     /// Closed, with nothing left waiting.
@@ -125,8 +125,8 @@ impl Queue {
         } else if waiting > 1 {
             self.ready.notify_all();
         }
-        if let Some(a) = self.attachment.get() {
-            return a.notify();
+        if let Some(s) = self.server.get() {
+            return s.notify();
         }
         for w in self.wakers.lock().unwrap().iter() {
             if w.idle.swap(false, Ordering::SeqCst) {
@@ -197,8 +197,8 @@ impl Queue {
             w.idle.store(false, Ordering::SeqCst);
             w.wake();
         }
-        if let Some(a) = self.attachment.get() {
-            a.notify();
+        if let Some(s) = self.server.get() {
+            s.notify();
         }
     }
 

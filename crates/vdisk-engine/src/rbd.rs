@@ -39,10 +39,10 @@ use std::time::Instant;
 use vdisk_image::{Error, Extent, RbdImage};
 
 use crate::health;
+use crate::health::ABANDON_WAIT;
 use crate::plan::{Jobs, Planner, Run};
 use crate::queue::{Job, Queue, Waker};
 use crate::slab::Slab;
-use crate::uring::ABANDON_WAIT;
 use crate::wake::EventFd;
 use crate::Op;
 

@@ -49,46 +49,16 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, types, IoUring};
 use vdisk_image::{Error, Result};
 
-use crate::core::{Command, Detached, Inbox, Shared};
-use crate::health;
-use crate::plan::Planner;
-use crate::queue::{Job, Queue};
+use crate::health::{self, ABANDON_WAIT};
+use crate::mailbox::{Command, Inbox, Shared};
+use crate::queue::Job;
 use crate::ring::Ring;
-use crate::uring_ops::Flight;
+use crate::uring_ops::{DevState, Flight};
 
 /// user_data of the eventfd read that wakes an idle ring.
 pub(crate) const WAKE: u64 = u64::MAX;
 /// user_data of cancels.
 pub(crate) const CANCEL: u64 = u64::MAX - 1;
-/// How long a failed device's operations may stay in the kernel before they are leaked.
-pub(crate) const ABANDON_WAIT: Duration = Duration::from_secs(2);
-
-/// A device as its core worker sees it.
-pub(crate) struct DevState {
-    pub planner: Planner,
-    pub queue: Arc<Queue>,
-    detached: Arc<Detached>,
-    /// Its requests in `Flight::jobs`.
-    pub in_flight: usize,
-    /// Finished, to be delivered.
-    pub done: Vec<Job>,
-    /// Positions in `done` of durable writes whose metadata is not yet durable.
-    pub owed: Vec<usize>,
-    /// Most requests taken from its queue per round.
-    batch: usize,
-    /// Its queue was found closed and drained.
-    closed: bool,
-    /// When it failed (its leftovers in the kernel are leaked after [`ABANDON_WAIT`]).
-    failed_at: Option<Instant>,
-    /// Completions came for it in this reap.
-    pub touched: bool,
-}
-
-impl DevState {
-    pub fn failed(&self) -> bool {
-        self.queue.health().is_failed()
-    }
-}
 
 pub(crate) struct CoreWorker {
     shared: Arc<Shared>,
@@ -195,13 +165,14 @@ impl CoreWorker {
         }
         for c in self.inbox.commands.drain(..) {
             match c {
-                Command::Attach { id, planner, queue, detached, batch } => {
+                Command::Attach { id, planner, queue, attachment, detached, batch } => {
                     if planner.faults.is_some() {
                         self.fault_devs.push(id);
                     }
                     let d = DevState {
                         planner: *planner,
                         queue,
+                        attachment,
                         detached,
                         in_flight: 0,
                         done: Vec::new(),
@@ -223,7 +194,7 @@ impl CoreWorker {
         for _ in 0..self.ready.len() {
             let Some(id) = self.ready.pop_front() else { break };
             let Some(d) = self.devices.get_mut(&id) else { continue };
-            let att = d.queue.attachment().expect("a core device is attached").clone();
+            let att = d.attachment.clone();
             // Cleared before the take: a push after it marks the device ready again.
             att.ready.store(false, Ordering::SeqCst);
             self.current = Some(id);
@@ -477,9 +448,7 @@ impl CoreWorker {
                 }
                 for id in ids {
                     let Some(d) = self.devices.get_mut(&id) else { continue };
-                    if let Some(a) = d.queue.attachment() {
-                        a.ready.store(false, Ordering::SeqCst);
-                    }
+                    d.attachment.ready.store(false, Ordering::SeqCst);
                     let mut none = Vec::new();
                     d.closed |= !d.queue.try_take(1, &mut none);
                     if d.queue.has_jobs() {

@@ -7,15 +7,46 @@
 
 use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Instant;
 
 use io_uring::{opcode, squeue, types};
 
-use crate::plan::{Jobs, Run};
-use crate::queue::Job;
+use crate::mailbox::{Attachment, Detached};
+use crate::plan::{Jobs, Planner, Run};
+use crate::queue::{Job, Queue};
 use crate::ring::Ring;
 use crate::slab::Slab;
-use crate::uring::DevState;
 use crate::Op;
+
+/// A device as its core worker sees it.
+pub(crate) struct DevState {
+    pub planner: Planner,
+    pub queue: Arc<Queue>,
+    /// Where its queue marks it ready on this worker.
+    pub attachment: Arc<Attachment>,
+    pub detached: Arc<Detached>,
+    /// Its requests in `Flight::jobs`.
+    pub in_flight: usize,
+    /// Finished, to be delivered.
+    pub done: Vec<Job>,
+    /// Positions in `done` of durable writes whose metadata is not yet durable.
+    pub owed: Vec<usize>,
+    /// Most requests taken from its queue per round.
+    pub batch: usize,
+    /// Its queue was found closed and drained.
+    pub closed: bool,
+    /// When it failed (its leftovers in the kernel are leaked after [`crate::health::ABANDON_WAIT`]).
+    pub failed_at: Option<Instant>,
+    /// Completions came for it in this reap.
+    pub touched: bool,
+}
+
+impl DevState {
+    pub fn failed(&self) -> bool {
+        self.queue.health().is_failed()
+    }
+}
 
 /// A request in flight, its device, and how many of its operations are still in the ring.
 pub(crate) struct JobSlot {
@@ -284,7 +315,7 @@ impl Flight {
                 "{}: {ops} operation(s) still in the kernel {:?} after the failure; their memory is leaked, never \
                  freed, and {} request(s) answered with EIO",
                 d.planner.describe(0),
-                crate::uring::ABANDON_WAIT,
+                crate::health::ABANDON_WAIT,
                 held.len()
             );
         }
