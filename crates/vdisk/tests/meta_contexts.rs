@@ -3,9 +3,7 @@
 //! (1 the overlay, 2 its backing file, 0 nothing) on a UML COW overlay and a
 //! qcow2 overlay chain, and `base:allocation` is unchanged beside it; the
 //! same chain served by qemu-nbd gives the same depths.
-//! (`qemu:dirty-bitmap:NAME` needs bitmaps an export is given, which the
-//! daemon does not wire yet: vdisk-nbd's own tests cover it with nbdinfo and
-//! libnbd, src/meta_tests.rs.)
+//! (`qemu:dirty-bitmap:NAME` of the running daemon: tests/bitmaps.rs.)
 
 mod common;
 
