@@ -57,6 +57,8 @@ struct State {
     set: Vec<StoredBitmap>,
     /// Closed by a clean stop: no change is made after it.
     closed: bool,
+    /// The store kept bitmaps, or a change was saved: the close must write.
+    kept: bool,
 }
 
 /// One export's bitmaps.
@@ -91,7 +93,7 @@ impl ExportBitmaps {
             sidecar,
             device: device.clone(),
             read_only,
-            state: Mutex::new(State { set: Vec::new(), closed: false }),
+            state: Mutex::new(State { set: Vec::new(), closed: false, kept: false }),
         };
         let set = me
             .store()
@@ -101,8 +103,10 @@ impl ExportBitmaps {
             log::warn!(export:% = export; "export {export:?}: bitmap {:?} is inconsistent (the image was not \
                 closed cleanly): not served; `vdisk ctl bitmap remove {export} {}` drops it", b.name, b.name);
         }
-        me.state.get_mut().unwrap().set = set;
-        me.observe();
+        let st = me.state.get_mut().unwrap();
+        st.kept = !set.is_empty();
+        st.set = set;
+        me.observe(&me.state.lock().unwrap().set);
         Ok(Some(me))
     }
 
@@ -114,8 +118,7 @@ impl ExportBitmaps {
     }
 
     /// Makes the device mark exactly the enabled consistent bitmaps.
-    fn observe(&self) {
-        let set = &self.state.lock().unwrap().set;
+    fn observe(&self, set: &[StoredBitmap]) {
         let obs = self.device.write_observers();
         for b in set {
             if b.map.enabled() && !b.inconsistent {
@@ -157,7 +160,8 @@ impl ExportBitmaps {
         for b in &st.set {
             self.device.write_observers().remove(&b.map);
         }
-        if self.read_only || (st.set.is_empty() && self.sidecar.as_ref().is_some_and(|s| !s.path().exists())) {
+        // An image that never had a bitmap is not written to (no sidecar made, no qcow2 header rewritten).
+        if self.read_only || !st.kept {
             return Ok(());
         }
         self.store()
@@ -216,7 +220,8 @@ impl ExportBitmaps {
             }
             BitmapOp::Remove => {
                 let i = find(&st.set, name)?;
-                st.set.remove(i);
+                let gone = st.set.remove(i);
+                self.device.write_observers().remove(&gone.map);
             }
             BitmapOp::Clear => {
                 let m = st.set[usable(&st.set, name)?].map.clone();
@@ -245,9 +250,8 @@ impl ExportBitmaps {
                 }
             }
         }
-        drop(st);
-        self.observe();
-        let mut st = self.state.lock().unwrap();
+        self.observe(&st.set);
+        st.kept = true;
         if let Err(e) = self.store().save(&st.set, false) {
             if let Some((m, old, enabled)) = undo {
                 m.clear_all();
@@ -255,8 +259,7 @@ impl ExportBitmaps {
                 m.set_enabled(enabled);
             }
             st.set = before;
-            drop(st);
-            self.observe();
+            self.observe(&st.set);
             return Err(
                 Error::failed(format!("cannot save the bitmaps of export {export:?}; nothing was changed")).because(e)
             );

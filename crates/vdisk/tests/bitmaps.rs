@@ -2,9 +2,10 @@
 //! `vdisk ctl bitmap add`, writes by nbdsh, then `nbdinfo --map` and
 //! `qemu-img map ... x-dirty-bitmap=` show exactly the granules written;
 //! a removal saves the bitmap (qcow2: `qemu-img info` lists it, `qemu-img
-//! check` is clean; raw: the IMAGE.bitmaps sidecar), a restart serves the
-//! same bits, and after kill -9 the bitmap comes back inconsistent and is
-//! not served. Raw and qcow2.
+//! check` is clean, qemu-nbd --bitmap serves the same extents, and a bitmap
+//! `qemu-img bitmap --add` made is tracked; raw: the IMAGE.bitmaps sidecar),
+//! a restart serves the same bits, and after kill -9 the bitmap comes back
+//! inconsistent and is not served. Raw and qcow2.
 
 mod common;
 
@@ -96,6 +97,29 @@ fn list(control: &Path) -> serde_json::Value {
     common::json(&ctl_ok(control, &["--json", "bitmap", "list", "disk"]))
 }
 
+/// Bitmap `name` of a `bitmap list --json`.
+fn entry<'a>(l: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    l.as_array().unwrap().iter().find(|b| b["name"] == name).unwrap_or_else(|| panic!("no {name} in {l}"))
+}
+
+/// Dirty runs of bitmap `b` of `img` served by qemu-nbd (`--bitmap`).
+fn qemu_nbd_dirty(dir: &TempDir, img: &Path, b: &str) -> Vec<(u64, u64)> {
+    let sock = dir.path("qemu.sock");
+    let mut qemu = std::process::Command::new("qemu-nbd")
+        .args(["-r", "-f", "qcow2", "-B", b, "-k", s(&sock), s(img)])
+        .spawn()
+        .expect("qemu-nbd (qemu-utils) is needed");
+    let t0 = std::time::Instant::now();
+    while !sock.exists() && t0.elapsed().as_secs() < 20 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let runs = nbdinfo_dirty(&format!("nbd+unix:///?socket={}", sock.display()), b);
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+    let _ = std::fs::remove_file(&sock);
+    runs
+}
+
 fn serve(dir: &TempDir, img: &str, control: &Path) -> Server {
     Server::start(dir, &[img, "--control", s(control)])
 }
@@ -104,6 +128,10 @@ fn round_trip(format: &str) {
     let dir = TempDir::new(&format!("bitmaps-{format}"));
     let img = dir.path(&format!("disk.{format}"));
     run("qemu-img", &["create", "-q", "-f", format, s(&img), &SIZE.to_string()]);
+    if format == "qcow2" {
+        // A bitmap qemu made: vdisk keeps it up to date.
+        run("qemu-img", &["bitmap", "--add", s(&img), "q"]);
+    }
     let control = dir.path("ctl.sock");
     let server = serve(&dir, s(&img), &control);
     let uri = server.uri("disk");
@@ -121,11 +149,15 @@ fn round_trip(format: &str) {
     assert_eq!(nbdinfo_dirty(&uri, "b0"), want, "{format}: nbdinfo");
     assert_eq!(qemu_img_dirty(&server.socket, "disk", "b0"), want, "{format}: qemu-img map");
     assert!(nbdinfo_dirty(&uri, "off").is_empty(), "a disabled bitmap marks nothing");
+    if format == "qcow2" {
+        assert_eq!(nbdinfo_dirty(&uri, "q"), want, "the bitmap qemu-img made");
+        ctl_ok(&control, &["bitmap", "remove", "disk", "q"]);
+    }
     let l = list(&control);
     let dirty: u64 = want.iter().map(|r| r.1).sum();
-    assert_eq!(l[0]["name"], "b0");
-    assert_eq!(l[0]["dirty_bytes"], dirty);
-    assert_eq!((l[1]["enabled"].as_bool(), l[1]["inconsistent"].as_bool()), (Some(false), Some(false)));
+    assert_eq!(entry(&l, "b0")["dirty_bytes"], dirty);
+    let off = entry(&l, "off");
+    assert_eq!((off["enabled"].as_bool(), off["inconsistent"].as_bool()), (Some(false), Some(false)));
     // Merge into the disabled one, then drop it.
     ctl_ok(&control, &["bitmap", "merge", "disk", "off", "--from", "b0"]);
     assert_eq!(nbdinfo_dirty(&uri, "off"), want);
@@ -140,6 +172,7 @@ fn round_trip(format: &str) {
         assert_eq!((bitmaps[0]["name"].as_str(), bitmaps[0]["granularity"].as_u64()), (Some("b0"), Some(G)));
         assert!(!bitmaps[0]["flags"].to_string().contains("in-use"), "{bitmaps}");
         run("qemu-img", &["check", "-q", s(&img)]);
+        assert_eq!(qemu_nbd_dirty(&dir, &img, "b0"), want, "qemu-nbd --bitmap reads the bitmap vdisk saved");
     } else {
         assert!(dir.path("disk.raw.bitmaps").exists(), "the sidecar file");
     }
