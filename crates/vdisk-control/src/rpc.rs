@@ -366,4 +366,31 @@ mod tests {
         assert!(add.changes_state() && Method::ConfigReload.changes_state());
         assert!(!Method::ExportList.changes_state() && !Method::ServerInfo.changes_state());
     }
+
+    #[test]
+    fn bitmap_methods_are_parsed_and_checked() {
+        let v = ask(
+            r#"{"jsonrpc":"2.0","id":1,"method":"bitmap_add","params":{"export":"d","name":"b","granularity":4096}}"#,
+        );
+        assert_eq!(v["result"], "bitmap_add");
+        let p = |j: &str| Params(serde_json::from_str(j).unwrap());
+        let Method::Bitmap(c) = parse("bitmap_merge", p(r#"{"export":"d","name":"b","sources":["x","y"]}"#)).unwrap()
+        else {
+            panic!("not a bitmap call")
+        };
+        assert_eq!((c.verb, c.sources.len()), ("merge", 2));
+        assert!(Method::Bitmap(c).changes_state());
+        let list = parse("bitmap_list", p(r#"{"export":"d"}"#)).unwrap();
+        assert!(!list.changes_state() && list.name() == "bitmap_list");
+        for (m, j) in [
+            ("bitmap_add", r#"{"export":"d"}"#),
+            ("bitmap_merge", r#"{"export":"d","name":"b"}"#),
+            ("bitmap_clear", r#"{"name":"b"}"#),
+            ("bitmap_clear", r#"{"export":"d","name":"b","granularity":1}"#),
+            ("bitmap_list", r#"{"export":"d","sources":[]}"#),
+        ] {
+            assert_eq!(parse(m, p(j)).unwrap_err().code, INVALID_PARAMS, "{m} {j}");
+        }
+        assert_eq!(parse("bitmap_frob", p("{}")).unwrap_err().code, METHOD_NOT_FOUND);
+    }
 }
