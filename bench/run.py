@@ -12,6 +12,8 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
   ablations  vdisk knobs on tmpfs (workers, batching, engine) for 4K randread and
              randwrite QD32, and system calls per request (perf or strace) for
              every vdisk config and both peers.
+  bitmaps    4K randwrite QD32 on tmpfs, vdisk uring with 0, 1 and 4 enabled dirty
+             bitmaps, and the ratio of each to none (about 1 min in --quick).
   loop       the old experiments through a FUSE file + a loop device (--direct-io=on):
              the file from vdisk --fuse (classic /dev/fuse and FUSE-over-io_uring), nbdfuse
              on vdisk's, qemu-nbd's and nbdkit's NBD, and qemu-storage-daemon's FUSE export;
@@ -68,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # vbench/ beside this 
 sys.dont_write_bytecode = True  # run as root: leave no root-owned __pycache__ in the tree
 
 from vbench.ablations import check_syscall_method, section_ablations
+from vbench.bitmaps import section_bitmaps
 from vbench.common import (DEFAULT_MD, DEFAULT_PNG, HAVE, LOGS, OUT, PIN, RAW, SECTIONS, Interrupted, log, on_cleanup,
                            on_signal, run_cleanups)
 from vbench.fio import section_fio
@@ -170,7 +173,7 @@ def main():
             log(f"== section {sec}")
             r = results[sec] = {"_meta": {"date": started, "command": command, "mode": meta["mode"],
                                           "syscall_seconds": args.syscall_seconds}}
-            {"fio": section_fio, "ablations": section_ablations, "loop": section_loop,
+            {"fio": section_fio, "ablations": section_ablations, "bitmaps": section_bitmaps, "loop": section_loop,
              "overlay": section_overlay, "vm": section_vm, "rbd": section_rbd, "scale": section_scale}[sec](b, r)
             r["_meta"]["minutes"] = (time.monotonic() - ts) / 60
             log(f"== section {sec} took {(time.monotonic() - ts) / 60:.1f} min")

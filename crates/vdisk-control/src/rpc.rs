@@ -51,19 +51,69 @@ pub struct AddParams {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Method {
     ExportAdd(AddParams),
-    ExportRemove { name: String, hard: bool },
+    ExportRemove {
+        name: String,
+        hard: bool,
+    },
     ExportList,
-    ExportStats { name: Option<String> },
-    ExportSetQos { name: String, qos: Qos },
+    ExportStats {
+        name: Option<String>,
+    },
+    ExportSetQos {
+        name: String,
+        qos: Qos,
+    },
     ServerInfo,
     ConfigReload,
+    /// `bitmap_*`: one export's dirty bitmaps.
+    Bitmap(BitmapCall),
+}
+
+/// The bitmap verbs (`bitmap_add` ... `bitmap_list`).
+pub const BITMAP_VERBS: [&str; 7] = ["add", "remove", "clear", "enable", "disable", "merge", "list"];
+
+/// A `bitmap_*` request's params, type-checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BitmapCall {
+    /// One of [`BITMAP_VERBS`].
+    pub verb: &'static str,
+    pub export: String,
+    /// The bitmap (all but `list`).
+    pub name: Option<String>,
+    pub granularity: Option<u64>,
+    pub disabled: bool,
+    /// `merge`: the bitmaps merged into `name`.
+    pub sources: Vec<String>,
+}
+
+fn bitmap_call(verb: &'static str, p: &mut Params) -> Result<BitmapCall, Fault> {
+    let export = p.str("export")?.ok_or_else(|| bad("\"export\" (the export's name) is required"))?;
+    let name = p.str("name")?;
+    if name.is_none() && verb != "list" {
+        return Err(bad(format!("bitmap_{verb}: \"name\" (the bitmap's name) is required")));
+    }
+    let (mut granularity, mut disabled, mut sources) = (None, false, Vec::new());
+    if verb == "add" {
+        granularity = p.u64("granularity")?;
+        disabled = p.bool("disabled")?.unwrap_or(false);
+    }
+    if verb == "merge" {
+        sources = p.strings("sources")?;
+        if sources.is_empty() {
+            return Err(bad("bitmap_merge: \"sources\" (the bitmaps merged into \"name\") is required"));
+        }
+    }
+    Ok(BitmapCall { verb, export, name, granularity, disabled, sources })
 }
 
 impl Method {
     /// True for the requests that change what is served (only the server's
     /// own user, root and the control group may send them).
     pub fn changes_state(&self) -> bool {
-        !matches!(self, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo)
+        match self {
+            Method::Bitmap(b) => b.verb != "list",
+            m => !matches!(m, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo),
+        }
     }
 
     pub fn name(&self) -> &'static str {
@@ -75,6 +125,15 @@ impl Method {
             Method::ExportSetQos { .. } => "export_set_qos",
             Method::ServerInfo => "server_info",
             Method::ConfigReload => "config_reload",
+            Method::Bitmap(b) => match b.verb {
+                "add" => "bitmap_add",
+                "remove" => "bitmap_remove",
+                "clear" => "bitmap_clear",
+                "enable" => "bitmap_enable",
+                "disable" => "bitmap_disable",
+                "merge" => "bitmap_merge",
+                _ => "bitmap_list",
+            },
         }
     }
 }
@@ -151,6 +210,10 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
         "export_set_qos" => Method::ExportSetQos { name: p.name()?, qos: p.qos()? },
         "server_info" => Method::ServerInfo,
         "config_reload" => Method::ConfigReload,
+        m if m.strip_prefix("bitmap_").is_some_and(|v| BITMAP_VERBS.contains(&v)) => {
+            let verb = BITMAP_VERBS.iter().find(|v| m.ends_with(*v) && m.len() == 7 + v.len()).expect("matched");
+            Method::Bitmap(bitmap_call(verb, &mut p)?)
+        }
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -302,5 +365,32 @@ mod tests {
         let add = Method::ExportAdd(AddParams { image: "/x".into(), ..Default::default() });
         assert!(add.changes_state() && Method::ConfigReload.changes_state());
         assert!(!Method::ExportList.changes_state() && !Method::ServerInfo.changes_state());
+    }
+
+    #[test]
+    fn bitmap_methods_are_parsed_and_checked() {
+        let v = ask(
+            r#"{"jsonrpc":"2.0","id":1,"method":"bitmap_add","params":{"export":"d","name":"b","granularity":4096}}"#,
+        );
+        assert_eq!(v["result"], "bitmap_add");
+        let p = |j: &str| Params(serde_json::from_str(j).unwrap());
+        let Method::Bitmap(c) = parse("bitmap_merge", p(r#"{"export":"d","name":"b","sources":["x","y"]}"#)).unwrap()
+        else {
+            panic!("not a bitmap call")
+        };
+        assert_eq!((c.verb, c.sources.len()), ("merge", 2));
+        assert!(Method::Bitmap(c).changes_state());
+        let list = parse("bitmap_list", p(r#"{"export":"d"}"#)).unwrap();
+        assert!(!list.changes_state() && list.name() == "bitmap_list");
+        for (m, j) in [
+            ("bitmap_add", r#"{"export":"d"}"#),
+            ("bitmap_merge", r#"{"export":"d","name":"b"}"#),
+            ("bitmap_clear", r#"{"name":"b"}"#),
+            ("bitmap_clear", r#"{"export":"d","name":"b","granularity":1}"#),
+            ("bitmap_list", r#"{"export":"d","sources":[]}"#),
+        ] {
+            assert_eq!(parse(m, p(j)).unwrap_err().code, INVALID_PARAMS, "{m} {j}");
+        }
+        assert_eq!(parse("bitmap_frob", p("{}")).unwrap_err().code, METHOD_NOT_FOUND);
     }
 }

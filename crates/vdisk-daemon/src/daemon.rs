@@ -190,6 +190,8 @@ struct Running {
     device: Arc<Device>,
     /// FUSE file and vhost-user socket, in the order started.
     frontends: Vec<Box<dyn Frontend>>,
+    /// Its dirty bitmaps (None: an RBD image, which keeps none).
+    bitmaps: Option<Arc<crate::bitmaps::ExportBitmaps>>,
 }
 
 pub struct Daemon {
@@ -330,13 +332,20 @@ impl Daemon {
             let mode = self.settings.socket_mode;
             frontends.0.push(crate::vhost::start(socket, &device, spec.num_queues, mode, &mut notes)?);
         }
+        let bitmaps = crate::bitmaps::ExportBitmaps::open(&name, &spec.image, &device)?.map(Arc::new);
         let export = Export { name: name.clone(), description, device: device.clone(), allow };
         if self.nbd.add_export(export).is_err() {
+            if let Some(b) = &bitmaps {
+                let _ = b.close();
+            }
             return Err(Error::new(ErrorKind::Exists, format!("export {name:?} is already served over NBD")));
+        }
+        if let Some(b) = &bitmaps {
+            self.nbd.set_bitmaps(&name, b.served());
         }
         let frontends = std::mem::take(&mut frontends.0);
         log::info!(export:% = name; "export {name:?} added: {}", notes[0].trim_start_matches("vdisk: "));
-        self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends });
+        self.exports.lock().unwrap().push(Running { name, spec, format, device, frontends, bitmaps });
         Ok(notes)
     }
 
@@ -413,6 +422,7 @@ impl Daemon {
         };
         // Its clients finish what they sent (on hung storage that may never end): outside the lock too.
         self.nbd.disconnect(name);
+        self.nbd.set_bitmaps(name, Vec::new());
         let failed = running.device.failure().is_some();
         let stopped = match stop_export(running, &|_| {}) {
             // Removing a failed export is how it is brought back: that is no error of the removal.
@@ -424,6 +434,16 @@ impl Daemon {
         };
         log::info!(export:% = name; "export {name:?} removed{}", if hard { " (--hard)" } else { "" });
         stopped
+    }
+
+    /// The NBD server the exports are served on.
+    pub(crate) fn nbd(&self) -> &Server {
+        &self.nbd
+    }
+
+    /// Export `name`'s bitmaps: None for no such export, Some(None) for one that keeps none.
+    pub(crate) fn export_bitmaps(&self, name: &str) -> Option<Option<Arc<crate::bitmaps::ExportBitmaps>>> {
+        self.exports.lock().unwrap().iter().find(|e| e.name == name).map(|e| e.bitmaps.clone())
     }
 
     /// Why export `name`'s device failed, if it did (None too for no such export).
@@ -565,6 +585,7 @@ impl Daemon {
                         let name = running.name.clone();
                         self.nbd.remove_export(&name);
                         self.nbd.disconnect(&name);
+                        self.nbd.set_bitmaps(&name, Vec::new());
                         let stopped = stop_export(running, &|step| progress.step(&name, step));
                         progress.step(
                             &name,
@@ -599,7 +620,7 @@ impl Daemon {
 /// Stops an export's FUSE file and vhost socket, then finishes and flushes its
 /// device, telling `step` as it goes. Goes on past failures and returns all of them.
 fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<Error>> {
-    let Running { name, device, frontends, .. } = running;
+    let Running { name, device, frontends, bitmaps, .. } = running;
     let mut errors = Vec::new();
     step(Step::Frontends);
     for f in frontends.into_iter().rev() {
@@ -612,7 +633,12 @@ fn stop_export(running: Running, step: &dyn Fn(Step)) -> Result<(), Vec<Error>> 
     match device.shutdown() {
         Err(e) if failed => errors.push(Error::failed(format!("export {name:?}")).because(e)),
         Err(e) => errors.push(Error::failed(format!("flush of export {name:?} failed")).because(e)),
-        Ok(()) => {}
+        // After the last flush: the bitmaps' in-use marks are cleared (a clean close).
+        Ok(()) => {
+            if let Some(Err(e)) = bitmaps.map(|b| b.close()) {
+                errors.push(e);
+            }
+        }
     }
     if errors.is_empty() {
         Ok(())

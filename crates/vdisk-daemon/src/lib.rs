@@ -12,6 +12,7 @@
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
+pub mod bitmaps;
 pub mod config;
 pub mod daemon;
 pub mod error;

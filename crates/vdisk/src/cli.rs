@@ -511,4 +511,7 @@ pub enum CtlCommand {
     Info,
     /// Reread the server's --config FILE and apply the difference (as SIGHUP does).
     Reload,
+    /// An export's dirty bitmaps (incremental backup): add, remove, clear, enable, disable, merge, list.
+    #[command(subcommand)]
+    Bitmap(crate::ctl_bitmaps::BitmapCommand),
 }

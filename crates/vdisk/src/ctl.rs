@@ -103,6 +103,11 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
         }
         CtlCommand::Info => "server_info",
         CtlCommand::Reload => "config_reload",
+        CtlCommand::Bitmap(b) => {
+            let (method, params) = crate::ctl_bitmaps::request(b);
+            p = params;
+            method
+        }
     };
     Ok((method, p))
 }
@@ -156,6 +161,7 @@ fn human_output(method: &str, r: &Value) -> String {
             fields.map(|(k, v)| format!("{k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect()
         }
         "config_reload" => reload_text(r),
+        m if m.starts_with("bitmap_") => crate::ctl_bitmaps::human_output(m, r).unwrap_or_default(),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }

@@ -3,9 +3,7 @@
 //! (1 the overlay, 2 its backing file, 0 nothing) on a UML COW overlay and a
 //! qcow2 overlay chain, and `base:allocation` is unchanged beside it; the
 //! same chain served by qemu-nbd gives the same depths.
-//! (`qemu:dirty-bitmap:NAME` needs bitmaps an export is given, which the
-//! daemon does not wire yet: vdisk-nbd's own tests cover it with nbdinfo and
-//! libnbd, src/meta_tests.rs.)
+//! (`qemu:dirty-bitmap:NAME` of the running daemon: tests/bitmaps.rs.)
 
 mod common;
 
@@ -73,12 +71,12 @@ fn allocation_depth_of_a_qcow2_chain_matches_qemu_nbd() {
     assert_eq!(ours, theirs, "vdisk and qemu-nbd disagree on allocation depth");
 }
 
-/// Until the daemon keeps an export's bitmaps up to date, a qcow2 image it
-/// serves read-write has its bitmaps marked in use (qemu then treats them
-/// as inconsistent) rather than left looking valid while writes miss them;
-/// the image stays clean for `qemu-img check`.
+/// A qcow2 image's bitmaps (here one `qemu-img bitmap --add` made) are kept
+/// up to date by the daemon: after a clean stop qemu finds them consistent
+/// (not in use), with the write in them, and the image clean for `qemu-img
+/// check`. (Kill -9 and the rest: tests/bitmaps.rs.)
 #[test]
-fn a_served_qcow2_marks_its_bitmaps_in_use_never_silently_stale() {
+fn a_served_qcow2_keeps_its_bitmaps_up_to_date() {
     let dir = TempDir::new("meta-qcow2-bitmaps");
     let img = dir.path("disk.qcow2");
     run("qemu-img", &["create", "-q", "-f", "qcow2", s(&img), "4M"]);
@@ -88,7 +86,10 @@ fn a_served_qcow2_marks_its_bitmaps_in_use_never_silently_stale() {
     run("qemu-io", &["-f", "raw", "-c", "write -P 5 1M 64k", &server.uri("disk")]);
     server.stop();
     let info = run("qemu-img", &["info", s(&img)]);
-    assert!(info.contains("name: b0") && info.contains("in-use"), "{info}");
+    assert!(info.contains("name: b0") && !info.contains("in-use"), "{info}");
+    let server = Server::start(&dir, &[s(&img)]);
+    assert_eq!(map(&server.uri("disk"), "qemu:dirty-bitmap:b0"), [(0, M, 0), (M, K64, 1), (M + K64, 3 * M - K64, 0)]);
+    server.stop();
     let check = run("qemu-img", &["check", s(&img)]);
     assert!(check.contains("No errors"), "{check}");
 }
