@@ -19,7 +19,6 @@ use vdisk_image::bitmap::sidecar::{self, SidecarStore};
 use vdisk_image::bitmap::{self as bm, BitmapStore, DirtyBitmap, StoredBitmap};
 use vdisk_image::Image;
 
-use crate::daemon::{Daemon, Ticket};
 use crate::{Error, ErrorKind};
 
 /// Default granularity of a new bitmap (qemu's default for qcow2 too).
@@ -264,37 +263,6 @@ impl ExportBitmaps {
                 Error::failed(format!("cannot save the bitmaps of export {export:?}; nothing was changed")).because(e)
             );
         }
-        Ok(())
-    }
-}
-
-impl Daemon {
-    /// The bitmaps of export `export`.
-    fn bitmaps_of(&self, export: &str) -> Result<Arc<ExportBitmaps>, Error> {
-        match self.export_bitmaps(export) {
-            None => Err(Error::new(ErrorKind::NotFound, format!("no export {export:?} (`vdisk ctl list` shows them)"))),
-            Some(None) => Err(Error::invalid(format!(
-                "export {export:?} is an RBD image: vdisk keeps no dirty bitmaps for RBD exports yet"
-            ))),
-            Some(Some(b)) => Ok(b),
-        }
-    }
-
-    /// The bitmaps of export `export`.
-    pub fn bitmap_list(&self, export: &str) -> Result<Vec<BitmapInfo>, Error> {
-        Ok(self.bitmaps_of(export)?.list())
-    }
-
-    /// Changes bitmap `name` of export `export`, unless `ticket` was
-    /// abandoned; the NBD export serves the new set to clients that connect
-    /// from now on.
-    pub fn bitmap_change(&self, export: &str, name: &str, op: &BitmapOp, ticket: &Ticket) -> Result<(), Error> {
-        let b = self.bitmaps_of(export)?;
-        let Some(_committing) = ticket.commit() else {
-            return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-        };
-        b.change(name, op)?;
-        self.nbd().set_bitmaps(export, b.served());
         Ok(())
     }
 }

@@ -31,6 +31,7 @@ use vdisk_engine::{Device, EngineConfig, EngineKind, Limits, Snapshot};
 use vdisk_image::files::Roots;
 use vdisk_nbd::{Export, Server};
 
+use crate::bitmaps::{BitmapInfo, BitmapOp, ExportBitmaps};
 use crate::formats::{self, Opened};
 use crate::frontend::{Frontend, Frontends};
 use crate::spec::ExportSpec;
@@ -191,7 +192,7 @@ struct Running {
     /// FUSE file and vhost-user socket, in the order started.
     frontends: Vec<Box<dyn Frontend>>,
     /// Its dirty bitmaps (None: an RBD image, which keeps none).
-    bitmaps: Option<Arc<crate::bitmaps::ExportBitmaps>>,
+    bitmaps: Option<Arc<ExportBitmaps>>,
 }
 
 pub struct Daemon {
@@ -332,7 +333,7 @@ impl Daemon {
             let mode = self.settings.socket_mode;
             frontends.0.push(crate::vhost::start(socket, &device, spec.num_queues, mode, &mut notes)?);
         }
-        let bitmaps = crate::bitmaps::ExportBitmaps::open(&name, &spec.image, &device)?.map(Arc::new);
+        let bitmaps = ExportBitmaps::open(&name, &spec.image, &device)?.map(Arc::new);
         let export = Export { name: name.clone(), description, device: device.clone(), allow };
         if self.nbd.add_export(export).is_err() {
             if let Some(b) = &bitmaps {
@@ -442,7 +443,7 @@ impl Daemon {
     }
 
     /// Export `name`'s bitmaps: None for no such export, Some(None) for one that keeps none.
-    pub(crate) fn export_bitmaps(&self, name: &str) -> Option<Option<Arc<crate::bitmaps::ExportBitmaps>>> {
+    pub(crate) fn export_bitmaps(&self, name: &str) -> Option<Option<Arc<ExportBitmaps>>> {
         self.exports.lock().unwrap().iter().find(|e| e.name == name).map(|e| e.bitmaps.clone())
     }
 
@@ -682,4 +683,36 @@ fn check_name(name: &str) -> Result<(), Error> {
 /// Several errors in one line, each with its causes.
 fn joined(errors: &[Error]) -> String {
     errors.iter().map(|e| e.report().to_string()).collect::<Vec<_>>().join("; ")
+}
+
+/// Dirty bitmaps (kept by `bitmaps`), by export.
+impl Daemon {
+    /// The bitmaps of export `export`.
+    fn bitmaps_of(&self, export: &str) -> Result<Arc<ExportBitmaps>, Error> {
+        match self.export_bitmaps(export) {
+            None => Err(Error::new(ErrorKind::NotFound, format!("no export {export:?} (`vdisk ctl list` shows them)"))),
+            Some(None) => Err(Error::invalid(format!(
+                "export {export:?} is an RBD image: vdisk keeps no dirty bitmaps for RBD exports yet"
+            ))),
+            Some(Some(b)) => Ok(b),
+        }
+    }
+
+    /// The bitmaps of export `export`.
+    pub fn bitmap_list(&self, export: &str) -> Result<Vec<BitmapInfo>, Error> {
+        Ok(self.bitmaps_of(export)?.list())
+    }
+
+    /// Changes bitmap `name` of export `export`, unless `ticket` was
+    /// abandoned; the NBD export serves the new set to clients that connect
+    /// from now on.
+    pub fn bitmap_change(&self, export: &str, name: &str, op: &BitmapOp, ticket: &Ticket) -> Result<(), Error> {
+        let b = self.bitmaps_of(export)?;
+        let Some(_committing) = ticket.commit() else {
+            return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
+        };
+        b.change(name, op)?;
+        self.nbd().set_bitmaps(export, b.served());
+        Ok(())
+    }
 }
