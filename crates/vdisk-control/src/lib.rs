@@ -18,6 +18,7 @@
 //! and the change is given up (nothing half added, [`Ticket`]).
 
 mod access;
+pub mod jobs;
 pub mod json;
 pub mod rpc;
 pub mod stats;
@@ -341,6 +342,8 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         }
         Method::ServerInfo => Ok(json::info(&daemon.info())),
         Method::ConfigReload => served.reload.reload_within(ticket).map(|r| json::reload(&r)),
+        Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
+        Method::JobList => Ok(jobs::list(&daemon.jobs())),
     }
 }
 

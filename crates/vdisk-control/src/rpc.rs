@@ -51,19 +51,34 @@ pub struct AddParams {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Method {
     ExportAdd(AddParams),
-    ExportRemove { name: String, hard: bool },
+    ExportRemove {
+        name: String,
+        hard: bool,
+    },
     ExportList,
-    ExportStats { name: Option<String> },
-    ExportSetQos { name: String, qos: Qos },
+    ExportStats {
+        name: Option<String>,
+    },
+    ExportSetQos {
+        name: String,
+        qos: Qos,
+    },
     ServerInfo,
     ConfigReload,
+    /// A new overlay over the export's top, switched to live; `format` is "qcow2" (default) or "cow".
+    ExportSnapshot {
+        name: String,
+        overlay: String,
+        format: Option<String>,
+    },
+    JobList,
 }
 
 impl Method {
     /// True for the requests that change what is served (only the server's
     /// own user, root and the control group may send them).
     pub fn changes_state(&self) -> bool {
-        !matches!(self, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo)
+        !matches!(self, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo | Method::JobList)
     }
 
     pub fn name(&self) -> &'static str {
@@ -75,6 +90,8 @@ impl Method {
             Method::ExportSetQos { .. } => "export_set_qos",
             Method::ServerInfo => "server_info",
             Method::ConfigReload => "config_reload",
+            Method::ExportSnapshot { .. } => "export_snapshot",
+            Method::JobList => "job_list",
         }
     }
 }
@@ -151,6 +168,8 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
         "export_set_qos" => Method::ExportSetQos { name: p.name()?, qos: p.qos()? },
         "server_info" => Method::ServerInfo,
         "config_reload" => Method::ConfigReload,
+        "export_snapshot" => snapshot_params(&mut p)?,
+        "job_list" => Method::JobList,
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -187,6 +206,18 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
         qos: p.qos()?,
         allow: p.strings("allow")?,
     })
+}
+
+fn snapshot_params(p: &mut Params) -> Result<Method, Fault> {
+    let name = p.name()?;
+    let overlay = p.str("overlay")?.ok_or_else(|| bad("\"overlay\" (the new top's path) is required"))?;
+    let format = p.str("format")?;
+    if let Some(f) = &format {
+        if !["qcow2", "cow"].contains(&f.as_str()) {
+            return Err(bad(format!("format {f:?} is not one of qcow2, cow")));
+        }
+    }
+    Ok(Method::ExportSnapshot { name, overlay, format })
 }
 
 fn bad(message: impl Into<String>) -> Fault {

@@ -511,4 +511,22 @@ pub enum CtlCommand {
     Info,
     /// Reread the server's --config FILE and apply the difference (as SIGHUP does).
     Reload,
+    /// Make a new overlay the export's top, live: the current top becomes its read-only backing.
+    Snapshot {
+        name: String,
+        /// The new overlay (must not exist).
+        #[arg(long, value_name = "PATH")]
+        overlay: PathBuf,
+        #[arg(long, value_enum, default_value_t = OverlayFormatArg::Qcow2)]
+        format: OverlayFormatArg,
+    },
+    /// The live disk operations (snapshot; commit, stream, mirror to come), running and ended.
+    Jobs,
+}
+
+/// The format of a snapshot's overlay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OverlayFormatArg {
+    Qcow2,
+    Cow,
 }

@@ -103,6 +103,15 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
         }
         CtlCommand::Info => "server_info",
         CtlCommand::Reload => "config_reload",
+        CtlCommand::Snapshot { name, overlay, format } => {
+            let overlay = std::path::absolute(&overlay)
+                .map_err(|e| Error::invalid(overlay.display().to_string()).at(&overlay).because(e))?;
+            let format = format.to_possible_value().expect("every format has a name");
+            p.extend([("name".into(), name.into()), ("overlay".into(), json!(overlay))]);
+            p.insert("format".into(), format.get_name().into());
+            "export_snapshot"
+        }
+        CtlCommand::Jobs => "job_list",
     };
     Ok((method, p))
 }
@@ -156,6 +165,8 @@ fn human_output(method: &str, r: &Value) -> String {
             fields.map(|(k, v)| format!("{k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect()
         }
         "config_reload" => reload_text(r),
+        "export_snapshot" => crate::ctl_jobs::snapshot_text(r),
+        "job_list" => crate::ctl_jobs::table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }

@@ -8,6 +8,7 @@ mod cli;
 mod commit;
 mod create;
 mod ctl;
+mod ctl_jobs;
 mod info;
 mod logger;
 mod merge;
