@@ -35,6 +35,15 @@ pub fn snapshot(
     }))
 }
 
+/// `export_stream`: done by the time it answers (it holds the export's changes meanwhile).
+pub fn stream(daemon: &Daemon, name: &str, ticket: &Ticket) -> Result<Value, Error> {
+    let Some(_committing) = ticket.commit() else {
+        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
+    };
+    let s = daemon.stream(name)?;
+    Ok(json!({"job": s.job, "name": s.export, "copied": s.copied}))
+}
+
 /// `job_list`: every job, oldest first.
 pub fn list(jobs: &[JobInfo]) -> Value {
     Value::Array(

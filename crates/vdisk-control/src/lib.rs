@@ -343,6 +343,7 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ServerInfo => Ok(json::info(&daemon.info())),
         Method::ConfigReload => served.reload.reload_within(ticket).map(|r| json::reload(&r)),
         Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
+        Method::ExportStream { name } => jobs::stream(daemon, &name, ticket),
         Method::JobList => Ok(jobs::list(&daemon.jobs())),
     }
 }

@@ -71,6 +71,10 @@ pub enum Method {
         overlay: String,
         format: Option<String>,
     },
+    /// Copy the backing chain into the export's qcow2 top and drop the chain.
+    ExportStream {
+        name: String,
+    },
     JobList,
 }
 
@@ -91,6 +95,7 @@ impl Method {
             Method::ServerInfo => "server_info",
             Method::ConfigReload => "config_reload",
             Method::ExportSnapshot { .. } => "export_snapshot",
+            Method::ExportStream { .. } => "export_stream",
             Method::JobList => "job_list",
         }
     }
@@ -169,6 +174,7 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
         "server_info" => Method::ServerInfo,
         "config_reload" => Method::ConfigReload,
         "export_snapshot" => snapshot_params(&mut p)?,
+        "export_stream" => Method::ExportStream { name: p.name()? },
         "job_list" => Method::JobList,
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));

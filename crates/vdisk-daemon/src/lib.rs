@@ -8,7 +8,7 @@
 //! control socket (crates/vdisk-control) maps them to JSON-RPC.
 //!
 //! Modules, each depending only on those listed after it:
-//! `metrics`, `reload` → `config` → `security` → `snapshot` → `daemon` → `jobs`;
+//! `metrics`, `reload` → `config` → `security` → `stream` → `snapshot` → `daemon` → `jobs`;
 //! `daemon` → `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
@@ -28,6 +28,7 @@ pub mod size;
 pub mod snapshot;
 pub mod spec;
 pub mod stopping;
+pub mod stream;
 pub mod systemd;
 mod vhost;
 

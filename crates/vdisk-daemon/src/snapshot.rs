@@ -152,14 +152,14 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
     // lock; beneath the overlay it is opened again read-only, which takes a
     // shared one: the old lock becomes shared first (it is written no more).
     let old = device.image();
-    let relock = |exclusive: bool| lock_top(&*old, &top, exclusive);
-    relock(false);
+    let relock = |op: i32| lock_top(&*old, &top, op);
+    relock(libc::LOCK_SH);
     let options = vdisk_image::OpenOptions { format: Some(forced), direct: live.direct, ..Default::default() };
     let swapped = vdisk_image::open(overlay, &options)
         .map_err(|e| e.to_string())
         .and_then(|opened| guard.replace_image(opened.image).map_err(|e| e.to_string()));
     if let Err(e) = swapped {
-        relock(true);
+        relock(libc::LOCK_EX);
         let _ = std::fs::remove_file(overlay);
         return Err(Error::failed(format!(
             "snapshot of export {name:?}: the new chain {} over {} cannot be served ({e}); the overlay was removed \
@@ -188,9 +188,9 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
 }
 
 /// Turns the BSD lock the old top's own file holds (qcow2 and COW overlays
-/// lock theirs; a raw file has none) into a shared or exclusive one. Only the
-/// file that is `top` itself is touched.
-fn lock_top(old: &dyn vdisk_image::Image, top: &Path, exclusive: bool) {
+/// lock theirs; a raw file has none) into `op` (`LOCK_SH`, `LOCK_EX`,
+/// `LOCK_UN`). Only the file that is `top` itself is touched.
+pub(crate) fn lock_top(old: &dyn vdisk_image::Image, top: &Path, op: i32) {
     use std::os::unix::fs::MetadataExt;
     use std::os::unix::io::AsRawFd;
     let Some(file) = old.files().first() else { return };
@@ -198,7 +198,7 @@ fn lock_top(old: &dyn vdisk_image::Image, top: &Path, exclusive: bool) {
     if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
         return;
     }
-    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH } | libc::LOCK_NB;
+    let op = op | libc::LOCK_NB;
     // SAFETY: flock only reads its integer arguments; the fd is open (`old` holds it).
     if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
         log::warn!("{}: cannot change its lock: {}", top.display(), std::io::Error::last_os_error());

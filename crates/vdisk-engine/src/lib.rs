@@ -309,6 +309,13 @@ impl Device {
         planner
     }
 
+    /// Runs `batch` on the current image in the caller's thread (under a quiesce: see `swap`).
+    fn execute_now(&self, batch: &mut [Request]) {
+        let mut planner = self.planner();
+        let mut reqs: Vec<&mut Request> = batch.iter_mut().collect();
+        threads::execute(&mut planner, &mut reqs);
+    }
+
     /// The dirty maps this device marks with every write, TRIM and
     /// WRITE_ZEROES it completes (see [`Observers`]): add a map before the
     /// copy or backup that reads it starts, remove it when done.

@@ -123,6 +123,15 @@ impl Quiesced<'_> {
         crate::flush_image(&cur.image)
     }
 
+    /// Performs `batch` on the current image in this thread, now, ahead of
+    /// the held requests (a job's own reads and writes that no guest request
+    /// may come between: stream's copy of a run the top does not hold yet).
+    /// Returns the requests, each with its error if it failed.
+    pub fn execute(&self, mut batch: Vec<crate::Request>) -> Vec<crate::Request> {
+        self.dev.execute_now(&mut batch);
+        batch
+    }
+
     /// Serves `new` from now on (the held requests and all later ones). It
     /// must have the device's size; an RBD device or image is refused. The
     /// old image is dropped once nothing holds it (its files closed).

@@ -520,6 +520,8 @@ pub enum CtlCommand {
         #[arg(long, value_enum, default_value_t = OverlayFormatArg::Qcow2)]
         format: OverlayFormatArg,
     },
+    /// Copy what the backing files hold into the export's qcow2 top, live, then drop them from its chain.
+    Stream { name: String },
     /// The live disk operations (snapshot; commit, stream, mirror to come), running and ended.
     Jobs,
 }

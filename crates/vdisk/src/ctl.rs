@@ -111,6 +111,10 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             p.insert("format".into(), format.get_name().into());
             "export_snapshot"
         }
+        CtlCommand::Stream { name } => {
+            p.insert("name".into(), name.into());
+            "export_stream"
+        }
         CtlCommand::Jobs => "job_list",
     };
     Ok((method, p))
@@ -166,6 +170,7 @@ fn human_output(method: &str, r: &Value) -> String {
         }
         "config_reload" => reload_text(r),
         "export_snapshot" => crate::ctl_jobs::snapshot_text(r),
+        "export_stream" => crate::ctl_jobs::stream_text(r),
         "job_list" => crate::ctl_jobs::table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }

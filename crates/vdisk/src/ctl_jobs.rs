@@ -16,6 +16,16 @@ pub fn snapshot_text(r: &Value) -> String {
     )
 }
 
+/// What a stream did, in a line.
+pub fn stream_text(r: &Value) -> String {
+    format!(
+        "export {}: {} copied from the backing chain; its top has no backing file now, job {}\n",
+        r["name"],
+        human(r["copied"].as_u64().unwrap_or(0)),
+        r["job"]
+    )
+}
+
 /// The job table; a failed job's error on a line of its own beneath.
 pub fn table(jobs: &[Value]) -> String {
     let header = ["ID", "TYPE", "EXPORT", "DONE", "TOTAL", "STATE"];

@@ -122,3 +122,39 @@ fn a_cow_snapshot_of_a_raw_export_keeps_the_base_as_it_was() {
     assert_same("the COW chain served again", &read_export(&dir, &server.uri("top"), "again.raw"), &after);
     server.stop();
 }
+
+#[test]
+fn stream_under_fio_verify_leaves_a_top_that_needs_no_backing() {
+    let dir = TempDir::new("stream");
+    let img = dir.path("base.img");
+    make_base(&img, 32 * MIB, 11);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let top = dir.path("top.qcow2");
+    let raw = ctl(&control, &["stream", "base"]);
+    assert!(String::from_utf8_lossy(&raw.stderr).contains("only a qcow2 top"), "{}", text(&raw));
+    ctl_ok(&control, &["snapshot", "base", "--overlay", top.to_str().unwrap()]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let fio = fio_until(dir.0.clone(), server.uri("base"), stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let said = ctl_ok(&control, &["stream", "base"]);
+    assert!(said.contains("no backing file now"), "{said}");
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    fio.join().expect("every fio verify passed");
+    let again = ctl(&control, &["stream", "base"]);
+    assert!(String::from_utf8_lossy(&again.stderr).contains("nothing to stream"), "{}", text(&again));
+    let jobs = json(&ctl_ok(&control, &["jobs", "--json"]));
+    let stream = jobs.as_array().unwrap().iter().find(|j| j["type"] == "stream" && j["state"] == "done").unwrap();
+    assert_eq!(stream["done"], stream["total"], "{jobs}");
+    let guest = dir.path("guest.raw");
+    std::fs::write(&guest, read_export(&dir, &server.uri("base"), "view.raw")).unwrap();
+    server.stop();
+
+    // The base can go: the top alone is the disk the guest saw.
+    std::fs::rename(&img, dir.path("gone.img")).unwrap();
+    let info = run("qemu-img", &["info", top.to_str().unwrap()]);
+    assert!(!info.contains("backing file"), "{info}");
+    let same = run("qemu-img", &["compare", "-F", "raw", top.to_str().unwrap(), guest.to_str().unwrap()]);
+    assert!(same.contains("Images are identical"), "{same}");
+    run("qemu-img", &["check", top.to_str().unwrap()]);
+}
