@@ -323,7 +323,7 @@ fn direct_io_serves_aligned_and_unaligned_requests() {
 }
 
 /// An image whose reads hang until released: a stalled backing store.
-struct Stalled {
+pub(super) struct Stalled {
     inner: RawImage,
     gate: Arc<(Mutex<bool>, std::sync::Condvar)>,
 }
