@@ -13,10 +13,14 @@ use std::time::Duration;
 
 use common::*;
 
-/// `vdisk serve IMAGE --control` over `img`: its export is `disk`.
+/// `vdisk serve IMAGE --control` over `img` (the uring engine): its export is the file's stem.
 fn serve(dir: &TempDir, img: &str) -> (Server, PathBuf) {
+    serve_on(dir, img, "uring")
+}
+
+fn serve_on(dir: &TempDir, img: &str, engine: &str) -> (Server, PathBuf) {
     let control = dir.path("ctl.sock");
-    let server = Server::start(dir, &[img, "--control", control.to_str().unwrap()]);
+    let server = Server::start(dir, &[img, "--control", control.to_str().unwrap(), "--engine", engine]);
     (server, control)
 }
 
@@ -46,10 +50,16 @@ fn fio_until(dir: PathBuf, uri: String, stop: Arc<AtomicBool>) -> std::thread::J
 
 #[test]
 fn snapshots_twice_under_fio_verify_make_a_chain_qemu_reads() {
-    let dir = TempDir::new("snapshot");
+    for engine in ENGINES {
+        snapshots_twice(engine);
+    }
+}
+
+fn snapshots_twice(engine: &str) {
+    let dir = TempDir::new(&format!("snapshot-{engine}"));
     let img = dir.path("disk.img");
     make_base(&img, 32 * MIB, 7);
-    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let (server, control) = serve_on(&dir, img.to_str().unwrap(), engine);
     let (middle, top) = (dir.path("middle.qcow2"), dir.path("top.qcow2"));
     let stop = Arc::new(AtomicBool::new(false));
     let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
@@ -74,6 +84,13 @@ fn snapshots_twice_under_fio_verify_make_a_chain_qemu_reads() {
     assert!(!cow.exists());
     let out = ctl(&control, &["snapshot", "nope", "--overlay", cow.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let ro = dir.path("ro.img");
+    make_base(&ro, MIB, 1);
+    ctl_ok(&control, &["add", ro.to_str().unwrap(), "--readonly"]);
+    let out = ctl(&control, &["snapshot", "ro", "--overlay", cow.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("read-only"), "{}", text(&out));
+    assert!(!cow.exists());
+    ctl_ok(&control, &["remove", "ro"]);
 
     // The job table: two done, one failed (the overlay that existed) and so on.
     let jobs = ctl_ok(&control, &["jobs"]);
@@ -81,6 +98,7 @@ fn snapshots_twice_under_fio_verify_make_a_chain_qemu_reads() {
     let listed = json(&ctl_ok(&control, &["jobs", "--json"]));
     let states: Vec<&str> = listed.as_array().unwrap().iter().map(|j| j["state"].as_str().unwrap()).collect();
     assert_eq!(&states[..3], ["done", "done", "failed"], "{listed}");
+    assert_eq!(states.len(), 6, "{listed}");
     let list = json(&ctl_ok(&control, &["list", "--json"]));
     assert_eq!(list[0]["image"].as_str(), top.to_str(), "{list}");
     assert_eq!(list[0]["format"], "qcow2", "{list}");
