@@ -19,6 +19,7 @@
 
 mod access;
 pub mod bitmaps;
+pub mod jobs;
 pub mod json;
 pub mod rpc;
 pub mod stats;
@@ -343,6 +344,9 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ServerInfo => Ok(json::info(&daemon.info())),
         Method::ConfigReload => served.reload.reload_within(ticket).map(|r| json::reload(&r)),
         Method::Bitmap(c) => bitmaps::call(daemon, c, ticket),
+        Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
+        Method::ExportStream { name } => jobs::stream(daemon, &name, ticket),
+        Method::JobList => Ok(jobs::list(&daemon.jobs())),
     }
 }
 

@@ -65,6 +65,17 @@ pub enum Method {
     },
     ServerInfo,
     ConfigReload,
+    /// A new overlay over the export's top, switched to live; `format` is "qcow2" (default) or "cow".
+    ExportSnapshot {
+        name: String,
+        overlay: String,
+        format: Option<String>,
+    },
+    /// Copy the backing chain into the export's qcow2 top and drop the chain.
+    ExportStream {
+        name: String,
+    },
+    JobList,
     /// `bitmap_*`: one export's dirty bitmaps.
     Bitmap(BitmapCall),
 }
@@ -112,7 +123,7 @@ impl Method {
     pub fn changes_state(&self) -> bool {
         match self {
             Method::Bitmap(b) => b.verb != "list",
-            m => !matches!(m, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo),
+            m => !matches!(m, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo | Method::JobList),
         }
     }
 
@@ -134,6 +145,9 @@ impl Method {
                 "merge" => "bitmap_merge",
                 _ => "bitmap_list",
             },
+            Method::ExportSnapshot { .. } => "export_snapshot",
+            Method::ExportStream { .. } => "export_stream",
+            Method::JobList => "job_list",
         }
     }
 }
@@ -214,6 +228,9 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
             let verb = BITMAP_VERBS.iter().find(|v| m.ends_with(*v) && m.len() == 7 + v.len()).expect("matched");
             Method::Bitmap(bitmap_call(verb, &mut p)?)
         }
+        "export_snapshot" => snapshot_params(&mut p)?,
+        "export_stream" => Method::ExportStream { name: p.name()? },
+        "job_list" => Method::JobList,
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -250,6 +267,18 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
         qos: p.qos()?,
         allow: p.strings("allow")?,
     })
+}
+
+fn snapshot_params(p: &mut Params) -> Result<Method, Fault> {
+    let name = p.name()?;
+    let overlay = p.str("overlay")?.ok_or_else(|| bad("\"overlay\" (the new top's path) is required"))?;
+    let format = p.str("format")?;
+    if let Some(f) = &format {
+        if !["qcow2", "cow"].contains(&f.as_str()) {
+            return Err(bad(format!("format {f:?} is not one of qcow2, cow")));
+        }
+    }
+    Ok(Method::ExportSnapshot { name, overlay, format })
 }
 
 fn bad(message: impl Into<String>) -> Fault {

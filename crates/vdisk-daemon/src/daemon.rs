@@ -206,6 +206,20 @@ pub struct Daemon {
     /// Exports removed from the table and still stopping (outside `changes`).
     removing: Removing,
     started: Instant,
+    /// Live disk operations, running and ended (`jobs`, `snapshot`).
+    pub(crate) jobs: crate::jobs::Jobs,
+}
+
+/// An export as a live disk operation changes it ([`Daemon::live_change`]):
+/// its device, and the spec and format the export list shows, written back after.
+pub(crate) struct Live {
+    pub device: Arc<Device>,
+    pub spec: ExportSpec,
+    pub format: &'static str,
+    /// `--direct`: how the daemon opens images.
+    pub direct: bool,
+    /// Where files the operation makes or opens must lie (a control request's image roots).
+    pub roots: Option<Arc<Roots>>,
 }
 
 /// Why an allow list cannot work on this server.
@@ -222,7 +236,30 @@ impl Daemon {
             reserved: Mutex::new(HashSet::new()),
             removing: Removing::default(),
             started: Instant::now(),
+            jobs: Default::default(),
         }
+    }
+
+    /// Runs a live disk operation on export `name` under the change lock (no
+    /// add, remove or shutdown meanwhile); what `f` sets in [`Live`]'s spec
+    /// and format is what the export list shows from then on.
+    pub(crate) fn live_change<T>(&self, name: &str, f: impl FnOnce(&mut Live) -> Result<T, Error>) -> Result<T, Error> {
+        let closed = self.changes.lock().unwrap();
+        if *closed {
+            return Err(Error::failed("the server is shutting down"));
+        }
+        let mut live = {
+            let exports = self.exports.lock().unwrap();
+            let e = exports.iter().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
+            let (direct, roots) = (self.settings.direct, self.settings.roots.clone());
+            Live { device: e.device.clone(), spec: e.spec.clone(), format: e.format, direct, roots }
+        };
+        let r = f(&mut live)?;
+        if let Some(e) = self.exports.lock().unwrap().iter_mut().find(|e| e.name == name) {
+            e.spec = live.spec;
+            e.format = live.format;
+        }
+        Ok(r)
     }
 
     /// One line for a service manager's status: exports and clients.

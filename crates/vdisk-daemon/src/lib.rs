@@ -8,7 +8,8 @@
 //! control socket (crates/vdisk-control) maps them to JSON-RPC.
 //!
 //! Modules, each depending only on those listed after it:
-//! `metrics`, `reload` → `config` → `security` → `daemon` → `fuse`, `vhost`
+//! `metrics`, `reload` → `config` → `security` → `stream` → `snapshot` → `daemon` → `jobs`;
+//! `daemon` → `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
@@ -19,13 +20,16 @@ pub mod error;
 pub mod formats;
 pub mod frontend;
 mod fuse;
+pub mod jobs;
 pub mod listen;
 pub mod metrics;
 pub mod reload;
 pub mod security;
 pub mod size;
+pub mod snapshot;
 pub mod spec;
 pub mod stopping;
+pub mod stream;
 pub mod systemd;
 mod vhost;
 

@@ -87,6 +87,7 @@ mod ring;
 pub mod slab;
 pub mod stats;
 pub mod submit;
+mod swap;
 mod sys;
 mod threads;
 mod uring;
@@ -110,6 +111,7 @@ pub use observe::Observers;
 pub use qos::Limits;
 pub use request::{Command, Data, Op, Request, Sink};
 pub use stats::{Snapshot, Stats};
+pub use swap::Quiesced;
 pub use validate::{validate, Bounds, Refusal};
 
 use queue::Queue;
@@ -188,16 +190,16 @@ enum Inline {
 pub struct Device {
     name: String,
     kind: EngineKind,
-    inline: Inline,
+    /// The configuration lets the inline path run (what it may do depends on the image: `swap::Current`).
+    inline_allowed: bool,
     /// Cleared the first time the file system refuses RWF_NOWAIT.
     nowait_works: AtomicBool,
     sync: bool,
     coalesce: bool,
-    image: Arc<dyn Image>,
+    /// The image served now, replaced under a quiesce (see `swap`).
+    slot: Arc<swap::Slot>,
     /// Injected failures (tests only; see `faults`).
     faults: Option<Arc<faults::Faults>>,
-    /// The image's written file is on FUSE: durable writes get an explicit fdatasync.
-    dsync_unreliable: bool,
     queue: Arc<Queue>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     /// The core worker serving a uring device, and its "let go" signal.
@@ -207,8 +209,6 @@ pub struct Device {
     qos: qos::Qos,
     /// Where the exports report the requests that failed (rate-limited).
     errors: Arc<ErrorLog>,
-    /// What the image's files refused of the zero ladder, for every planner.
-    zeros: Arc<zero::ZeroLadder>,
     /// The dirty maps every completed write marks (bitmaps, copy jobs).
     observers: Arc<Observers>,
 }
@@ -255,34 +255,27 @@ impl Device {
         let stats = Arc::new(Stats::default());
         let faults = faults::Faults::from_env(name);
         let queue = Arc::new(Queue::new(consumers, stats.clone(), name, faults.clone()));
-        let inline = if !config.inline || !image.direct_files().is_empty() || kind == EngineKind::Rbd {
-            Inline::Never
-        } else if image.files().iter().all(sys::in_memory) {
-            Inline::All
-        } else {
-            Inline::CachedReads
-        };
+        let current = swap::Current::new(image.clone(), kind, config.inline);
+        let dsync_unreliable = current.dsync_unreliable;
         let mut dev = Device {
             name: name.to_owned(),
             kind,
-            inline,
+            inline_allowed: config.inline,
             nowait_works: AtomicBool::new(true),
             sync: config.sync,
             coalesce: config.coalesce,
-            image: image.clone(),
+            slot: Arc::new(swap::Slot::new(current)),
             faults,
-            dsync_unreliable: image.files().first().is_some_and(sys::on_fuse),
             queue,
             workers: Mutex::new(Vec::new()),
             attached: None,
             stats,
             qos: qos::Qos::default(),
             errors: Arc::new(ErrorLog::new(name)),
-            zeros: Arc::new(zero::ZeroLadder::new(image.files().len())),
             observers: Arc::default(),
         };
         if kind == EngineKind::Uring {
-            if dev.dsync_unreliable {
+            if dsync_unreliable {
                 log::info!(
                     "{name}: on FUSE, where RWF_DSYNC may not reach the file system; durable writes are followed by \
                      an fdatasync"
@@ -311,11 +304,17 @@ impl Device {
 
     /// A planner for this device's requests.
     fn planner(&self) -> plan::Planner {
-        let mut planner = plan::Planner::with_zeros(self.image.clone(), self.sync, self.coalesce, self.zeros.clone());
+        let mut planner = plan::Planner::for_slot(&self.slot, self.sync, self.coalesce);
         planner.faults = self.faults.clone();
-        planner.dsync_unreliable = self.dsync_unreliable;
         planner.observers = self.observers.clone();
         planner
+    }
+
+    /// Runs `batch` on the current image in the caller's thread (under a quiesce: see `swap`).
+    fn execute_now(&self, batch: &mut [Request]) {
+        let mut planner = self.planner();
+        let mut reqs: Vec<&mut Request> = batch.iter_mut().collect();
+        threads::execute(&mut planner, &mut reqs);
     }
 
     /// The dirty maps this device marks with every write, TRIM and
@@ -335,11 +334,11 @@ impl Device {
     }
 
     pub fn size(&self) -> u64 {
-        self.image.size()
+        self.slot.get().image.size()
     }
 
     pub fn read_only(&self) -> bool {
-        self.image.read_only()
+        self.slot.get().image.read_only()
     }
 
     /// What [`validate`] judges this device's requests against: its size and
@@ -348,8 +347,9 @@ impl Device {
         Bounds::new(self.size(), self.read_only())
     }
 
-    pub fn image(&self) -> &Arc<dyn Image> {
-        &self.image
+    /// The image served now (a swap may replace it: see [`Device::quiesce`]).
+    pub fn image(&self) -> Arc<dyn Image> {
+        self.slot.get().image.clone()
     }
 
     /// Why the device failed (naming it and the error), or None while it serves.
@@ -418,8 +418,23 @@ impl Device {
             // Answered with EIO by a worker, like every request of a failed device.
             return submit(batch);
         }
+        // Quiesced: held in the queue like every other request (see `swap`).
+        let Some(_turn) = self.queue.enter_inline() else { return submit(batch) };
         let mut planner = self.planner();
-        match self.inline {
+        let inline = self.slot.get().inline;
+        self.run_inline(inline, &mut planner, batch, &submit, done);
+    }
+
+    /// What [`Device::submit_inline`] does once it may run inline.
+    fn run_inline(
+        &self,
+        inline: Inline,
+        planner: &mut plan::Planner,
+        batch: Vec<Request>,
+        submit: &dyn Fn(Vec<Request>),
+        done: &mut Vec<Request>,
+    ) {
+        match inline {
             Inline::Never => submit(batch),
             Inline::All => {
                 // Large transfers go to the engine: copying them inline would stall
@@ -435,7 +450,7 @@ impl Device {
                     }
                 }
                 let mut reqs: Vec<&mut Request> = done[first..].iter_mut().collect();
-                threads::execute(&mut planner, &mut reqs);
+                threads::execute(planner, &mut reqs);
                 submit(large);
             }
             Inline::CachedReads if !self.nowait_works.load(Ordering::Relaxed) => submit(batch),
@@ -498,7 +513,7 @@ impl Device {
             );
             return Err(vdisk_image::Error::io(e, what));
         }
-        let image = self.image.clone();
+        let image = self.image();
         let flushed = bounded(deadline, move || {
             let r = plan::Planner::new(image.clone(), false, false).flush();
             // An RBD image is closed now, not whenever the last reference goes: closing
@@ -556,6 +571,16 @@ impl Device {
         }
         left
     }
+}
+
+/// Syncs every file of `image`, then its metadata (what a FLUSH does).
+fn flush_image(image: &Arc<dyn Image>) -> Result<()> {
+    plan::Planner::new(image.clone(), false, false).flush()
+}
+
+/// The image is on Ceph RBD (served by the RBD engine).
+fn on_rbd(image: &dyn Image) -> bool {
+    rbd::uses_rbd(image)
 }
 
 /// Runs `f` (which must not panic the caller: a panic is its error), on a

@@ -76,6 +76,8 @@ pub(crate) struct Planner {
     pub zeros: Arc<ZeroLadder>,
     /// The device's dirty maps, marked by every write completed here.
     pub observers: Arc<crate::Observers>,
+    /// The device's image slot and the generation this planner serves (see `swap`).
+    pub slot: Option<(Arc<crate::swap::Slot>, u64)>,
     extents: Vec<Extent>,
 }
 
@@ -96,8 +98,34 @@ impl Planner {
             dsync_unreliable: false,
             zeros,
             observers: Arc::default(),
+            slot: None,
             extents: Vec::new(),
         }
+    }
+
+    /// A planner for what `slot` serves now, following it from then on.
+    pub fn for_slot(slot: &Arc<crate::swap::Slot>, sync: bool, coalesce: bool) -> Self {
+        let (cur, generation) = slot.get_with_generation();
+        let mut planner = Self::with_zeros(cur.image.clone(), sync, coalesce, cur.zeros.clone());
+        planner.dsync_unreliable = cur.dsync_unreliable;
+        planner.slot = Some((slot.clone(), generation));
+        planner
+    }
+
+    /// Takes up the device's new image if it was replaced. Workers call it
+    /// each time they take requests: a replacement happens only while nothing
+    /// of the device is in flight (`swap`), so none spans two images.
+    #[inline]
+    pub fn refresh(&mut self) {
+        let Some((slot, generation)) = &mut self.slot else { return };
+        if slot.generation() == *generation {
+            return;
+        }
+        let (cur, now) = slot.get_with_generation();
+        self.image = cur.image.clone();
+        self.zeros = cur.zeros.clone();
+        self.dsync_unreliable = cur.dsync_unreliable;
+        *generation = now;
     }
 
     /// Maps the reads and writes among `jobs` (keyed by the caller's index) to

@@ -14,7 +14,7 @@
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -57,6 +57,21 @@ pub(crate) struct Queue {
     health: Health,
     /// `panic#N` (tests only).
     faults: Option<Arc<Faults>>,
+    /// Requests taken from the queue and not yet delivered (see `swap`).
+    taken: AtomicUsize,
+    /// Batches the inline path is running in a caller's thread.
+    inline: AtomicUsize,
+    /// Quiesced: consumers take nothing, the inline path queues (see `swap`).
+    held: AtomicBool,
+}
+
+/// A batch the inline path runs: in flight until dropped (a panic included).
+pub(crate) struct InlineTurn<'a>(&'a Queue);
+
+impl Drop for InlineTurn<'_> {
+    fn drop(&mut self) {
+        self.0.inline.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 struct State {
@@ -77,6 +92,9 @@ impl Queue {
             stats,
             health: Health::new(device),
             faults,
+            taken: AtomicUsize::new(0),
+            inline: AtomicUsize::new(0),
+            held: AtomicBool::new(false),
         }
     }
 
@@ -99,9 +117,56 @@ impl Queue {
         st.closed && st.jobs.is_empty()
     }
 
-    /// Requests are waiting.
+    /// Requests are waiting (and may be taken: not while held).
     pub fn has_jobs(&self) -> bool {
-        !self.state.lock().unwrap().jobs.is_empty()
+        let st = self.state.lock().unwrap();
+        !st.jobs.is_empty() && !self.is_held(&st)
+    }
+
+    /// Held, and not closed (a closing device drains what it holds).
+    fn is_held(&self, st: &State) -> bool {
+        self.held.load(Ordering::SeqCst) && !st.closed
+    }
+
+    /// Quiesces: from now on consumers take nothing and [`Queue::enter_inline`] refuses.
+    pub fn hold(&self) {
+        let _st = self.state.lock().unwrap();
+        self.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Lifts [`Queue::hold`]: wakes the consumers for what waited meanwhile.
+    pub fn release(&self) {
+        let waiting = {
+            let st = self.state.lock().unwrap();
+            self.held.store(false, Ordering::SeqCst);
+            !st.jobs.is_empty()
+        };
+        self.ready.notify_all();
+        if let Some(s) = self.server.get() {
+            s.notify();
+        }
+        if waiting {
+            for w in self.wakers.lock().unwrap().iter() {
+                w.idle.store(false, Ordering::SeqCst);
+                w.wake();
+            }
+        }
+    }
+
+    /// Requests taken and not delivered, plus inline batches running.
+    pub fn in_flight(&self) -> usize {
+        self.taken.load(Ordering::SeqCst) + self.inline.load(Ordering::SeqCst)
+    }
+
+    /// The inline path may run a batch while the turn lives (it counts as in
+    /// flight); None while held: queue the batch instead.
+    pub fn enter_inline(&self) -> Option<InlineTurn<'_>> {
+        self.inline.fetch_add(1, Ordering::SeqCst);
+        let turn = InlineTurn(self);
+        if self.held.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(turn)
     }
 
     /// Queues a batch submitted at `started`.
@@ -146,12 +211,13 @@ impl Queue {
         loop {
             if !st.jobs.is_empty() && self.health.is_failed() {
                 let mut jobs: Vec<Job> = st.jobs.drain(..).collect();
+                self.taken.fetch_add(jobs.len(), Ordering::SeqCst);
                 drop(st);
                 self.fail(&mut jobs);
                 st = self.state.lock().unwrap();
                 continue;
             }
-            if !st.jobs.is_empty() {
+            if !st.jobs.is_empty() && !self.is_held(&st) {
                 self.share(&mut st, max, into);
                 return true;
             }
@@ -170,12 +236,13 @@ impl Queue {
         let mut st = self.state.lock().unwrap();
         if !st.jobs.is_empty() && self.health.is_failed() {
             let mut jobs: Vec<Job> = st.jobs.drain(..).collect();
+            self.taken.fetch_add(jobs.len(), Ordering::SeqCst);
             let open = !st.closed;
             drop(st);
             self.fail(&mut jobs);
             return open;
         }
-        if !st.jobs.is_empty() {
+        if !st.jobs.is_empty() && !self.is_held(&st) {
             self.share(&mut st, max, into);
             return true;
         }
@@ -184,6 +251,7 @@ impl Queue {
 
     fn share(&self, st: &mut State, max: usize, into: &mut Vec<Job>) {
         let share = st.jobs.len().div_ceil(self.consumers).clamp(1, max.max(1));
+        self.taken.fetch_add(share, Ordering::SeqCst);
         into.extend(st.jobs.drain(..share));
         if !st.jobs.is_empty() && st.waiting > 0 {
             self.ready.notify_one();
@@ -256,7 +324,9 @@ impl Queue {
             self.stats.completed(jobs[at..end].iter().map(|j| &j.0), started);
             at = end;
         }
+        let n = jobs.len();
         self.hand_over(jobs);
+        self.taken.fetch_sub(n, Ordering::SeqCst);
     }
 
     /// Hands each sink its completed requests in one call. A sink that panics

@@ -323,7 +323,7 @@ fn direct_io_serves_aligned_and_unaligned_requests() {
 }
 
 /// An image whose reads hang until released: a stalled backing store.
-struct Stalled {
+pub(super) struct Stalled {
     inner: RawImage,
     gate: Arc<(Mutex<bool>, std::sync::Condvar)>,
 }
@@ -544,6 +544,7 @@ fn stats_count_each_request_once_inline_or_queued() {
 
 mod failure;
 mod shared;
+mod swap;
 
 /// Every write, TRIM and WRITE_ZEROES a device completes, queued or inline,
 /// marks its observers' maps; reads and flushes do not, and a removed map is

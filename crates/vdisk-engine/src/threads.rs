@@ -41,6 +41,7 @@ impl Worker {
 
     fn serve(&mut self, jobs: &mut Vec<Job>) {
         while self.queue.take(self.batch, jobs) {
+            self.planner.refresh();
             let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
             execute(&mut self.planner, &mut reqs);
             self.queue.deliver(jobs);

@@ -200,6 +200,7 @@ impl CoreWorker {
             self.current = Some(id);
             let open = d.queue.try_take(d.batch, &mut self.new);
             if !self.new.is_empty() {
+                d.planner.refresh();
                 self.f.start(d, id, &mut self.new)?;
             }
             d.queue.deliver(&mut d.done);

@@ -514,4 +514,24 @@ pub enum CtlCommand {
     /// An export's dirty bitmaps (incremental backup): add, remove, clear, enable, disable, merge, list.
     #[command(subcommand)]
     Bitmap(crate::ctl_bitmaps::BitmapCommand),
+    /// Make a new overlay the export's top, live: the current top becomes its read-only backing.
+    Snapshot {
+        name: String,
+        /// The new overlay (must not exist).
+        #[arg(long, value_name = "PATH")]
+        overlay: PathBuf,
+        #[arg(long, value_enum, default_value_t = OverlayFormatArg::Qcow2)]
+        format: OverlayFormatArg,
+    },
+    /// Copy what the backing files hold into the export's qcow2 top, live, then drop them from its chain.
+    Stream { name: String },
+    /// The live disk operations (snapshot; commit, stream, mirror to come), running and ended.
+    Jobs,
+}
+
+/// The format of a snapshot's overlay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OverlayFormatArg {
+    Qcow2,
+    Cow,
 }

@@ -108,6 +108,19 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             p = params;
             method
         }
+        CtlCommand::Snapshot { name, overlay, format } => {
+            let overlay = std::path::absolute(&overlay)
+                .map_err(|e| Error::invalid(overlay.display().to_string()).at(&overlay).because(e))?;
+            let format = format.to_possible_value().expect("every format has a name");
+            p.extend([("name".into(), name.into()), ("overlay".into(), json!(overlay))]);
+            p.insert("format".into(), format.get_name().into());
+            "export_snapshot"
+        }
+        CtlCommand::Stream { name } => {
+            p.insert("name".into(), name.into());
+            "export_stream"
+        }
+        CtlCommand::Jobs => "job_list",
     };
     Ok((method, p))
 }
@@ -162,6 +175,9 @@ fn human_output(method: &str, r: &Value) -> String {
         }
         "config_reload" => reload_text(r),
         m if m.starts_with("bitmap_") => crate::ctl_bitmaps::human_output(m, r).unwrap_or_default(),
+        "export_snapshot" => crate::ctl_jobs::snapshot_text(r),
+        "export_stream" => crate::ctl_jobs::stream_text(r),
+        "job_list" => crate::ctl_jobs::table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }

@@ -1,0 +1,206 @@
+//! `snapshot`: a new overlay over an export's current top, made and switched
+//! to while the export serves (docs/block-jobs.md). Everything that can be
+//! refused is checked before anything changes; then, under a quiesce of the
+//! device (requests in flight finish, new ones wait): flush the old top,
+//! create the overlay naming it as its backing, open the new chain (the
+//! overlay read-write, the old top read-only beneath it) and swap it in. If
+//! creating or opening fails, the overlay is removed and the old top serves
+//! on: nothing changed. A snapshot is a job of the job table (instant: it
+//! holds no copy).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
+use vdisk_image::{CowImage, Format, Qcow2Image};
+
+use crate::daemon::Live;
+use crate::spec::ImageFormat;
+use crate::{Daemon, Error, ErrorKind};
+
+/// How long a snapshot waits for the requests in flight to finish.
+pub const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
+
+/// The format of a snapshot's new overlay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OverlayFormat {
+    #[default]
+    Qcow2,
+    Cow,
+}
+
+impl OverlayFormat {
+    pub fn from_name(name: &str) -> Option<OverlayFormat> {
+        match name {
+            "qcow2" => Some(OverlayFormat::Qcow2),
+            "cow" => Some(OverlayFormat::Cow),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OverlayFormat::Qcow2 => "qcow2",
+            OverlayFormat::Cow => "cow",
+        }
+    }
+}
+
+/// What a snapshot made.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub job: u64,
+    pub export: String,
+    /// The new top, served now.
+    pub overlay: PathBuf,
+    pub format: OverlayFormat,
+    /// The old top, read-only beneath it from now on.
+    pub backing: PathBuf,
+    pub backing_format: &'static str,
+}
+
+impl Daemon {
+    /// Makes `overlay` (a new file) the top of export `name`, over its current
+    /// top, while it serves. A job of the job table, failed or done.
+    pub fn snapshot(&self, name: &str, overlay: &Path, format: OverlayFormat) -> Result<Snapshot, Error> {
+        let job = self.jobs.start("snapshot", name);
+        let r = self.live_change(name, |live| snapshot(live, name, overlay, format, job.id));
+        job.finish(&r.as_ref().map_err(|e| e.message().to_owned()));
+        r
+    }
+
+    /// Every job, running and ended (the last [`crate::jobs::KEPT`]), oldest first.
+    pub fn jobs(&self) -> Vec<crate::jobs::JobInfo> {
+        self.jobs.list()
+    }
+}
+
+fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, job: u64) -> Result<Snapshot, Error> {
+    let refuse = |why: String| Error::invalid(format!("snapshot of export {name:?}: {why}"));
+    if !overlay.is_absolute() {
+        return Err(refuse(format!("the overlay {} must be an absolute path", overlay.display())));
+    }
+    if overlay.symlink_metadata().is_ok() {
+        return Err(Error::new(
+            ErrorKind::Exists,
+            format!("snapshot of export {name:?}: {} exists already: name a new file", overlay.display()),
+        ));
+    }
+    if live.roots.is_some() {
+        let dir = overlay.parent().unwrap_or(Path::new("/"));
+        vdisk_image::files::confined(live.roots.clone(), || vdisk_image::files::check_confined(dir)).map_err(|e| {
+            refuse(format!("the overlay {} is not beneath the image roots (--image-root): {e}", overlay.display()))
+        })?;
+    }
+    let device = live.device.clone();
+    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
+        return Err(refuse(
+            "it is an RBD image: its snapshots are RBD snapshots (`--rbd-snap NAME`), which vdisk does not make yet \
+             (use `rbd snap create`)"
+                .into(),
+        ));
+    }
+    if device.read_only() {
+        return Err(refuse(
+            "it is served read-only: its image never changes, so there is nothing to snapshot (copy the file)".into(),
+        ));
+    }
+    if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
+        return Err(refuse(
+            "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its headers \
+             hold, which would not be the chain it serves now"
+                .into(),
+        ));
+    }
+    if let Some(why) = device.failure() {
+        return Err(Error::failed(format!("snapshot of export {name:?}: its device failed ({why})")));
+    }
+    let top =
+        std::path::absolute(&live.spec.image).map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
+    let top_format = live.format;
+    if format == OverlayFormat::Cow && top_format != "raw" {
+        return Err(refuse(format!(
+            "a COW overlay's backing file must be raw, and the export's top {} is {top_format}: use --format qcow2",
+            top.display()
+        )));
+    }
+    let guard =
+        device.quiesce(QUIESCE_LIMIT).map_err(|e| Error::failed(format!("snapshot of export {name:?}: {e}")))?;
+    guard.flush().map_err(|e| {
+        Error::failed(format!("snapshot of export {name:?}: flushing {} failed, nothing changed: {e}", top.display()))
+    })?;
+    let made = match format {
+        OverlayFormat::Qcow2 => {
+            let o = CreateOptions {
+                size: device.size(),
+                cluster_bits: DEFAULT_CLUSTER_BITS,
+                backing: Some((&top, top_format)),
+            };
+            Qcow2Image::create(overlay, &o)
+        }
+        OverlayFormat::Cow => CowImage::create(overlay, &top),
+    };
+    made.map_err(|e| {
+        Error::failed(format!("snapshot of export {name:?}: cannot create {}, nothing changed: {e}", overlay.display()))
+            .at(overlay)
+    })?;
+    let forced = match format {
+        OverlayFormat::Qcow2 => Format::Qcow2,
+        OverlayFormat::Cow => Format::Cow,
+    };
+    // The old top stays open (it serves until the swap) with its exclusive
+    // lock; beneath the overlay it is opened again read-only, which takes a
+    // shared one: the old lock becomes shared first (it is written no more).
+    let old = device.image();
+    let relock = |op: i32| lock_top(&*old, &top, op);
+    relock(libc::LOCK_SH);
+    let options = vdisk_image::OpenOptions { format: Some(forced), direct: live.direct, ..Default::default() };
+    let swapped = vdisk_image::open(overlay, &options)
+        .map_err(|e| e.to_string())
+        .and_then(|opened| guard.replace_image(opened.image).map_err(|e| e.to_string()));
+    if let Err(e) = swapped {
+        relock(libc::LOCK_EX);
+        let _ = std::fs::remove_file(overlay);
+        return Err(Error::failed(format!(
+            "snapshot of export {name:?}: the new chain {} over {} cannot be served ({e}); the overlay was removed \
+             and nothing changed",
+            overlay.display(),
+            top.display()
+        )));
+    }
+    drop(guard);
+    live.spec.image = overlay.to_owned();
+    live.spec.format = match format {
+        OverlayFormat::Qcow2 => ImageFormat::Qcow2,
+        OverlayFormat::Cow => ImageFormat::Cow,
+    };
+    live.format = device.image().format();
+    log::info!(export:% = name; "export {name:?}: snapshot: now served from {} ({}) over {} ({top_format})",
+        overlay.display(), format.name(), top.display());
+    Ok(Snapshot {
+        job,
+        export: name.to_owned(),
+        overlay: overlay.to_owned(),
+        format,
+        backing: top,
+        backing_format: top_format,
+    })
+}
+
+/// Turns the BSD lock the old top's own file holds (qcow2 and COW overlays
+/// lock theirs; a raw file has none) into `op` (`LOCK_SH`, `LOCK_EX`,
+/// `LOCK_UN`). Only the file that is `top` itself is touched.
+pub(crate) fn lock_top(old: &dyn vdisk_image::Image, top: &Path, op: i32) {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::io::AsRawFd;
+    let Some(file) = old.files().first() else { return };
+    let (Ok(a), Ok(b)) = (file.metadata(), std::fs::metadata(top)) else { return };
+    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
+        return;
+    }
+    let op = op | libc::LOCK_NB;
+    // SAFETY: flock only reads its integer arguments; the fd is open (`old` holds it).
+    if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
+        log::warn!("{}: cannot change its lock: {}", top.display(), std::io::Error::last_os_error());
+    }
+}
