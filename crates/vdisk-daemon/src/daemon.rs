@@ -484,6 +484,11 @@ impl Daemon {
         self.exports.lock().unwrap().iter().find(|e| e.name == name).map(|e| e.bitmaps.clone())
     }
 
+    /// The image export `name` serves now (a live snapshot moves it to the new overlay).
+    pub(crate) fn served_image(&self, name: &str) -> Option<std::path::PathBuf> {
+        self.exports.lock().unwrap().iter().find(|e| e.name == name).map(|e| e.spec.image.clone())
+    }
+
     /// Why export `name`'s device failed, if it did (None too for no such export).
     pub fn failure(&self, name: &str) -> Option<String> {
         let exports = self.exports.lock().unwrap();

@@ -188,6 +188,22 @@ fn restart_failed(
             continue;
         }
         let Some(why) = daemon.failure(&n) else { continue };
+        if let Some(now) = daemon.served_image(&n).filter(|now| *now != spec.image) {
+            // The file's image is now the backing of `now`: served read-write
+            // again it would change what the overlay reads through.
+            keep(
+                report,
+                &n,
+                format!(
+                    "it had failed ({why}), but a live snapshot moved it from {} to {}: name {} in the file (or \
+                     remove the export and add it again) to start it again",
+                    spec.image.display(),
+                    now.display(),
+                    now.display()
+                ),
+            );
+            continue;
+        }
         log::warn!(export:% = n; "reload: export {n:?} had failed ({why}): starting it again");
         if let Err(e) = daemon.remove_within(&n, true, ticket) {
             keep(report, &n, format!("it had failed ({why}) and could not be removed to start again: {}", e.report()));

@@ -199,3 +199,33 @@ fn a_reload_restarts_a_failed_export_of_the_config() {
     server.stop();
     assert!(t.elapsed() < Duration::from_secs(10), "SIGTERM took {:?}", t.elapsed());
 }
+
+/// A reload does not bring back a failed export of the config file that a
+/// live snapshot moved to an overlay: the file's image is now that overlay's
+/// backing, and serving it read-write again would change what the overlay
+/// reads through. The reload keeps it failed and says why.
+#[test]
+fn a_reload_leaves_a_snapshotted_failed_export_alone() {
+    let dir = TempDir::new("engine-faults-snap");
+    make_images(&dir, &["e2"]);
+    let config = dir.path("vdisk.toml");
+    let text = format!(
+        "[server]\ncontrol = \"ctl.sock\"\nengine = \"threads\"\n\n[[export]]\nimage = \"{}\"\n",
+        dir.path("e2.img").display()
+    );
+    std::fs::write(&config, text).unwrap();
+    let control = dir.path("ctl.sock");
+    let args = ["--config", s(&config), "--no-inline"];
+    let server = Server::start_env(&dir, &args, &[("VDISK_FAULTS", "e2:panic#12"), NO_BACKTRACE]);
+    let overlay = dir.path("e2-snap.qcow2");
+    let out = ctl(&control, &["snapshot", "e2", "--overlay", s(&overlay)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    drive_until_eio(&server.socket, "e2", 60);
+    let report = ctl_json(&control, &["reload"]);
+    assert_eq!(report["restarted"], serde_json::json!([]), "{report}");
+    let kept = report["kept"].to_string();
+    assert!(kept.contains("live snapshot") && kept.contains("e2-snap.qcow2"), "{report}");
+    let list = ctl_json(&control, &["list"]);
+    assert_eq!(list[0]["state"], "failed", "{list}");
+    stop_with_a_failed_export(server);
+}
