@@ -214,7 +214,11 @@ fn stats_count_what_nbdcopy_wrote() {
     let before = s["read_bytes"].as_u64().unwrap();
     run("nbdcopy", &[&d.server.uri("s"), dir.path("back.img").to_str().unwrap()]);
     let read = d.stats("s")["read_bytes"].as_u64().unwrap() - before;
-    assert!((read as f64 - want).abs() <= want * 0.01, "read {read} bytes, nbdcopy read {want}");
+    // At least what nbdcopy read; a little more when the server dropped the
+    // data of replies nbdcopy was slow to take (the socket took nothing for
+    // 100 ms on a loaded machine) and read it again (vdisk-nbd outbox.rs):
+    // those re-reads are reads of the image too.
+    assert!(read as f64 >= want * 0.99 && read as f64 <= want * 1.1, "read {read} bytes, nbdcopy read {want}");
     assert_same("copied back", &read_file(&dir.path("back.img")), &data);
     let all = d.json(&["stats"]);
     assert_eq!(all.as_array().unwrap().len(), 1);
