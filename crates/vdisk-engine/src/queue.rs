@@ -6,6 +6,8 @@
 //!
 //! A uring device's queue is served by a core worker (see `core`): a push
 //! marks the device ready on that worker, and wakes it only if it is idle.
+//! A thread-engine device's queue is served by the shared pool (see `pool`)
+//! the same way.
 //!
 //! The queue also carries the device's [`Health`]: once failed, whatever a
 //! consumer takes is answered with EIO at once instead of handed to it, and
@@ -47,6 +49,8 @@ pub(crate) struct Queue {
     wakers: Mutex<Vec<Arc<Waker>>>,
     /// The core worker serving this device (uring engine): a push marks it ready there.
     attachment: OnceLock<Arc<Attachment>>,
+    /// The thread engine's pool serving this device: a push lists it as ready there.
+    pool: OnceLock<crate::pool::Handle>,
     /// Counts every request in ([`Queue::push`]) and out ([`Queue::deliver`]).
     stats: Arc<Stats>,
     health: Health,
@@ -69,6 +73,7 @@ impl Queue {
             consumers: consumers.max(1),
             wakers: Mutex::new(Vec::new()),
             attachment: OnceLock::new(),
+            pool: OnceLock::new(),
             stats,
             health: Health::new(device),
             faults,
@@ -86,6 +91,11 @@ impl Queue {
     /// Hands the queue to a core worker: from now on a push marks the device ready there.
     pub fn attach(&self, a: Arc<Attachment>) {
         let _ = self.attachment.set(a);
+    }
+
+    /// Hands the queue to the thread engine's pool: a push lists the device as ready there.
+    pub fn attach_pool(&self, h: crate::pool::Handle) {
+        let _ = self.pool.set(h);
     }
 
     /// The core worker serving this queue, if any.
@@ -127,6 +137,9 @@ impl Queue {
         }
         if let Some(a) = self.attachment.get() {
             return a.notify();
+        }
+        if let Some(h) = self.pool.get() {
+            return h.notify();
         }
         for w in self.wakers.lock().unwrap().iter() {
             if w.idle.swap(false, Ordering::SeqCst) {
@@ -199,6 +212,9 @@ impl Queue {
         }
         if let Some(a) = self.attachment.get() {
             a.notify();
+        }
+        if let Some(h) = self.pool.get() {
+            h.notify();
         }
     }
 
