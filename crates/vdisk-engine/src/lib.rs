@@ -559,9 +559,11 @@ impl Device {
             }
         }
         if let Some(entry) = &self.pooled {
-            // As on the core: from one of the pool's threads it cannot be waited for.
-            if pool::on_pool() {
-                left.push("its requests on the thread engine's pool (stopped from a pool thread)".to_owned());
+            // As on the core: from the pool thread serving its batch it cannot be waited for.
+            if pool::serving(entry) {
+                left.push(
+                    "its requests on the thread engine's pool (stopped from a pool thread serving it)".to_owned(),
+                );
             } else if !entry.detached.wait(deadline) {
                 left.push(format!("its requests on the thread engine's pool (up to {} threads)", entry.cap()));
             }

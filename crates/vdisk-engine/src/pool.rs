@@ -31,8 +31,9 @@ static CONFIGURED: AtomicUsize = AtomicUsize::new(0);
 static POOL: OnceLock<Pool> = OnceLock::new();
 
 thread_local! {
-    /// Set on the pool's own threads: a device dropped there must not wait for them.
-    static ON_POOL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// On a pool thread, the entry whose batch it is serving (its address):
+    /// that device, dropped or stopped there, must not wait for the thread.
+    static SERVING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Threads the pool runs when [`configure`] was not called: 8 per CPU, at least 16.
@@ -46,9 +47,9 @@ pub(crate) fn configure(threads: usize) {
     CONFIGURED.store(threads, Ordering::SeqCst);
 }
 
-/// True on a thread of the pool.
-pub(crate) fn on_pool() -> bool {
-    ON_POOL.with(|c| c.get())
+/// True on a pool thread serving a batch of `entry` (its sink stopping or dropping the device).
+pub(crate) fn serving(entry: &Arc<Entry>) -> bool {
+    SERVING.with(|c| c.get()) == Arc::as_ptr(entry) as usize
 }
 
 /// The process-wide pool.
@@ -197,7 +198,6 @@ impl Pool {
     }
 
     fn run(&'static self) {
-        ON_POOL.with(|c| c.set(true));
         let mut jobs: Vec<Job> = Vec::new();
         let mut st = self.state.lock().unwrap();
         loop {
@@ -211,7 +211,9 @@ impl Pool {
             s.busy += 1;
             let entry = s.entry.clone();
             drop(st);
+            SERVING.with(|c| c.set(Arc::as_ptr(&entry) as usize));
             self.serve(slot, &entry, &mut jobs);
+            SERVING.with(|c| c.set(0));
             st = self.state.lock().unwrap();
             st.idle += 1;
             let s = st.slots[slot].as_mut().expect("a served slot is in the table");

@@ -208,3 +208,26 @@ fn thread_engine_devices_share_the_pool_and_a_stalled_one_holds_at_most_its_cap(
         rig.dev.shutdown().unwrap();
     }
 }
+
+#[test]
+fn a_thread_device_whose_last_owner_is_dropped_on_a_pool_thread_does_not_wedge_it() {
+    let threads = EngineConfig { kind: EngineKind::Threads, workers: 1, ..Default::default() };
+    let other = Rig::new("tp-owner-other", 1 << 20, false, &threads);
+    let doomed = Rig::new("tp-owner-doomed", 1 << 20, false, &threads);
+    let (tx, rx) = mpsc::channel();
+    let owner = Arc::new(LastOwner(Mutex::new(Some(doomed.dev.clone())), Mutex::new(tx)));
+    let dev = doomed.dev.clone();
+    drop(doomed);
+    let sink: Arc<dyn Sink> = owner.clone();
+    dev.submit((0..256).map(|i| write(i * 4096, vec![1; 4096], i)).collect(), &sink);
+    drop(dev);
+    let mut n = 0;
+    while n < 256 {
+        n += rx.recv_timeout(RECV).expect("every completion came");
+    }
+    // The pool thread dropped the device's last owner and the pool goes on serving.
+    for i in 0..20 {
+        assert!(other.run(vec![write(0, vec![i; 4096], 1)])[0].error.is_none());
+    }
+    other.dev.shutdown().unwrap();
+}
