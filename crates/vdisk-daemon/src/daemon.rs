@@ -407,7 +407,11 @@ impl Daemon {
             EngineKind::Uring => {
                 format!("io_uring engine, shared I/O core of {} ring(s)", vdisk_engine::Core::global().size())
             }
-            EngineKind::Threads => format!("thread engine, {} workers", e.workers),
+            EngineKind::Threads => format!(
+                "thread engine, up to {} of the shared pool's {} threads",
+                device.pool_share().unwrap_or(e.workers),
+                vdisk_engine::Device::thread_pool_size()
+            ),
             EngineKind::Rbd => "librbd AIO engine".to_owned(),
         };
         format!("vdisk: export {name:?}: {description}, {mode}, {engine}{sync}")

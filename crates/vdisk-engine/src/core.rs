@@ -49,8 +49,10 @@ impl Core {
     /// Sets how many workers the process-wide core runs (0: one per CPU).
     /// Only the first call before the first device starts counts; returns
     /// false when the core is already running (with the size it has).
+    /// The thread engine's shared pool gets 8 threads per core worker (0: its default).
     pub fn configure(io_threads: usize) -> bool {
         CONFIGURED.store(io_threads, Ordering::SeqCst);
+        crate::pool::configure(io_threads * 8);
         CORE.get().is_none()
     }
 

@@ -3,7 +3,9 @@
 //! of io_uring workers (one per CPU by default) serving their ready devices
 //! round-robin, a batch each, so a thousand devices cost table entries, not
 //! threads, and a flooding device cannot starve a quiet one on its ring.
-//! Thread-engine devices keep a pool of their own, RBD devices a loop each.
+//! Thread-engine devices share the process-wide pool of blocking workers
+//! (`pool`: round-robin too, at most `--workers` threads per device), RBD
+//! devices keep a loop each.
 //! Exports submit requests in batches; workers take them in batches, map them
 //! through the image, merge what is contiguous into single vectored calls,
 //! and hand completions back in batches.
@@ -79,6 +81,7 @@ mod lent;
 mod mailbox;
 mod observe;
 mod plan;
+mod pool;
 pub mod qos;
 mod queue;
 mod rbd;
@@ -132,7 +135,8 @@ pub enum EngineKind {
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub kind: EngineKind,
-    /// Worker threads per device (thread engine).
+    /// Most threads of the shared pool serving one device at once (thread
+    /// engine; bounded by half the pool, so a stalled device cannot hold them all).
     pub workers: usize,
     /// Unused since the uring engine runs on the shared [`Core`] (one core
     /// worker serves a device; `--io-threads` sets how many there are). Kept
@@ -204,6 +208,8 @@ pub struct Device {
     workers: Mutex<Vec<JoinHandle<()>>>,
     /// The core worker serving a uring device, and its "let go" signal.
     attached: Option<(Arc<mailbox::Attachment>, Arc<mailbox::Detached>)>,
+    /// The thread engine's pool entry of a thread-engine device.
+    pooled: Option<Arc<pool::Entry>>,
     /// Shared with the queue, which counts completions.
     stats: Arc<Stats>,
     qos: qos::Qos,
@@ -247,7 +253,8 @@ impl Device {
     ) -> std::io::Result<Device> {
         let consumers = match kind {
             EngineKind::Uring => 1,
-            EngineKind::Threads => config.workers,
+            // Threads of the shared pool serving it at once (half the pool at most).
+            EngineKind::Threads => config.workers.clamp(1, (pool::global().size() / 2).max(1)),
             // One loop per image: librbd signals all of an image's completions on one eventfd.
             EngineKind::Rbd => 1,
         }
@@ -269,6 +276,7 @@ impl Device {
             queue,
             workers: Mutex::new(Vec::new()),
             attached: None,
+            pooled: None,
             stats,
             qos: qos::Qos::default(),
             errors: Arc::new(ErrorLog::new(name)),
@@ -284,18 +292,18 @@ impl Device {
             dev.attached = Some(core.attach(dev.planner(), &dev.queue, config.batch)?);
             return Ok(dev);
         }
-        for i in 0..consumers {
+        if kind == EngineKind::Threads {
+            dev.pooled = Some(pool::global().attach(dev.planner(), &dev.queue, config.batch, consumers)?);
+            return Ok(dev);
+        }
+        for _ in 0..consumers {
             let (planner, queue) = (dev.planner(), dev.queue.clone());
             let batch = if config.batch > 1 { config.batch * 4 } else { 1 };
             let handle = match kind {
-                EngineKind::Threads => {
-                    let w = threads::Worker::new(planner, queue, config.batch);
-                    std::thread::Builder::new().name(format!("{name}-w{i}")).spawn(move || w.run())?
-                }
                 EngineKind::Rbd => {
                     spawn_built(format!("{name}-rbd"), move || rbd::RbdWorker::new(planner, queue, batch), |w| w.run())?
                 }
-                EngineKind::Uring => unreachable!("attached to the core above"),
+                EngineKind::Uring | EngineKind::Threads => unreachable!("attached to the core or the pool above"),
             };
             dev.workers.lock().unwrap().push(handle);
         }
@@ -322,6 +330,16 @@ impl Device {
     /// copy or backup that reads it starts, remove it when done.
     pub fn write_observers(&self) -> &Arc<Observers> {
         &self.observers
+    }
+
+    /// How many threads the thread engine's shared pool runs at most.
+    pub fn thread_pool_size() -> usize {
+        pool::global().size()
+    }
+
+    /// Most threads of the shared pool serving this device at once (thread engine only).
+    pub fn pool_share(&self) -> Option<usize> {
+        self.pooled.as_ref().map(|e| e.cap())
     }
 
     /// The engine actually running (after any fallback).
@@ -554,6 +572,16 @@ impl Device {
                 left.push(format!("its requests on core worker {} (stopped from that worker)", att.worker.name));
             } else if !detached.wait(deadline) {
                 left.push(format!("its requests on core worker {}", att.worker.name));
+            }
+        }
+        if let Some(entry) = &self.pooled {
+            // As on the core: from the pool thread serving its batch it cannot be waited for.
+            if pool::serving(entry) {
+                left.push(
+                    "its requests on the thread engine's pool (stopped from a pool thread serving it)".to_owned(),
+                );
+            } else if !entry.detached.wait(deadline) {
+                left.push(format!("its requests on the thread engine's pool (up to {} threads)", entry.cap()));
             }
         }
         let workers = std::mem::take(&mut *self.workers.lock().unwrap());

@@ -62,6 +62,7 @@ impl Run {
     }
 }
 
+#[derive(Clone)]
 pub(crate) struct Planner {
     pub image: Arc<dyn Image>,
     pub sync: bool,

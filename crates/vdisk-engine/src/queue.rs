@@ -6,6 +6,8 @@
 //!
 //! A uring device's queue is served by a core worker (see `core`): a push
 //! marks the device ready on that worker, and wakes it only if it is idle.
+//! A thread-engine device's queue is served by the shared pool (see `pool`)
+//! the same way.
 //!
 //! The queue also carries the device's [`Health`]: once failed, whatever a
 //! consumer takes is answered with EIO at once instead of handed to it, and
@@ -50,7 +52,8 @@ pub(crate) struct Queue {
     ready: Condvar,
     consumers: usize,
     wakers: Mutex<Vec<Arc<Waker>>>,
-    /// The core worker serving this device (uring engine): a push marks it ready there.
+    /// Who serves this device when no thread waits on the queue (a core
+    /// worker, the thread engine's pool): a push marks it ready there.
     server: OnceLock<Arc<dyn Server>>,
     /// Counts every request in ([`Queue::push`]) and out ([`Queue::deliver`]).
     stats: Arc<Stats>,
@@ -106,7 +109,7 @@ impl Queue {
         self.wakers.lock().unwrap().push(w);
     }
 
-    /// Hands the queue to a core worker: from now on a push marks the device ready there.
+    /// Hands the queue to its server (a core worker, the pool): from now on a push marks the device ready there.
     pub fn attach(&self, server: Arc<dyn Server>) {
         let _ = self.server.set(server);
     }

@@ -1,53 +1,13 @@
-//! The thread engine: a pool of workers per device, each taking a fair share
-//! of the queue, performing its runs with blocking `preadv`/`pwritev2`, then
-//! handing completions back grouped by sink. [`execute`] is also what runs a
-//! batch inline in the caller's thread.
+//! The thread engine's work: [`execute`] performs a batch with blocking
+//! `preadv`/`pwritev2` calls. The shared pool (`pool`) runs it for every
+//! thread-engine device; a connection runs it inline in its own thread.
 //!
-//! Every call a worker blocks in retries EINTR (`sys`; the queue's condvar
-//! has none). A panic is caught at the thread's edge: the blocking calls of
-//! the batch have returned by then, so its requests' data is the worker's
-//! again; they are answered with EIO, the device is failed, and the worker
-//! goes on answering the device's requests with EIO until it stops.
+//! Every call it blocks in retries EINTR (`sys`). A panic is caught by the
+//! caller (the pool's thread, at its edge): the blocking calls of the batch
+//! have returned by then, so its requests' data is the caller's again.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
-
-use crate::health;
 use crate::plan::Planner;
-use crate::queue::{Job, Queue};
 use crate::{Op, Request};
-
-pub(crate) struct Worker {
-    planner: Planner,
-    queue: Arc<Queue>,
-    batch: usize,
-}
-
-impl Worker {
-    pub fn new(planner: Planner, queue: Arc<Queue>, batch: usize) -> Self {
-        Worker { planner, queue, batch: batch.max(1) }
-    }
-
-    pub fn run(mut self) {
-        // Outside the unwinding: a panic leaves the batch here to be answered.
-        let mut jobs = Vec::with_capacity(self.batch);
-        while let Err(p) = catch_unwind(AssertUnwindSafe(|| self.serve(&mut jobs))) {
-            let cause = format!("a worker thread of its thread engine stopped on a {}", health::panic_message(&*p));
-            self.queue.health().fail(cause);
-            self.queue.fail(&mut jobs);
-            // Serving again, on a failed queue: every request taken is answered with EIO.
-        }
-    }
-
-    fn serve(&mut self, jobs: &mut Vec<Job>) {
-        while self.queue.take(self.batch, jobs) {
-            self.planner.refresh();
-            let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
-            execute(&mut self.planner, &mut reqs);
-            self.queue.deliver(jobs);
-        }
-    }
-}
 
 /// Performs a batch with blocking calls: data runs first, then the other
 /// operations, then one flush for all the FLUSH requests of the batch.

@@ -388,13 +388,14 @@ pub struct ServeArgs {
     /// with a log line where the kernel lacks it) or threads (a pool of workers). Default: uring.
     #[arg(long, value_enum)]
     pub engine: Option<EngineArg>,
-    /// Worker threads per device (thread engine).
+    /// Most threads of the shared pool serving one export at once (thread engine; at most half the pool).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub workers: u16,
     /// Unused since every device shares the I/O core's rings (see --io-threads); kept for old command lines.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub rings: u16,
-    /// I/O core threads, each with one io_uring, shared by every export (uring engine). Default: one per CPU.
+    /// I/O core threads, each with one io_uring, shared by every export (uring engine), and 8 times as
+    /// many blocking workers in the thread engine's shared pool. Default: one per CPU (the pool: at least 16).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub io_threads: Option<u16>,
     /// Let a kernel thread poll each ring's submission queue (uring engine; costs a core while busy).

@@ -35,6 +35,7 @@ pub fn run(mut a: ServeArgs) -> Result<(), Error> {
     if a.check {
         return check(&a, config.as_ref());
     }
+    raise_fd_limit();
     // Before any other thread starts: the environment is read once, here.
     let mut pid_file = a.pid_file.as_deref().map(PidFile::lock).transpose()?;
     systemd::init_notify();
@@ -232,6 +233,29 @@ fn serve_until_signal(
         Ok(())
     } else {
         Err(Error::failed(errors.join("; ")))
+    }
+}
+
+/// A server of thousands of exports holds a descriptor per image file (more
+/// for an overlay or a qcow2 backing chain) and per connection: more than the
+/// usual soft limit of 1024. The soft limit is raised to the hard one, which
+/// only the administrator sets (`ulimit -Hn`, systemd's `LimitNOFILE=`).
+fn raise_fd_limit() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct passed to it.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return log::debug!("cannot read the descriptor limit: {}", std::io::Error::last_os_error());
+    }
+    if r.rlim_cur < r.rlim_max {
+        let raised = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+        // SAFETY: setrlimit only reads the struct passed to it.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return log::debug!("descriptor limit {} (hard {}): raising it failed: {e}", r.rlim_cur, r.rlim_max);
+        }
+        log::debug!("descriptor limit raised from {} to the hard limit {}", r.rlim_cur, r.rlim_max);
+    } else {
+        log::debug!("descriptor limit {} (the hard limit)", r.rlim_cur);
     }
 }
 

@@ -141,6 +141,40 @@ fn raise_fd_limit() {
     assert!(ok && r.rlim_cur >= 8192, "the descriptor limit {} is too low for 1,000 exports (ulimit -Hn)", r.rlim_cur);
 }
 
+/// `vdisk serve` raises its soft descriptor limit to the hard one itself.
+#[test]
+fn serve_raises_its_descriptor_limit() {
+    let dir = TempDir::new("nofile");
+    let control = dir.path("ctl.sock");
+    let mut cmd = Command::new(common::vdisk_bin());
+    cmd.args(["serve", "--control", s(&control), "--socket", s(&dir.path("nbd.sock"))]);
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    fn lower_soft_limit() -> std::io::Result<()> {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit only writes the struct passed to it.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 {
+            r.rlim_cur = r.rlim_cur.min(256);
+            // SAFETY: setrlimit only reads the struct passed to it.
+            unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) };
+        }
+        Ok(())
+    }
+    // SAFETY: between fork and exec the hook only calls getrlimit and setrlimit (async-signal-safe).
+    unsafe { std::os::unix::process::CommandExt::pre_exec(&mut cmd, lower_soft_limit) };
+    let mut child = cmd.spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !control.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let f: Vec<&str> = line.split_whitespace().collect();
+    assert!(control.exists(), "the server did not start");
+    assert_eq!(f[3], f[4], "the soft descriptor limit is not raised to the hard one: {line}");
+}
+
 #[test]
 fn a_thousand_exports_come_and_go_while_four_verify() {
     raise_fd_limit();
@@ -170,6 +204,10 @@ fn a_thousand_exports_come_and_go_while_four_verify() {
     let t = Instant::now();
     all_succeed("export_add", &pipelined(&control, &adds));
     let first_add = t.elapsed();
+    // One descriptor per raw export (its image file), nothing per export on the shared core;
+    // the rest is the server's own and the fio connections'.
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", server.child.id())).unwrap().count();
+    assert!(fds <= BUSY + CHURN + 64, "{fds} descriptors open for {} exports: more than one each", BUSY + CHURN);
     let list = rpc(&control, "export_list", json!({}));
     assert_eq!(list["result"].as_array().map(Vec::len), Some(BUSY + CHURN), "export_list after the adds");
     let t = Instant::now();

@@ -2,7 +2,8 @@
 //! not starve a QD1 one, devices come and go while others run, and a
 //! failure of one (a panic in its delivery) leaves the others on the same
 //! ring serving. Each test runs on a core of its own with one worker, so
-//! every device in it shares one ring.
+//! every device in it shares one ring. Thread-engine devices share the
+//! process-wide pool, a stalled one holding at most half of it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -151,5 +152,82 @@ fn a_device_whose_last_owner_is_dropped_on_its_worker_does_not_wedge_it() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(core.loads(), vec![1], "the dropped device let go of the worker");
+    other.dev.shutdown().unwrap();
+}
+
+/// Names of this process's threads.
+fn thread_names() -> Vec<String> {
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|s| s.trim().to_owned())
+        .collect()
+}
+
+#[test]
+fn thread_engine_devices_share_the_pool_and_a_stalled_one_holds_at_most_its_cap() {
+    let threads = EngineConfig { kind: EngineKind::Threads, ..Default::default() };
+    let rigs: Vec<Rig> = (0..100).map(|i| Rig::new(&format!("tp-{i}"), 64 << 10, false, &threads)).collect();
+    for (i, rig) in rigs.iter().enumerate() {
+        rig.dev.submit(vec![write(4096, pattern(i as u8, 4096), 1)], &rig.sink);
+    }
+    for rig in &rigs {
+        assert!(recv(rig, "write").error.is_none());
+    }
+    for (i, rig) in rigs.iter().enumerate() {
+        let back = rig.run(vec![Request::new(Op::Read, 4096, 4096, 1)]);
+        assert_eq!(back[0].buf(), pattern(i as u8, 4096), "device {i}");
+    }
+    let names = thread_names();
+    let size = crate::pool::global().size();
+    let pooled = names.iter().filter(|n| n.starts_with("vdisk-pool")).count();
+    assert!(pooled <= size, "{pooled} pool threads, more than the pool's {size}");
+    assert!(!names.iter().any(|n| n.starts_with("tp-")), "a device has threads of its own: {names:?}");
+
+    // A device asking for more workers than the pool has still holds at most half of it.
+    let stalled_rig = Rig::new("tp-stalled", 1 << 20, false, &threads);
+    let gate = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+    let path = stalled_rig.dev.image().file_path(0).to_owned();
+    let image = Stalled { inner: RawImage::open(&path, false).unwrap(), gate: gate.clone() };
+    let greedy = EngineConfig { workers: 1024, batch: 1, ..threads.clone() };
+    let stalled = Device::start("tp-stalled", Arc::new(image), &greedy).unwrap();
+    let reads: Vec<Request> = (0..256).map(|i| Request::new(Op::Read, i * 4096, 4096, i)).collect();
+    stalled.submit(reads, &stalled_rig.sink);
+    std::thread::sleep(Duration::from_millis(100));
+    for (i, rig) in rigs.iter().enumerate() {
+        let back = rig.run(vec![Request::new(Op::Read, 4096, 4096, 1)]);
+        assert_eq!(back[0].buf(), pattern(i as u8, 4096), "device {i} beside the stalled one");
+    }
+    *gate.0.lock().unwrap() = true;
+    gate.1.notify_all();
+    for _ in 0..256 {
+        assert!(stalled_rig.rx.recv_timeout(RECV).unwrap().error.is_none());
+    }
+    stalled.shutdown().unwrap();
+    for rig in &rigs {
+        rig.dev.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn a_thread_device_whose_last_owner_is_dropped_on_a_pool_thread_does_not_wedge_it() {
+    let threads = EngineConfig { kind: EngineKind::Threads, workers: 1, ..Default::default() };
+    let other = Rig::new("tp-owner-other", 1 << 20, false, &threads);
+    let doomed = Rig::new("tp-owner-doomed", 1 << 20, false, &threads);
+    let (tx, rx) = mpsc::channel();
+    let owner = Arc::new(LastOwner(Mutex::new(Some(doomed.dev.clone())), Mutex::new(tx)));
+    let dev = doomed.dev.clone();
+    drop(doomed);
+    let sink: Arc<dyn Sink> = owner.clone();
+    dev.submit((0..256).map(|i| write(i * 4096, vec![1; 4096], i)).collect(), &sink);
+    drop(dev);
+    let mut n = 0;
+    while n < 256 {
+        n += rx.recv_timeout(RECV).expect("every completion came");
+    }
+    // The pool thread dropped the device's last owner and the pool goes on serving.
+    for i in 0..20 {
+        assert!(other.run(vec![write(0, vec![i; 4096], 1)])[0].error.is_none());
+    }
     other.dev.shutdown().unwrap();
 }
