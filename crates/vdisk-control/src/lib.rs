@@ -23,6 +23,7 @@ pub mod jobs;
 pub mod json;
 pub mod rpc;
 pub mod stats;
+pub mod text;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

@@ -9,7 +9,6 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use serde_json::{json, Map, Value};
-use vdisk_daemon::size::human;
 use vdisk_daemon::Error;
 
 use crate::cli::{CtlArgs, CtlCommand, QosArgs};
@@ -27,7 +26,7 @@ pub fn run(a: CtlArgs) -> Result<(), Error> {
     let text = if a.json {
         serde_json::to_string_pretty(&result).unwrap_or_default() + "\n"
     } else {
-        human_output(method_name, &result)
+        vdisk_control::text::human_output(method_name, &result)
     };
     // A reader that went away (`| head`) is not an error of ours.
     let _ = std::io::stdout().write_all(text.as_bytes());
@@ -155,102 +154,4 @@ fn call(control: &std::path::Path, method: &str, params: Map<String, Value>) -> 
         return Err(Error::failed(err["message"].as_str().unwrap_or("the server refused").to_owned()));
     }
     Ok(resp.get("result").cloned().unwrap_or(Value::Null))
-}
-
-fn human_output(method: &str, r: &Value) -> String {
-    match method {
-        "export_add" => {
-            let notes: Vec<&str> = r["notes"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
-            notes.join("\n") + "\n"
-        }
-        "export_remove" => format!("removed export {}\n", r["name"]),
-        "export_list" => list_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
-        "export_stats" => {
-            vdisk_control::stats::table(r.as_array().map(Vec::as_slice).unwrap_or(std::slice::from_ref(r)))
-        }
-        "export_set_qos" => format!("export {}: qos {}\n", r["name"], qos_text(&r["qos"])),
-        "server_info" => {
-            let fields = r.as_object().into_iter().flatten();
-            fields.map(|(k, v)| format!("{k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect()
-        }
-        "config_reload" => reload_text(r),
-        m if m.starts_with("bitmap_") => crate::ctl_bitmaps::human_output(m, r).unwrap_or_default(),
-        "export_snapshot" => crate::ctl_jobs::snapshot_text(r),
-        "export_stream" => crate::ctl_jobs::stream_text(r),
-        "job_list" => crate::ctl_jobs::table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
-        _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
-    }
-}
-
-fn reload_text(r: &Value) -> String {
-    let names = |k: &str| -> String {
-        let v: Vec<&str> = r[k].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
-        if v.is_empty() {
-            "-".into()
-        } else {
-            v.join(", ")
-        }
-    };
-    let mut out = format!("reloaded {}\n", r["config"].as_str().unwrap_or("?"));
-    for (label, key) in [("added", "added"), ("removed", "removed"), ("qos changed", "qos_changed")] {
-        out += &format!("  {label}: {}\n", names(key));
-    }
-    for k in r["kept"].as_array().into_iter().flatten() {
-        out += &format!("  kept {}: {}\n", k["name"], k["reason"].as_str().unwrap_or(""));
-    }
-    if r["server_changed"] == true {
-        out += "  [server] changed: takes effect at the next restart\n";
-    }
-    out
-}
-
-fn qos_text(q: &Value) -> String {
-    let parts: Vec<String> = ["iops", "bps", "read_bps", "write_bps"]
-        .iter()
-        .filter_map(|k| {
-            let v = q[k].as_u64().filter(|v| *v > 0)?;
-            Some(if *k == "iops" { format!("{v} iops") } else { format!("{} {k}", human(v)) })
-        })
-        .collect();
-    if parts.is_empty() {
-        "unlimited".into()
-    } else {
-        parts.join(", ")
-    }
-}
-
-fn list_table(exports: &[Value]) -> String {
-    let header = ["NAME", "STATE", "SIZE", "FORMAT", "MODE", "CONNS", "QOS", "TRANSPORTS", "IMAGE"];
-    let rows: Vec<Vec<String>> = exports
-        .iter()
-        .map(|e| {
-            let transports: Vec<String> = e["transports"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|t| match t["path"].as_str() {
-                    Some(p) => format!("{}:{p}", t["type"].as_str().unwrap_or("")),
-                    None => t["type"].as_str().unwrap_or("").to_owned(),
-                })
-                .collect();
-            vec![
-                e["name"].as_str().unwrap_or("").to_owned(),
-                e["state"].as_str().unwrap_or("").to_owned(),
-                human(e["size"].as_u64().unwrap_or(0)),
-                e["format"].as_str().unwrap_or("").to_owned(),
-                if e["readonly"].as_bool().unwrap_or(false) { "ro" } else { "rw" }.to_owned(),
-                e["connections"].to_string(),
-                qos_text(&e["qos"]),
-                transports.join(","),
-                e["image"].as_str().unwrap_or("").to_owned(),
-            ]
-        })
-        .collect();
-    let mut out = vdisk_control::stats::render(&header, &rows);
-    for e in exports {
-        if let Some(why) = e["failure"].as_str() {
-            out.push_str(&format!("{}: {why}\n", e["name"].as_str().unwrap_or("")));
-        }
-    }
-    out
 }

@@ -3,7 +3,7 @@
 
 use clap::Subcommand;
 use serde_json::{json, Map, Value};
-use vdisk_daemon::size::{human, parse_size};
+use vdisk_daemon::size::parse_size;
 
 #[derive(Subcommand)]
 pub enum BitmapCommand {
@@ -83,34 +83,4 @@ pub fn request(c: BitmapCommand) -> (&'static str, Map<String, Value>) {
         }
     };
     (method, p)
-}
-
-/// The answer for people, or None for a method not of this module.
-pub fn human_output(method: &str, r: &Value) -> Option<String> {
-    if method == "bitmap_list" {
-        let header = ["NAME", "GRANULARITY", "STATE", "DIRTY"];
-        let rows: Vec<Vec<String>> = r
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|b| {
-                let state = if b["inconsistent"] == true {
-                    "inconsistent"
-                } else if b["enabled"] == true {
-                    "enabled"
-                } else {
-                    "disabled"
-                };
-                vec![
-                    b["name"].as_str().unwrap_or("").to_owned(),
-                    human(b["granularity"].as_u64().unwrap_or(0)),
-                    state.to_owned(),
-                    human(b["dirty_bytes"].as_u64().unwrap_or(0)),
-                ]
-            })
-            .collect();
-        return Some(vdisk_control::stats::render(&header, &rows));
-    }
-    let verb = method.strip_prefix("bitmap_")?;
-    Some(format!("export {}: bitmap {}: {verb} done\n", r["export"], r["name"]))
 }
