@@ -128,23 +128,30 @@ impl Sink for LastOwner {
     }
 }
 
-#[test]
-fn a_device_whose_last_owner_is_dropped_on_its_worker_does_not_wedge_it() {
-    let core = Core::new(1);
-    let other = Rig::on(&core, "owner-other", 1 << 20, &uring());
-    let doomed = Rig::on(&core, "owner-doomed", 1 << 20, &uring());
+/// Submits many writes to `doomed`'s device with a sink that holds the
+/// device's last owner and drops it on its first completion (so on the thread
+/// that serves it, while that thread is still at the writes), then waits for
+/// every completion.
+fn leave_the_last_owner_to_its_sink(doomed: Rig) {
     let (tx, rx) = mpsc::channel();
     let owner = Arc::new(LastOwner(Mutex::new(Some(doomed.dev.clone())), Mutex::new(tx)));
     let dev = doomed.dev.clone();
     drop(doomed);
     let sink: Arc<dyn Sink> = owner.clone();
-    // Many writes, so the worker is still at them when this thread lets go.
     dev.submit((0..256).map(|i| write(i * 4096, vec![1; 4096], i)).collect(), &sink);
     drop(dev);
     let mut n = 0;
     while n < 256 {
         n += rx.recv_timeout(RECV).expect("every completion came");
     }
+}
+
+#[test]
+fn a_device_whose_last_owner_is_dropped_on_its_worker_does_not_wedge_it() {
+    let core = Core::new(1);
+    let other = Rig::on(&core, "owner-other", 1 << 20, &uring());
+    let doomed = Rig::on(&core, "owner-doomed", 1 << 20, &uring());
+    leave_the_last_owner_to_its_sink(doomed);
     // The worker dropped the device's last owner and goes on serving the other.
     assert!(other.run(vec![write(0, vec![2; 4096], 1)])[0].error.is_none());
     let deadline = std::time::Instant::now() + RECV;
@@ -214,17 +221,7 @@ fn a_thread_device_whose_last_owner_is_dropped_on_a_pool_thread_does_not_wedge_i
     let threads = EngineConfig { kind: EngineKind::Threads, workers: 1, ..Default::default() };
     let other = Rig::new("tp-owner-other", 1 << 20, false, &threads);
     let doomed = Rig::new("tp-owner-doomed", 1 << 20, false, &threads);
-    let (tx, rx) = mpsc::channel();
-    let owner = Arc::new(LastOwner(Mutex::new(Some(doomed.dev.clone())), Mutex::new(tx)));
-    let dev = doomed.dev.clone();
-    drop(doomed);
-    let sink: Arc<dyn Sink> = owner.clone();
-    dev.submit((0..256).map(|i| write(i * 4096, vec![1; 4096], i)).collect(), &sink);
-    drop(dev);
-    let mut n = 0;
-    while n < 256 {
-        n += rx.recv_timeout(RECV).expect("every completion came");
-    }
+    leave_the_last_owner_to_its_sink(doomed);
     // The pool thread dropped the device's last owner and the pool goes on serving.
     for i in 0..20 {
         assert!(other.run(vec![write(0, vec![i; 4096], 1)])[0].error.is_none());
