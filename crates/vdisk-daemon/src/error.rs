@@ -122,14 +122,34 @@ impl From<vdisk_image::Error> for Error {
     fn from(e: vdisk_image::Error) -> Self {
         use vdisk_image::ErrorKind::*;
         match e.kind() {
-            InvalidInput | NotFound | ReadOnly | Corrupt => Error::invalid(advised(&e)),
-            _ => Error::failed(advised(&e)),
+            InvalidInput | NotFound | ReadOnly | Corrupt => Error::image(ErrorKind::Invalid, &e),
+            _ => Error::image(ErrorKind::Failed, &e),
         }
     }
 }
 
-/// An image error's message with its advice in the terms of vdisk's command line.
+impl Error {
+    /// An image error as the daemon's, of `kind`: its message with its advice
+    /// in vdisk's terms, its path, and its OS error as the cause (so
+    /// [`Error::report`] shows "No space left on device" once).
+    pub fn image(kind: ErrorKind, e: &vdisk_image::Error) -> Error {
+        Error {
+            kind,
+            message: format!("{}{}", e.message(), advice(e)),
+            path: e.file().map(Path::to_path_buf),
+            source: e.os_source().map(|s| s as Source),
+        }
+    }
+}
+
+/// An image error's message and causes with its advice in the terms of
+/// vdisk's command line, as one line of text.
 pub fn advised(e: &vdisk_image::Error) -> String {
+    format!("{}{}", e.report(), advice(e))
+}
+
+/// An image error's advice in the terms of vdisk's command line ("" if none).
+fn advice(e: &vdisk_image::Error) -> &'static str {
     use vdisk_image::Advice::*;
     let advice = match e.advice() {
         Some(CreateImage) => " (create one with `vdisk create IMAGE --size 10G`)",
@@ -142,7 +162,7 @@ pub fn advised(e: &vdisk_image::Error) -> String {
         Some(CephConfig) => "; name the Ceph configuration with --ceph-conf PATH (or :conf=PATH) and the client with --ceph-id NAME (or :id=NAME)",
         Some(_) | None => "",
     };
-    format!("{e}{advice}")
+    advice
 }
 
 #[cfg(test)]
