@@ -705,12 +705,12 @@ fn not_found(name: &str) -> Error {
 /// them by [`vdisk_image::files::confined`].
 fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec, Error> {
     for p in [&mut spec.fuse, &mut spec.vhost_user_blk].into_iter().flatten() {
-        *p = roots.check_new(p).map_err(|e| Error::invalid(e.to_string()))?;
+        *p = roots.check_new(p).map_err(|e| Error::image(ErrorKind::Invalid, &e))?;
     }
     let named = formats::rbd_spec(&spec.image, &Default::default()).ok().flatten().and_then(|s| s.options.conf);
     for conf in [spec.ceph_conf.clone(), named].into_iter().flatten() {
         vdisk_image::files::confined(Some(roots.clone()), || vdisk_image::files::check_confined(&conf))
-            .map_err(|e| Error::invalid(e.to_string()))?;
+            .map_err(|e| Error::image(ErrorKind::Invalid, &e))?;
     }
     Ok(spec)
 }

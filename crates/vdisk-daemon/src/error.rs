@@ -122,16 +122,36 @@ impl From<vdisk_image::Error> for Error {
     fn from(e: vdisk_image::Error) -> Self {
         use vdisk_image::ErrorKind::*;
         match e.kind() {
-            InvalidInput | NotFound | ReadOnly | Corrupt => Error::invalid(advised(&e)),
-            _ => Error::failed(advised(&e)),
+            InvalidInput | NotFound | ReadOnly | Corrupt => Error::image(ErrorKind::Invalid, &e),
+            _ => Error::image(ErrorKind::Failed, &e),
         }
     }
 }
 
-/// An image error's message with its advice in the terms of vdisk's command line.
+impl Error {
+    /// An image error as the daemon's, of `kind`: its message with its advice
+    /// in vdisk's terms, its path, and its OS error as the cause (so
+    /// [`Error::report`] shows "No space left on device" once).
+    pub fn image(kind: ErrorKind, e: &vdisk_image::Error) -> Error {
+        Error {
+            kind,
+            message: format!("{}{}", e.message(), advice(e)),
+            path: e.file().map(Path::to_path_buf),
+            source: e.os_source().map(|s| s as Source),
+        }
+    }
+}
+
+/// An image error's message and causes with its advice in the terms of
+/// vdisk's command line, as one line of text.
 pub fn advised(e: &vdisk_image::Error) -> String {
+    format!("{}{}", e.report(), advice(e))
+}
+
+/// An image error's advice in the terms of vdisk's command line ("" if none).
+fn advice(e: &vdisk_image::Error) -> &'static str {
     use vdisk_image::Advice::*;
-    let advice = match e.advice() {
+    match e.advice() {
         Some(CreateImage) => " (create one with `vdisk create IMAGE --size 10G`)",
         Some(ReadOnly) => " (try --readonly)",
         Some(NoDirectIo) => "; serve it without --direct",
@@ -141,8 +161,7 @@ pub fn advised(e: &vdisk_image::Error) -> String {
         }
         Some(CephConfig) => "; name the Ceph configuration with --ceph-conf PATH (or :conf=PATH) and the client with --ceph-id NAME (or :id=NAME)",
         Some(_) | None => "",
-    };
-    format!("{e}{advice}")
+    }
 }
 
 #[cfg(test)]
@@ -161,5 +180,19 @@ mod tests {
         assert!(std::error::Error::source(&e).is_some());
         let outer = e.clone().context("export \"d\"");
         assert_eq!(outer.report().to_string(), format!("export \"d\": {report}"));
+    }
+
+    #[test]
+    fn an_image_error_keeps_its_os_error_as_the_cause_once() {
+        let os = std::io::Error::from_raw_os_error(libc::EACCES);
+        let text = os.to_string();
+        let img =
+            vdisk_image::Error::io(os, "cannot open image /x.img").path("/x.img").advise(vdisk_image::Advice::ReadOnly);
+        let e = Error::from(img.clone());
+        assert_eq!(e.kind(), ErrorKind::Invalid);
+        assert_eq!(e.to_string(), "cannot open image /x.img (try --readonly)");
+        assert_eq!(e.report().to_string(), format!("cannot open image /x.img (try --readonly): {text}"));
+        assert_eq!(e.path(), Some(Path::new("/x.img")));
+        assert_eq!(advised(&img), format!("cannot open image /x.img: {text} (try --readonly)"));
     }
 }

@@ -38,7 +38,7 @@ pub fn open(image: &Path, options: &vdisk_image::OpenOptions) -> Result<Opened, 
     let opened = vdisk_image::open(image, options).map_err(|e| {
         // The file system cannot do what --direct asked: the user's choice, exit 2.
         if direct && e.kind() == vdisk_image::ErrorKind::Unsupported {
-            Error::invalid(crate::error::advised(&e))
+            Error::image(crate::error::ErrorKind::Invalid, &e)
         } else {
             Error::from(e)
         }

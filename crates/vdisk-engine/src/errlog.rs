@@ -58,7 +58,7 @@ impl ErrorLog {
         if e.kind() == ErrorKind::Unsupported {
             return false;
         }
-        let what = format!("{} of {} bytes at {} failed: {e}", req.op().name(), req.len, req.offset);
+        let what = format!("{} of {} bytes at {} failed: {}", req.op().name(), req.len, req.offset, e.report());
         match self.decide(Instant::now()) {
             Verdict::Count => false,
             Verdict::Line { untold: 0 } => {

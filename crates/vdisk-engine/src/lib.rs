@@ -234,7 +234,7 @@ impl Device {
         }
         if config.kind == EngineKind::Uring {
             match uring::probe()
-                .map_err(std::io::Error::other)
+                .map_err(|e| std::io::Error::other(e.report().to_string()))
                 .and_then(|()| Self::spawn(core, name, &image, config, EngineKind::Uring))
             {
                 Ok(dev) => return Ok(dev),
@@ -552,7 +552,7 @@ impl Device {
             Some(cause) => {
                 let flush = match flushed {
                     Ok(()) => "what it had acknowledged was flushed".to_owned(),
-                    Err(e) => format!("and {e}"),
+                    Err(e) => format!("and {}", e.report()),
                 };
                 Err(vdisk_image::Error::new(vdisk_image::ErrorKind::Io, format!("{cause}; {flush}")))
             }

@@ -308,6 +308,9 @@ impl Planner {
     pub fn run_error(&self, run: &Run, e: std::io::Error) -> Error {
         let what = if run.write { "write" } else { "read" };
         Error::io(e, format!("{what} of {} bytes at offset {} of {}", run.len(), run.offset, self.describe(run.file)))
+            .op(what)
+            .at(run.offset)
+            .path(self.image.file_path(run.file))
     }
 
     pub fn describe(&self, file: usize) -> String {
@@ -361,6 +364,9 @@ impl Planner {
             let file = &self.image.files()[f];
             let at = |e| {
                 Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op().name(), self.describe(f)))
+                    .op(req.op().name())
+                    .at(offset)
+                    .path(self.image.file_path(f))
             };
             match req.op() {
                 Op::WriteZeroes { no_hole, fast_zero, .. } => self.zeros.zero(f, file, offset, len, no_hole, fast_zero),

@@ -36,7 +36,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use vdisk_image::{Error, Extent, RbdImage};
+use vdisk_image::{Extent, RbdImage};
 
 use crate::health;
 use crate::health::ABANDON_WAIT;
@@ -109,7 +109,7 @@ impl RbdWorker {
         let events = eventfd()?;
         for file in 0..2 {
             if let Some(r) = planner.image.rbd(file) {
-                r.notify_completions(events.as_raw_fd()).map_err(std::io::Error::other)?;
+                r.notify_completions(events.as_raw_fd()).map_err(|e| std::io::Error::other(e.report().to_string()))?;
             }
         }
         let waker = Arc::new(Waker { efd: EventFd::new()?, idle: false.into() });
@@ -262,7 +262,7 @@ impl RbdWorker {
                 // untouched by anyone else until this blocking call returns.
                 if let Err(e) = unsafe { self.planner.perform(&run) } {
                     for &j in &jobs {
-                        self.jobs[j].job.0.error.get_or_insert(Error::new(e.kind(), e.to_string()));
+                        self.jobs[j].job.0.error.get_or_insert(e.clone());
                     }
                 }
                 continue;

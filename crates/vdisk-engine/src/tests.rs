@@ -97,7 +97,7 @@ impl Rig {
         RawImage::create(&path, 1 << 20, None).unwrap();
         let image = match RawImage::open(&path, false).unwrap().with_direct_io() {
             Ok(i) => i,
-            Err(e) => panic!("the temp dir must support O_DIRECT for this test: {e}"),
+            Err(e) => panic!("the temp dir must support O_DIRECT for this test: {}", e.report()),
         };
         assert_eq!(image.direct_files().len(), 1);
         let dev = Arc::new(Device::start(name, Arc::new(image), config).unwrap());

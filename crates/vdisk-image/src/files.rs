@@ -154,6 +154,10 @@ pub fn check_confined(path: &Path) -> Result<()> {
 /// reading, and writing if `write`: never blocking, only a regular file or a
 /// block device, beneath the roots when confined (module doc).
 pub fn open(path: &Path, write: bool, what: &str) -> Result<File> {
+    open_checked(path, write, what).map_err(|e| e.op("open").path(path))
+}
+
+fn open_checked(path: &Path, write: bool, what: &str) -> Result<File> {
     let probe = match CONFINED.with(|c| c.borrow().clone()) {
         Some(roots) => roots.resolve(path, 0)?,
         None => open_path(path, 0).map_err(|e| Error::io(e, format!("cannot open {what} {}", path.display())))?,

@@ -116,8 +116,11 @@ impl Image for RawImage {
     }
 
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()> {
-        seek_allocation(&self.base.files[0], offset, len, max, out)
-            .map_err(|e| Error::io(e, format!("cannot map {} at {offset}", self.base.path.display())))
+        seek_allocation(&self.base.files[0], offset, len, max, out).map_err(|e| {
+            Error::io(e, format!("cannot map {} at {offset}", self.base.path.display()))
+                .at(offset)
+                .path(&self.base.path)
+        })
     }
 }
 

@@ -63,6 +63,7 @@ fn wire_errno(e: &Error) -> u32 {
         ErrorKind::NoSpace => ENOSPC,
         ErrorKind::Unsupported => ENOTSUP,
         ErrorKind::NotFound | ErrorKind::Corrupt | ErrorKind::Io => EIO,
+        _ => EIO,
     }
 }
 

@@ -278,7 +278,10 @@ fn settings(a: &ServeArgs) -> Result<Settings, Error> {
     let roots = if a.image_roots.is_empty() {
         None
     } else {
-        Some(Arc::new(vdisk_image::files::Roots::open(&a.image_roots).map_err(|e| Error::invalid(e.to_string()))?))
+        Some(Arc::new(
+            vdisk_image::files::Roots::open(&a.image_roots)
+                .map_err(|e| Error::image(vdisk_daemon::ErrorKind::Invalid, &e))?,
+        ))
     };
     Ok(Settings { engine, direct: a.direct, socket_mode: a.socket_mode(), fuse_uring: a.fuse_uring, roots })
 }

@@ -70,7 +70,7 @@ fn assert_failed_then_prompt(rig: Rig, other: &Rig, name: &str, cause: &str) {
     let later = rig.run_bounded(reads(8));
     assert!(t.elapsed() < ANSWER, "{name}: later requests took {:?}", t.elapsed());
     assert!(all_eio(&later), "{name}: later requests get EIO: {later:?}");
-    let e = later[0].error.as_ref().unwrap().to_string();
+    let e = later[0].error.as_ref().unwrap().report().to_string();
     assert!(e.contains(name), "{name}: the error says which device failed: {e}");
     // Reported by an export, they make one log line; the rest are counted for a later one.
     let lines = later.iter().chain(&rig.run_bounded(reads(64))).filter(|r| rig.dev.errors().failed("test", r)).count();
@@ -84,7 +84,7 @@ fn assert_failed_then_prompt(rig: Rig, other: &Rig, name: &str, cause: &str) {
     let t = Instant::now();
     let stopped = rig.dev.shutdown();
     assert!(t.elapsed() < 3 * ANSWER, "{name}: the stop of a failed device took {:?}", t.elapsed());
-    let e = stopped.expect_err("stopping a failed device says it failed").to_string();
+    let e = stopped.expect_err("stopping a failed device says it failed").report().to_string();
     assert!(e.contains("failed") && e.contains(name), "{name}: {e}");
 }
 
@@ -184,7 +184,7 @@ fn a_bounded_stop_gives_up_on_a_wedged_worker() {
     wedged.submit(reads(1), &rig.sink);
     std::thread::sleep(Duration::from_millis(50));
     let t = Instant::now();
-    let e = wedged.shutdown_within(Duration::from_millis(300)).expect_err("the worker is stuck").to_string();
+    let e = wedged.shutdown_within(Duration::from_millis(300)).expect_err("the worker is stuck").report().to_string();
     assert!(t.elapsed() < ANSWER + Duration::from_millis(300), "gave up after {:?}", t.elapsed());
     assert!(e.contains("thread engine's pool") && e.contains("did not finish"), "the error names the worker: {e}");
     // Released, the detached worker finishes its read and ends.

@@ -15,7 +15,7 @@ use crate::rbd::{is_rbd, RbdImage, Spec};
 use crate::{Advice, Error, ErrorKind, Image, ImageBase, Result};
 
 pub(super) fn at(path: &Path, e: io::Error, what: &str) -> Error {
-    Error::io(e, format!("{what} {}", path.display()))
+    Error::io(e, format!("{what} {}", path.display())).path(path)
 }
 
 /// Takes a BSD lock on `file` or says the file is in use. A process that just
@@ -379,7 +379,8 @@ fn open_backing(
     }
     // Opened for reading first: the checks below come before any write access.
     let bfile = crate::files::open(&backing, false, "backing file").map_err(|e| {
-        let e = Error::new(e.kind(), format!("backing file {named} cannot be opened: {e}"));
+        let m = format!("backing file {named} cannot be opened: {}", e.message());
+        let e = e.reworded(m).op("open").path(&backing);
         if o.backing.is_some() {
             e
         } else {

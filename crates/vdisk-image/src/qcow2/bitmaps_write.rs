@@ -38,11 +38,11 @@ impl Qcow2Image {
         let loaded = match bitmaps::load(&self.header, &self.base.files[0], file_len, &self.base.path) {
             Ok(l) => l,
             Err(e) if self.base.read_only => {
-                log::warn!("{e}: the bitmaps are ignored");
+                log::warn!("{}: the bitmaps are ignored", e.report());
                 return Ok(());
             }
             Err(e) => {
-                log::warn!("{e}: the bitmaps are dropped");
+                log::warn!("{}: the bitmaps are dropped", e.report());
                 return self.clear_autoclear();
             }
         };

@@ -18,7 +18,7 @@ use crate::{Error, Extent, Image, Result};
 const CHUNK: u64 = 1 << 20;
 
 fn at(path: &Path, e: std::io::Error, what: &str) -> Error {
-    Error::io(e, format!("{what} {}", path.display()))
+    Error::io(e, format!("{what} {}", path.display())).path(path)
 }
 
 impl Qcow2Image {

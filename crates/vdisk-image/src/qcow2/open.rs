@@ -45,7 +45,7 @@ pub struct Qcow2Options {
 }
 
 fn at(path: &Path, e: std::io::Error, what: &str) -> Error {
-    Error::io(e, format!("{what} {}", path.display()))
+    Error::io(e, format!("{what} {}", path.display())).path(path)
 }
 
 /// Reads the first cluster (at most 2 MiB) and parses the header.
@@ -183,8 +183,9 @@ impl Qcow2Image {
             Error::new(
                 e.kind(),
                 format!(
-                    "{p} was not closed cleanly (lazy refcounts) and its refcounts could not be repaired ({e}): \
-                     repair it with `qemu-img check -r all {p}`"
+                    "{p} was not closed cleanly (lazy refcounts) and its refcounts could not be repaired ({}): \
+                     repair it with `qemu-img check -r all {p}`",
+                    e.report()
                 ),
             )
         })?;
@@ -246,7 +247,8 @@ fn open_backing(path: &Path, meta: &std::fs::Metadata, h: &Header, o: &Qcow2Opti
     // format's own open below opens the same path again through the same rules.
     let bfile = crate::files::open(&backing, false, "backing file").map_err(|e| {
         let what = if e.kind() == ErrorKind::NotFound { " (if it moved)" } else { "" };
-        Error::new(e.kind(), format!("{named} cannot be opened{what}: {e}")).advise(Advice::NameBacking)
+        let m = format!("{named} cannot be opened{what}: {}", e.message());
+        e.reworded(m).op("open").path(&backing).advise(Advice::NameBacking)
     })?;
     let bmeta = bfile.metadata().map_err(|e| Error::io(e, format!("cannot stat {named}")))?;
     if bmeta.dev() == meta.dev() && bmeta.ino() == meta.ino() {
