@@ -65,7 +65,7 @@ impl Daemon {
     pub fn snapshot(&self, name: &str, overlay: &Path, format: OverlayFormat) -> Result<Snapshot, Error> {
         let job = self.jobs.start("snapshot", name);
         let r = self.live_change(name, |live| snapshot(live, name, overlay, format, job.id));
-        job.finish(&r.as_ref().map_err(|e| e.message().to_owned()));
+        job.finish(&r.as_ref().map_err(|e| e.report().to_string()));
         r
     }
 
@@ -89,7 +89,11 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
     if live.roots.is_some() {
         let dir = overlay.parent().unwrap_or(Path::new("/"));
         vdisk_image::files::confined(live.roots.clone(), || vdisk_image::files::check_confined(dir)).map_err(|e| {
-            refuse(format!("the overlay {} is not beneath the image roots (--image-root): {e}", overlay.display()))
+            refuse(format!(
+                "the overlay {} is not beneath the image roots (--image-root): {}",
+                overlay.display(),
+                e.report()
+            ))
         })?;
     }
     let device = live.device.clone();
@@ -124,10 +128,15 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
             top.display()
         )));
     }
-    let guard =
-        device.quiesce(QUIESCE_LIMIT).map_err(|e| Error::failed(format!("snapshot of export {name:?}: {e}")))?;
+    let guard = device
+        .quiesce(QUIESCE_LIMIT)
+        .map_err(|e| Error::failed(format!("snapshot of export {name:?}: {}", e.report())))?;
     guard.flush().map_err(|e| {
-        Error::failed(format!("snapshot of export {name:?}: flushing {} failed, nothing changed: {e}", top.display()))
+        Error::failed(format!(
+            "snapshot of export {name:?}: flushing {} failed, nothing changed: {}",
+            top.display(),
+            e.report()
+        ))
     })?;
     let made = match format {
         OverlayFormat::Qcow2 => {
@@ -141,8 +150,12 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
         OverlayFormat::Cow => CowImage::create(overlay, &top),
     };
     made.map_err(|e| {
-        Error::failed(format!("snapshot of export {name:?}: cannot create {}, nothing changed: {e}", overlay.display()))
-            .at(overlay)
+        Error::failed(format!(
+            "snapshot of export {name:?}: cannot create {}, nothing changed: {}",
+            overlay.display(),
+            e.report()
+        ))
+        .at(overlay)
     })?;
     let forced = match format {
         OverlayFormat::Qcow2 => Format::Qcow2,
@@ -156,8 +169,8 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
     relock(libc::LOCK_SH);
     let options = vdisk_image::OpenOptions { format: Some(forced), direct: live.direct, ..Default::default() };
     let swapped = vdisk_image::open(overlay, &options)
-        .map_err(|e| e.to_string())
-        .and_then(|opened| guard.replace_image(opened.image).map_err(|e| e.to_string()));
+        .map_err(|e| e.report().to_string())
+        .and_then(|opened| guard.replace_image(opened.image).map_err(|e| e.report().to_string()));
     if let Err(e) = swapped {
         relock(libc::LOCK_EX);
         let _ = std::fs::remove_file(overlay);

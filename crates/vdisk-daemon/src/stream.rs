@@ -40,7 +40,7 @@ impl Daemon {
             let copied = stream(live, name, &job)?;
             Ok(Streamed { job: job.id, export: name.to_owned(), copied })
         });
-        job.finish(&r.as_ref().map_err(|e| e.message().to_owned()));
+        job.finish(&r.as_ref().map_err(|e| e.report().to_string()));
         r
     }
 }
@@ -73,9 +73,9 @@ fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Er
     let mut off = 0;
     while off < size {
         let len = CHUNK.min(size - off);
-        let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.to_string()))?;
+        let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.report().to_string()))?;
         runs.clear();
-        device.image().allocation(off, len, usize::MAX, &mut runs).map_err(|e| failed(e.to_string()))?;
+        device.image().allocation(off, len, usize::MAX, &mut runs).map_err(|e| failed(e.report().to_string()))?;
         let mut at = off;
         for run in &runs {
             if at >= off + len {
@@ -85,12 +85,12 @@ fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Er
             if run.depth >= 2 {
                 let read = guard.execute(vec![Request::new(Op::Read, at, n, 0)]).remove(0);
                 if let Some(e) = read.error {
-                    return Err(failed(format!("reading {n} bytes at {at} from the backing chain: {e}")));
+                    return Err(failed(format!("reading {n} bytes at {at} from the backing chain: {}", e.report())));
                 }
                 let data = Buf::from_slice(read.buf());
                 let write = Request::new(Command::Write { data: data.into(), fua: false }, at, n, 0);
                 if let Some(e) = guard.execute(vec![write]).remove(0).error {
-                    return Err(failed(format!("writing {n} bytes at {at} to {}: {e}", top.display())));
+                    return Err(failed(format!("writing {n} bytes at {at} to {}: {}", top.display(), e.report())));
                 }
                 copied += n;
             }
@@ -100,15 +100,15 @@ fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Er
         job.add_done(len);
         off += len;
     }
-    let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.to_string()))?;
-    guard.flush().map_err(|e| failed(format!("flushing {}: {e}; the chain is as it was", top.display())))?;
+    let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.report().to_string()))?;
+    guard.flush().map_err(|e| failed(format!("flushing {}: {}; the chain is as it was", top.display(), e.report())))?;
     clear_backing_link(&top).map_err(|e| failed(format!("{e}; the chain is as it was, stream again")))?;
     let old = device.image();
     lock_top(&*old, &top, libc::LOCK_UN);
     let options = vdisk_image::OpenOptions { format: Some(Format::Qcow2), direct: live.direct, ..Default::default() };
     let swapped = vdisk_image::open(&top, &options)
-        .map_err(|e| e.to_string())
-        .and_then(|o| guard.replace_image(o.image).map_err(|e| e.to_string()));
+        .map_err(|e| e.report().to_string())
+        .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
     if let Err(e) = swapped {
         lock_top(&*old, &top, libc::LOCK_EX);
         return Err(failed(format!(
