@@ -215,7 +215,8 @@ impl Qcow2Image {
             header::push_ext(&mut b, EXT_BITMAPS, &ext);
         }
         header::push_ext(&mut b, EXT_END, &[]);
-        if name_len > 0 && name_at + name_len <= cs {
+        // Offset 0 (or size 0) is no backing file, whatever the other field holds.
+        if name_at != 0 && name_len > 0 && name_at + name_len <= cs {
             let new_at = b.len() as u64;
             b.extend_from_slice(&old[name_at..name_at + name_len]);
             b[8..16].copy_from_slice(&new_at.to_be_bytes());
