@@ -8,6 +8,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use vdisk_image::Report;
+
 /// What went wrong, as callers decide on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -87,21 +89,6 @@ impl Error {
     /// The same error with `context` said first ("FILE:LINE: export \"x\": ...").
     pub fn context(self, context: impl fmt::Display) -> Error {
         Error { message: format!("{context}: {}", self.message), ..self }
-    }
-}
-
-/// An error with its causes, one after another: [`Error::report`].
-pub struct Report<'a>(&'a Error);
-
-impl fmt::Display for Report<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.message)?;
-        let mut cause = std::error::Error::source(self.0);
-        while let Some(c) = cause {
-            write!(f, ": {c}")?;
-            cause = c.source();
-        }
-        Ok(())
     }
 }
 

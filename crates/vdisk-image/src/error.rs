@@ -189,13 +189,14 @@ impl Error {
     }
 }
 
-/// An error with its causes, one after another: [`Error::report`].
-pub struct Report<'a>(&'a Error);
+/// An error with its causes, one after another: [`Error::report`], and the
+/// daemon's error's too (any error whose Display is its own message alone).
+pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for Report<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.message)?;
-        let mut cause = std::error::Error::source(self.0);
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
         while let Some(c) = cause {
             write!(f, ": {c}")?;
             cause = c.source();

@@ -22,7 +22,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 pub use cow::CowImage;
-pub use error::{Advice, Error, ErrorKind, Result};
+pub use error::{Advice, Error, ErrorKind, Report, Result};
 pub use opening::{detect, detect_bytes, detect_file, open, Backing, Format, OpenOptions, Opened, Target};
 pub use qcow2::Qcow2Image;
 pub use raw::RawImage;
