@@ -20,21 +20,26 @@ fn recv(rig: &Rig, what: &str) -> Request {
     rig.rx.recv_timeout(RECV).unwrap_or_else(|_| panic!("{what}: a completion never came"))
 }
 
-#[test]
-fn a_hundred_devices_share_one_worker_and_each_reads_back_its_own() {
-    let core = Core::new(1);
-    let rigs: Vec<Rig> = (0..100).map(|i| Rig::on(&core, &format!("many-{i}"), 64 << 10, &uring())).collect();
-    assert_eq!(core.loads(), vec![100], "one worker serves them all");
+/// Writes a block of its own to every device at once, then reads each back.
+fn each_reads_back_its_own(rigs: &[Rig]) {
     for (i, rig) in rigs.iter().enumerate() {
         rig.dev.submit(vec![write(4096, pattern(i as u8, 4096), 1)], &rig.sink);
     }
-    for rig in &rigs {
+    for rig in rigs {
         assert!(recv(rig, "write").error.is_none());
     }
     for (i, rig) in rigs.iter().enumerate() {
         let back = rig.run(vec![Request::new(Op::Read, 4096, 4096, 1)]);
         assert_eq!(back[0].buf(), pattern(i as u8, 4096), "device {i}");
     }
+}
+
+#[test]
+fn a_hundred_devices_share_one_worker_and_each_reads_back_its_own() {
+    let core = Core::new(1);
+    let rigs: Vec<Rig> = (0..100).map(|i| Rig::on(&core, &format!("many-{i}"), 64 << 10, &uring())).collect();
+    assert_eq!(core.loads(), vec![100], "one worker serves them all");
+    each_reads_back_its_own(&rigs);
     for rig in &rigs {
         rig.dev.shutdown().unwrap();
     }
@@ -175,16 +180,7 @@ fn thread_names() -> Vec<String> {
 fn thread_engine_devices_share_the_pool_and_a_stalled_one_holds_at_most_its_cap() {
     let threads = EngineConfig { kind: EngineKind::Threads, ..Default::default() };
     let rigs: Vec<Rig> = (0..100).map(|i| Rig::new(&format!("tp-{i}"), 64 << 10, false, &threads)).collect();
-    for (i, rig) in rigs.iter().enumerate() {
-        rig.dev.submit(vec![write(4096, pattern(i as u8, 4096), 1)], &rig.sink);
-    }
-    for rig in &rigs {
-        assert!(recv(rig, "write").error.is_none());
-    }
-    for (i, rig) in rigs.iter().enumerate() {
-        let back = rig.run(vec![Request::new(Op::Read, 4096, 4096, 1)]);
-        assert_eq!(back[0].buf(), pattern(i as u8, 4096), "device {i}");
-    }
+    each_reads_back_its_own(&rigs);
     let names = thread_names();
     let size = crate::pool::global().size();
     let pooled = names.iter().filter(|n| n.starts_with("vdisk-pool")).count();
