@@ -1,10 +1,16 @@
-//! The daemon's job table: every live disk operation (snapshot now; commit,
-//! stream and mirror to come, see docs/block-jobs.md) is a job with an id,
-//! its type and export, bytes done of a total, a state and, once failed, its
-//! error. `vdisk ctl jobs` lists them. A job that ended stays listed (the
-//! last [`KEPT`] of them) so its outcome can be read after the fact.
+//! The daemon's job table: every live disk operation (snapshot, stream,
+//! commit, mirror; docs/block-jobs.md) is a job with an id, its type and
+//! export, bytes done of a total, a state and, once failed, its error.
+//! `vdisk ctl jobs` lists them. A job that ended stays listed (the last
+//! [`KEPT`] of them) so its outcome can be read after the fact.
+//!
+//! A copying job runs on its own thread ([`Jobs::spawn`]); one export has at
+//! most one running job. The thread looks at [`Job::cancelled`] and
+//! [`Job::pivot_requested`] between chunks, paces its own I/O with
+//! [`Job::pace`] (the job's `--bps`), and says when it is [`JobState::Ready`]
+//! (a mirror whose copy has caught up, waiting for `pivot` or `cancel`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -14,16 +20,22 @@ pub const KEPT: usize = 64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobState {
     Running,
+    /// Caught up (a mirror, an active commit): waiting for `pivot` or `cancel`.
+    Ready,
     Done,
     Failed,
+    /// Stopped by `cancel`: the export serves as before the job.
+    Cancelled,
 }
 
 impl JobState {
     pub fn name(self) -> &'static str {
         match self {
             JobState::Running => "running",
+            JobState::Ready => "ready",
             JobState::Done => "done",
             JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
         }
     }
 }
@@ -52,6 +64,19 @@ pub struct Job {
     done: AtomicU64,
     total: AtomicU64,
     end: Mutex<Option<(JobState, Option<String>, Duration)>>,
+    ready: AtomicBool,
+    cancel: AtomicBool,
+    pivot: AtomicBool,
+    /// The job's own I/O limit in bytes per second (0: none) and its pacing.
+    bps: AtomicU64,
+    paced: Mutex<Pacer>,
+}
+
+/// When the job's I/O so far may have ended at its `bps`.
+#[derive(Default)]
+struct Pacer {
+    since: Option<Instant>,
+    bytes: u64,
 }
 
 impl Job {
@@ -63,9 +88,66 @@ impl Job {
         self.done.fetch_add(bytes, Ordering::Relaxed);
     }
 
-    /// Ends the job with `result` (its error, if any, is what `jobs` shows).
+    /// Says whether the job has caught up and waits for `pivot` or `cancel`.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Release);
+    }
+
+    /// Asks the job to stop and leave the export as it was.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
+    }
+
+    /// Asks a ready job to switch the export to what it made.
+    pub fn request_pivot(&self) {
+        self.pivot.store(true, Ordering::Release);
+    }
+
+    pub fn pivot_requested(&self) -> bool {
+        self.pivot.load(Ordering::Acquire)
+    }
+
+    /// Sets the job's own I/O limit (bytes per second, 0 for none).
+    pub fn set_bps(&self, bps: u64) {
+        self.bps.store(bps, Ordering::Relaxed);
+        *self.paced.lock().unwrap() = Pacer::default();
+    }
+
+    pub fn bps(&self) -> u64 {
+        self.bps.load(Ordering::Relaxed)
+    }
+
+    /// Counts `bytes` of the job's I/O against its `bps` and sleeps as long
+    /// as it is ahead of that rate (in steps, waking early on `cancel`).
+    pub fn pace(&self, bytes: u64) {
+        let bps = self.bps();
+        if bps == 0 {
+            return;
+        }
+        let due = {
+            let mut p = self.paced.lock().unwrap();
+            let since = *p.since.get_or_insert_with(Instant::now);
+            p.bytes += bytes;
+            since + Duration::from_secs_f64(p.bytes as f64 / bps as f64)
+        };
+        while !self.cancelled() {
+            let now = Instant::now();
+            if now >= due {
+                break;
+            }
+            std::thread::sleep((due - now).min(Duration::from_millis(50)));
+        }
+    }
+
+    /// Ends the job with `result` (its error, if any, is what `jobs` shows);
+    /// a job that ends well after `cancel` ends cancelled.
     pub fn finish<T, E: std::fmt::Display>(&self, result: &Result<T, E>) {
         let (state, error) = match result {
+            Ok(_) if self.cancelled() => (JobState::Cancelled, None),
             Ok(_) => (JobState::Done, None),
             Err(e) => (JobState::Failed, Some(e.to_string())),
         };
@@ -74,7 +156,8 @@ impl Job {
 
     fn info(&self) -> JobInfo {
         let end = self.end.lock().unwrap().clone();
-        let (state, error, elapsed) = end.unwrap_or((JobState::Running, None, self.started.elapsed()));
+        let running = if self.ready.load(Ordering::Acquire) { JobState::Ready } else { JobState::Running };
+        let (state, error, elapsed) = end.unwrap_or((running, None, self.started.elapsed()));
         JobInfo {
             id: self.id,
             kind: self.kind,
@@ -110,6 +193,11 @@ impl Jobs {
             done: AtomicU64::new(0),
             total: AtomicU64::new(0),
             end: Mutex::new(None),
+            ready: AtomicBool::new(false),
+            cancel: AtomicBool::new(false),
+            pivot: AtomicBool::new(false),
+            bps: AtomicU64::new(0),
+            paced: Mutex::new(Pacer::default()),
         });
         let mut list = self.list.lock().unwrap();
         let ended = list.iter().filter(|j| j.ended()).count();
@@ -127,6 +215,56 @@ impl Jobs {
 
     pub fn list(&self) -> Vec<JobInfo> {
         self.list.lock().unwrap().iter().map(|j| j.info()).collect()
+    }
+
+    /// The job numbered `id`, running or ended.
+    pub fn get(&self, id: u64) -> Option<Arc<Job>> {
+        self.list.lock().unwrap().iter().find(|j| j.id == id).cloned()
+    }
+
+    /// The job running on `export`, if any.
+    pub fn running_on(&self, export: &str) -> Option<Arc<Job>> {
+        self.list.lock().unwrap().iter().find(|j| j.export == export && !j.ended()).cloned()
+    }
+
+    /// Starts `work` as a job of `kind` on `export`, on a thread of its own
+    /// (`job-ID`), limited to `bps` bytes per second of its own I/O (0: none);
+    /// its result ends the job. Refused while `export` has a running job.
+    pub fn spawn<E: std::fmt::Display>(
+        &self,
+        kind: &'static str,
+        export: &str,
+        bps: u64,
+        work: impl FnOnce(&Job) -> Result<(), E> + Send + 'static,
+    ) -> Result<Arc<Job>, String> {
+        // Checked and recorded under one lock, so two starts cannot both pass.
+        let job = {
+            let list = self.list.lock().unwrap();
+            if let Some(j) = list.iter().find(|j| j.export == export && !j.ended()) {
+                return Err(format!(
+                    "export {export:?} has a running job ({} {}): wait for it or cancel it first",
+                    j.kind, j.id
+                ));
+            }
+            drop(list);
+            self.start(kind, export)
+        };
+        job.set_bps(bps);
+        let run = job.clone();
+        std::thread::Builder::new()
+            .name(format!("job-{}", job.id))
+            .spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(&run)));
+                match r {
+                    Ok(r) => run.finish(&r),
+                    Err(_) => run.finish::<(), _>(&Err("the job panicked (a bug: see the log); the export serves on")),
+                }
+            })
+            .map_err(|e| {
+                job.finish::<(), _>(&Err(format!("cannot start a thread: {e}")));
+                format!("cannot start a thread for the job: {e}")
+            })?;
+        Ok(job)
     }
 }
 
@@ -153,5 +291,43 @@ mod tests {
         let l = jobs.list();
         assert_eq!(l.len(), KEPT + 1);
         assert!(l.iter().any(|j| j.id == running.id), "a running job is never dropped");
+    }
+
+    #[test]
+    fn a_spawned_job_runs_alone_on_its_export_and_can_be_cancelled() {
+        let jobs = Jobs::default();
+        let job = jobs
+            .spawn("mirror", "d0", 0, |job: &Job| {
+                job.set_ready(true);
+                while !job.cancelled() {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok::<(), String>(())
+            })
+            .unwrap();
+        let second = jobs.spawn("stream", "d0", 0, |_: &Job| Ok::<(), String>(()));
+        assert!(second.err().unwrap().contains("has a running job"));
+        while jobs.get(job.id).unwrap().info().state != JobState::Ready {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        job.cancel();
+        while !job.ended() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(job.info().state, JobState::Cancelled);
+        assert!(jobs.running_on("d0").is_none());
+    }
+
+    #[test]
+    fn pacing_holds_a_job_to_its_bps() {
+        let jobs = Jobs::default();
+        let job = jobs.start("mirror", "d0");
+        job.set_bps(10 << 20);
+        let t = Instant::now();
+        for _ in 0..3 {
+            job.pace(1 << 20);
+        }
+        // 3 MiB at 10 MiB/s: not before 0.3 s (a lower bound, not a timing).
+        assert!(t.elapsed() >= Duration::from_millis(290), "{:?}", t.elapsed());
     }
 }
