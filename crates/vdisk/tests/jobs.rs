@@ -303,3 +303,60 @@ fn kill_9_in_the_middle_of_a_commit_leaves_a_chain_that_opens_and_commit_again_f
     assert_qemu_reads(&top, &guest);
     run("qemu-img", &["check", top.to_str().unwrap()]);
 }
+
+#[test]
+fn commit_between_inner_layers_into_a_qcow2_base_merges_data_and_zeros() {
+    let dir = TempDir::new("jobs-commit-inner");
+    let base = dir.path("disk.raw");
+    make_base(&base, 16 * MIB, 17);
+    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let uri = server.uri("disk");
+    let (a, b, c) = (dir.path("a.qcow2"), dir.path("b.qcow2"), dir.path("c.qcow2"));
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", a.to_str().unwrap()]);
+    qemu_io(&uri, &["write -P 0x71 1M 1M", "flush"]);
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", b.to_str().unwrap()]);
+    // b holds data, and zeros over what a holds (a zero cluster in b).
+    qemu_io(&uri, &["write -P 0x72 3M 2M", "write -z 1M 128k", "write -z 12M 64k", "flush"]);
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", c.to_str().unwrap()]);
+    qemu_io(&uri, &["write -P 0x73 4M 64k", "flush"]);
+    let want = read_export(&dir, &uri, "want.raw");
+    let said =
+        ctl_ok(&control, &["commit", "disk", "--top", b.to_str().unwrap(), "--base", a.to_str().unwrap(), "--wait"]);
+    assert!(said.contains("done"), "{said}");
+    assert_same("served after the commit", &read_export(&dir, &uri, "after.raw"), &want);
+    qemu_io(&uri, &["write -P 0x74 6M 64k", "flush"]);
+    let want = read_export(&dir, &uri, "want2.raw");
+    server.stop();
+    let files = [c.to_str().unwrap(), a.to_str().unwrap(), base.to_str().unwrap()];
+    assert_eq!(qemu_chain(&c), files, "b left the chain: c <- a <- base");
+    let guest = dir.path("guest.raw");
+    std::fs::write(&guest, &want).unwrap();
+    assert_qemu_reads(&c, &guest);
+    for f in [&c, &a] {
+        run("qemu-img", &["check", f.to_str().unwrap()]);
+    }
+}
+
+#[test]
+fn a_stream_whose_export_is_removed_fails_and_changes_nothing() {
+    let dir = TempDir::new("jobs-removed");
+    let base = dir.path("disk.raw");
+    make_base(&base, 16 * MIB, 19);
+    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let top = dir.path("top.qcow2");
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
+    qemu_io(&server.uri("disk"), &["write -P 0x35 8M 256k", "flush"]);
+    let before = read_export(&dir, &server.uri("disk"), "before.raw");
+    let id = started(&ctl_ok(&control, &["stream", "disk", "--bps", "1M"]));
+    job_until(&control, id, |j| j["done"].as_u64() > Some(0));
+    ctl_ok(&control, &["remove", "disk", "--hard"]);
+    let failed = job_until(&control, id, |j| j["state"] != "running");
+    assert_eq!(failed["state"], "failed", "{failed}");
+    assert!(failed["error"].as_str().unwrap().contains("was removed"), "{failed}");
+    // The top still names its backing file and the chain reads the same.
+    ctl_ok(&control, &["add", top.to_str().unwrap()]);
+    assert_same("the chain added again", &read_export(&dir, &server.uri("top"), "again.raw"), &before);
+    server.stop();
+    assert_eq!(qemu_chain(&top), [top.to_str().unwrap(), base.to_str().unwrap()]);
+    run("qemu-img", &["check", top.to_str().unwrap()]);
+}
