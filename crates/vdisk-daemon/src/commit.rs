@@ -470,7 +470,7 @@ fn copy(
         copied += here;
         job.add_done(len);
         off += len;
-        job.pace(2 * here);
+        job.pace(here);
     }
     Ok(Some(copied))
 }

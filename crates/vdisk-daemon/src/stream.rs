@@ -150,8 +150,8 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         copied += here;
         job.add_done(len);
         off += len;
-        // Read and write, outside the quiesce: the guest is never held for the pace.
-        job.pace(2 * here);
+        // Outside the quiesce: the guest is never held for the pace.
+        job.pace(here);
     }
     let daemon = daemon.upgrade().ok_or_else(gone)?;
     let swapped = daemon.live_change(name, |live| {

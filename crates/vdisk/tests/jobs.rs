@@ -272,12 +272,12 @@ fn kill_9_in_the_middle_of_a_commit_leaves_a_chain_that_opens_and_commit_again_f
     let uri = server.uri("disk");
     let (mid, top) = (dir.path("mid.qcow2"), dir.path("top.qcow2"));
     ctl_ok(&control, &["snapshot", "disk", "--overlay", mid.to_str().unwrap()]);
-    // The middle layer holds 24 MiB: at 4 MiB/s the commit runs for seconds.
+    // The middle layer holds 24 MiB: at 2 MiB/s the commit runs for seconds.
     qemu_io(&uri, &["write -P 0x61 0 24M", "flush"]);
     ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
     qemu_io(&uri, &["write -P 0x62 2M 1M", "write -P 0x63 28M 512k", "flush"]);
     let flushed = read_export(&dir, &uri, "flushed.raw");
-    let said = ctl_ok(&control, &["commit", "disk", "--bps", "4M"]);
+    let said = ctl_ok(&control, &["commit", "disk", "--bps", "2M"]);
     let id = started(&said);
     job_until(&control, id, |j| j["done"].as_u64() >= Some(4 << 20));
     let st = server.stop_with(libc::SIGKILL);
