@@ -67,6 +67,8 @@ struct Plan {
     base: usize,
     delete: bool,
     direct: bool,
+    /// Where the files opened must lie (a control request's image roots).
+    roots: Option<Arc<vdisk_image::files::Roots>>,
 }
 
 /// What the check decided.
@@ -241,7 +243,8 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
                 .map_err(|e| refuse(format!("{} is not beneath the image roots: {}", l.path.display(), e.report())))?;
         }
     }
-    Ok(Decided::Below(Plan { device, chain, top, base, delete: req.delete, direct: live.direct }))
+    let (delete, direct, roots) = (req.delete, live.direct, live.roots.clone());
+    Ok(Decided::Below(Plan { device, chain, top, base, delete, direct, roots }))
 }
 
 /// Turns the BSD lock of every file of `images` that is `path` into `op`
@@ -325,11 +328,12 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
                 .into(),
         )
     };
-    let Plan { device, chain, top, base, delete, direct } = plan;
+    let Plan { device, chain, top, base, delete, direct, roots } = plan;
     let (top_layer, base_layer) = (&chain[top], &chain[base]);
     let size = device.size();
     job.set_total(size);
-    let read_options = OpenOptions { format: Some(top_layer.format), read_only: true, ..Default::default() };
+    let read_options =
+        OpenOptions { format: Some(top_layer.format), read_only: true, roots: roots.clone(), ..Default::default() };
     let reader = vdisk_image::open(&top_layer.path, &read_options)
         .map_err(|e| failed(format!("cannot open the chain at {}: {}", top_layer.path.display(), e.report())))?
         .image;
@@ -338,7 +342,7 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
     let served = device.image();
     let readers: [&dyn Image; 2] = [&*served, &*reader];
     relock(&readers, &base_layer.path, libc::LOCK_UN);
-    let write_options = OpenOptions { format: Some(base_layer.format), ..Default::default() };
+    let write_options = OpenOptions { format: Some(base_layer.format), roots, ..Default::default() };
     let writer = vdisk_image::open(&base_layer.path, &write_options);
     let writer = match writer {
         Ok(o) => o.image,
@@ -610,4 +614,41 @@ fn cow_relinked(f: &std::fs::File, path: &Path, name: &[u8], mtime: u32) -> Resu
     b[32..].fill(0);
     b[32..32 + name.len()].copy_from_slice(name);
     Ok((old, b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relinked_qcow2_header_names_the_new_base_keeps_the_rest_and_can_be_put_back() {
+        let dir = std::env::temp_dir().join(format!("vdisk-relink-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (old_base, new_base, layer) = (dir.join("a.raw"), dir.join("new-base.qcow2"), dir.join("l.qcow2"));
+        std::fs::write(&old_base, vec![0u8; 1 << 20]).unwrap();
+        let o = vdisk_image::qcow2::CreateOptions {
+            size: 1 << 20,
+            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
+            backing: Some((&old_base, "raw")),
+        };
+        vdisk_image::Qcow2Image::create(&layer, &o).unwrap();
+        let header = |p: &Path| {
+            let mut b = vec![0u8; 1 << 16];
+            let n = std::fs::File::open(p).unwrap().read_at(&mut b, 0).unwrap();
+            vdisk_image::qcow2::parse_header(&b[..n]).unwrap()
+        };
+        let before = header(&layer);
+        let l = Layer { path: layer.clone(), format: Format::Qcow2 };
+        let old = relink(&l, &Layer { path: new_base.clone(), format: Format::Qcow2 }).unwrap();
+        let after = header(&layer);
+        assert_eq!(after.backing.as_deref(), Some(new_base.as_os_str().as_encoded_bytes()));
+        assert_eq!(after.backing_format.as_deref(), Some("qcow2"));
+        assert_eq!(
+            (after.size, after.l1_table_offset, after.refcount_table_offset),
+            (before.size, before.l1_table_offset, before.refcount_table_offset)
+        );
+        restore(&layer, &old).unwrap();
+        assert_eq!(header(&layer), before);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
