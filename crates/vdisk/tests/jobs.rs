@@ -102,11 +102,16 @@ fn scrape(addr: &str) -> String {
 /// base.raw <- mid (the first snapshot, `mid_format`) <- top.qcow2, snapshotted
 /// while fio writes and verifies, then `commit disk --wait` (with `extra`)
 /// under fio too: the chain is top <- base, qemu-img reads the guest's view.
-fn commit_middle_under_fio(tag: &str, mid_format: &str, extra: &[&str]) -> (TempDir, PathBuf, PathBuf, PathBuf) {
-    let dir = TempDir::new(tag);
+fn commit_middle_under_fio(
+    tag: &str,
+    engine: &str,
+    mid_format: &str,
+    extra: &[&str],
+) -> (TempDir, PathBuf, PathBuf, PathBuf) {
+    let dir = TempDir::new(&format!("{tag}-{engine}"));
     let base = dir.path("disk.raw");
     make_base(&base, 32 * MIB, 5);
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let (server, control) = serve(&dir, base.to_str().unwrap(), &["--engine", engine]);
     let (mid, top) = (dir.path(&format!("mid.{mid_format}")), dir.path("top.qcow2"));
     let stop = Arc::new(AtomicBool::new(false));
     let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
@@ -139,7 +144,13 @@ fn commit_middle_under_fio(tag: &str, mid_format: &str, extra: &[&str]) -> (Temp
 
 #[test]
 fn commit_of_the_middle_qcow2_layer_under_fio_verify() {
-    let (dir, _base, mid, guest) = commit_middle_under_fio("jobs-commit-qcow2", "qcow2", &["--bps", "64M"]);
+    for engine in ENGINES {
+        commit_of_the_middle_qcow2_layer(engine);
+    }
+}
+
+fn commit_of_the_middle_qcow2_layer(engine: &str) {
+    let (dir, _base, mid, guest) = commit_middle_under_fio("jobs-commit-qcow2", engine, "qcow2", &["--bps", "64M"]);
     assert!(mid.exists(), "without --delete the dropped layer's file stays");
     // The chain served again from its files reads the same.
     let top = dir.path("top.qcow2");
@@ -154,7 +165,7 @@ fn commit_of_the_middle_qcow2_layer_under_fio_verify() {
 
 #[test]
 fn commit_of_a_middle_cow_layer_into_its_raw_base_under_fio_verify() {
-    let (_dir, base, mid, _guest) = commit_middle_under_fio("jobs-commit-cow", "cow", &["--delete"]);
+    let (_dir, base, mid, _guest) = commit_middle_under_fio("jobs-commit-cow", "uring", "cow", &["--delete"]);
     assert!(!mid.exists(), "--delete removed the dropped COW layer");
     assert!(base.exists());
 }
