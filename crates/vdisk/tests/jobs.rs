@@ -242,6 +242,21 @@ fn a_cancelled_stream_leaves_a_chain_that_reads_the_same_and_the_refusals_while_
     assert!(metrics.contains(&series), "no {series} in:\n{metrics}");
     assert!(metrics.contains(&format!("vdisk_job_bytes_total{{id=\"{id}\",type=\"stream\",export=\"disk\"}} 33554432")));
     assert!(metrics.contains("vdisk_job_bytes_done{"), "{metrics}");
+    // And they parse as OpenMetrics (the system Python's prometheus_client).
+    let script = r#"
+import sys, urllib.request
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+text = urllib.request.urlopen(sys.argv[1]).read().decode()
+for fam in text_string_to_metric_families(text):
+    for s in fam.samples:
+        if s.name.startswith("vdisk_job_"):
+            print(fam.type, s.name, s.labels.get("state", "-"), int(s.value))
+"#;
+    let parsed = run("/usr/bin/python3", &["-c", script, &format!("http://{addr}/metrics")]);
+    assert!(
+        parsed.contains("gauge vdisk_job_state running 1") && parsed.contains("gauge vdisk_job_bytes_total - 33554432"),
+        "{parsed}"
+    );
 
     // Refused while it runs: a second job, a snapshot, a pivot of a stream.
     ctl_refused(&control, &["stream", "disk"], "has a running job");
