@@ -1,7 +1,9 @@
-//! The control methods of live disk operations: `export_snapshot` and
-//! `job_list` (docs/control.md), as JSON.
+//! The control methods of live disk operations: `export_snapshot`,
+//! `export_stream`, `export_commit`, `job_list`, `job_cancel` and
+//! `job_pivot` (docs/control.md), as JSON.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 use vdisk_daemon::jobs::JobInfo;
@@ -35,13 +37,34 @@ pub fn snapshot(
     }))
 }
 
-/// `export_stream`: done by the time it answers (it holds the export's changes meanwhile).
-pub fn stream(daemon: &Daemon, name: &str, ticket: &Ticket) -> Result<Value, Error> {
+/// `export_stream`: started as a job; the answer (its id) comes at once.
+pub fn stream(daemon: &Arc<Daemon>, name: &str, bps: Option<u64>, ticket: &Ticket) -> Result<Value, Error> {
     let Some(_committing) = ticket.commit() else {
         return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
     };
-    let s = daemon.stream(name)?;
-    Ok(json!({"job": s.job, "name": s.export, "copied": s.copied}))
+    let s = daemon.stream(name, bps.unwrap_or(0))?;
+    Ok(json!({"job": s.job, "name": s.export, "type": "stream"}))
+}
+
+/// `export_commit`: started as a job; the answer (its id) comes at once.
+pub fn commit(daemon: &Arc<Daemon>, c: crate::rpc::CommitParams, ticket: &Ticket) -> Result<Value, Error> {
+    let Some(_committing) = ticket.commit() else {
+        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
+    };
+    let request = vdisk_daemon::commit::CommitRequest {
+        top: c.top.map(Into::into),
+        base: c.base.map(Into::into),
+        delete: c.delete,
+        bps: c.bps.unwrap_or(0),
+    };
+    let s = daemon.commit(&c.name, &request)?;
+    Ok(json!({"job": s.job, "name": s.export, "type": "commit"}))
+}
+
+/// `job_cancel` and `job_pivot`: the job as it is once asked.
+pub fn ask(daemon: &Daemon, id: u64, pivot: bool) -> Result<Value, Error> {
+    let job = if pivot { daemon.job_pivot(id)? } else { daemon.job_cancel(id)? };
+    Ok(list(&[job])[0].clone())
 }
 
 /// `job_list`: every job, oldest first.
@@ -58,6 +81,8 @@ pub fn list(jobs: &[JobInfo]) -> Value {
                     "state": j.state.name(),
                     "error": j.error,
                     "elapsed_ms": j.elapsed.as_millis() as u64,
+                    "rate": j.rate,
+                    "bps": j.bps,
                 })
             })
             .collect(),

@@ -346,8 +346,11 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ConfigReload => served.reload.reload_within(ticket).map(|r| json::reload(&r)),
         Method::Bitmap(c) => bitmaps::call(daemon, c, ticket),
         Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
-        Method::ExportStream { name } => jobs::stream(daemon, &name, ticket),
+        Method::ExportStream { name, bps } => jobs::stream(daemon, &name, bps, ticket),
+        Method::ExportCommit(c) => jobs::commit(daemon, c, ticket),
         Method::JobList => Ok(jobs::list(&daemon.jobs())),
+        Method::JobCancel { id } => jobs::ask(daemon, id, false),
+        Method::JobPivot { id } => jobs::ask(daemon, id, true),
     }
 }
 

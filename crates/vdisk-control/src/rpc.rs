@@ -71,13 +71,38 @@ pub enum Method {
         overlay: String,
         format: Option<String>,
     },
-    /// Copy the backing chain into the export's qcow2 top and drop the chain.
+    /// Copy the backing chain into the export's qcow2 top and drop the chain (a job).
     ExportStream {
         name: String,
+        /// The job's own I/O limit, bytes per second.
+        bps: Option<u64>,
     },
+    /// Merge layers of the export's chain down into a lower one (a job).
+    ExportCommit(CommitParams),
     JobList,
+    /// Ask a running job to stop, leaving its export as it was.
+    JobCancel {
+        id: u64,
+    },
+    /// Ask a ready mirror or active commit to switch its export.
+    JobPivot {
+        id: u64,
+    },
     /// `bitmap_*`: one export's dirty bitmaps.
     Bitmap(BitmapCall),
+}
+
+/// `export_commit`'s params, type-checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitParams {
+    pub name: String,
+    /// The highest layer merged (a path of the chain); default: the one below the live top.
+    pub top: Option<String>,
+    /// The layer merged into; default: the bottom of the chain.
+    pub base: Option<String>,
+    /// Remove the dropped layers' files once the new chain serves.
+    pub delete: bool,
+    pub bps: Option<u64>,
 }
 
 /// The bitmap verbs (`bitmap_add` ... `bitmap_list`).
@@ -147,7 +172,10 @@ impl Method {
             },
             Method::ExportSnapshot { .. } => "export_snapshot",
             Method::ExportStream { .. } => "export_stream",
+            Method::ExportCommit(_) => "export_commit",
             Method::JobList => "job_list",
+            Method::JobCancel { .. } => "job_cancel",
+            Method::JobPivot { .. } => "job_pivot",
         }
     }
 }
@@ -229,8 +257,17 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
             Method::Bitmap(bitmap_call(verb, &mut p)?)
         }
         "export_snapshot" => snapshot_params(&mut p)?,
-        "export_stream" => Method::ExportStream { name: p.name()? },
+        "export_stream" => Method::ExportStream { name: p.name()?, bps: p.u64("bps")? },
+        "export_commit" => Method::ExportCommit(CommitParams {
+            name: p.name()?,
+            top: p.str("top")?,
+            base: p.str("base")?,
+            delete: p.bool("delete")?.unwrap_or(false),
+            bps: p.u64("bps")?,
+        }),
         "job_list" => Method::JobList,
+        "job_cancel" => Method::JobCancel { id: p.id()? },
+        "job_pivot" => Method::JobPivot { id: p.id()? },
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -314,6 +351,11 @@ impl Params {
 
     fn name(&mut self) -> Result<String, Fault> {
         self.str("name")?.ok_or_else(|| bad("\"name\" (the export's name) is required"))
+    }
+
+    /// A job's id.
+    fn id(&mut self) -> Result<u64, Fault> {
+        self.u64("id")?.ok_or_else(|| bad("\"id\" (the job's number, as job_list shows it) is required"))
     }
 
     fn bool(&mut self, key: &str) -> Result<Option<bool>, Fault> {
@@ -421,5 +463,24 @@ mod tests {
             assert_eq!(parse(m, p(j)).unwrap_err().code, INVALID_PARAMS, "{m} {j}");
         }
         assert_eq!(parse("bitmap_frob", p("{}")).unwrap_err().code, METHOD_NOT_FOUND);
+    }
+
+    #[test]
+    fn job_methods_are_parsed_and_checked() {
+        let p = |j: &str| Params(serde_json::from_str(j).unwrap());
+        assert_eq!(parse("job_cancel", p(r#"{"id":3}"#)).unwrap(), Method::JobCancel { id: 3 });
+        assert!(parse("job_pivot", p(r#"{"id":3}"#)).unwrap().changes_state());
+        assert_eq!(parse("job_pivot", p("{}")).unwrap_err().code, INVALID_PARAMS);
+        assert_eq!(parse("job_cancel", p(r#"{"id":"3"}"#)).unwrap_err().code, INVALID_PARAMS);
+        let c = parse("export_commit", p(r#"{"name":"d","top":"/m.qcow2","delete":true,"bps":1048576}"#)).unwrap();
+        let want = CommitParams {
+            name: "d".into(),
+            top: Some("/m.qcow2".into()),
+            delete: true,
+            bps: Some(1 << 20),
+            ..Default::default()
+        };
+        assert_eq!(c, Method::ExportCommit(want));
+        assert_eq!(parse("export_stream", p(r#"{"name":"d","bps":-1}"#)).unwrap_err().code, INVALID_PARAMS);
     }
 }

@@ -23,8 +23,12 @@ pub fn human_output(method: &str, r: &Value) -> String {
         "config_reload" => reload_text(r),
         m if m.starts_with("bitmap_") => bitmap_text(m, r).unwrap_or_default(),
         "export_snapshot" => snapshot_text(r),
-        "export_stream" => stream_text(r),
+        "export_stream" | "export_commit" => started_text(r),
         "job_list" => jobs_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
+        "job_cancel" => {
+            format!("job {}: cancel asked; it stops at its next chunk (`vdisk ctl jobs` shows it)\n", r["id"])
+        }
+        "job_pivot" => format!("job {}: pivot asked (`vdisk ctl jobs` shows when it is done)\n", r["id"]),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }
@@ -115,19 +119,24 @@ fn snapshot_text(r: &Value) -> String {
     )
 }
 
-/// What a stream did, in a line.
-fn stream_text(r: &Value) -> String {
+/// A job that was started (stream, commit), in a line: its id and how to follow it.
+fn started_text(r: &Value) -> String {
     format!(
-        "export {}: {} copied from the backing chain; its top has no backing file now, job {}\n",
+        "export {}: {} started as job {}; follow it with `vdisk ctl jobs`, or start it with --wait\n",
         r["name"],
-        human(r["copied"].as_u64().unwrap_or(0)),
+        r["type"].as_str().unwrap_or("job"),
         r["job"]
     )
 }
 
+/// Bytes per second for people ("12.3 MiB/s").
+pub fn rate(bytes_per_sec: u64) -> String {
+    format!("{}/s", human(bytes_per_sec))
+}
+
 /// The job table; a failed job's error on a line of its own beneath.
 fn jobs_table(jobs: &[Value]) -> String {
-    let header = ["ID", "TYPE", "EXPORT", "DONE", "TOTAL", "STATE"];
+    let header = ["ID", "TYPE", "EXPORT", "DONE", "TOTAL", "RATE", "BPS", "STATE"];
     let rows: Vec<Vec<String>> = jobs
         .iter()
         .map(|j| {
@@ -137,6 +146,11 @@ fn jobs_table(jobs: &[Value]) -> String {
                 j["export"].as_str().unwrap_or("").to_owned(),
                 human(j["done"].as_u64().unwrap_or(0)),
                 human(j["total"].as_u64().unwrap_or(0)),
+                rate(j["rate"].as_u64().unwrap_or(0)),
+                match j["bps"].as_u64().unwrap_or(0) {
+                    0 => "-".to_owned(),
+                    b => rate(b),
+                },
                 j["state"].as_str().unwrap_or("").to_owned(),
             ]
         })

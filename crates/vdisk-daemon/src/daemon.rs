@@ -262,6 +262,11 @@ impl Daemon {
         Ok(r)
     }
 
+    /// Export `name` is served, by `device` still (not removed, nor removed and added again).
+    pub(crate) fn serves(&self, name: &str, device: &Arc<Device>) -> bool {
+        self.exports.lock().unwrap().iter().any(|e| e.name == name && Arc::ptr_eq(&e.device, device))
+    }
+
     /// One line for a service manager's status: exports and clients.
     pub fn status(&self) -> String {
         let (e, c) = (self.exports.lock().unwrap().len(), self.nbd.connections());

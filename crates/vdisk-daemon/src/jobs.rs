@@ -53,6 +53,10 @@ pub struct JobInfo {
     pub error: Option<String>,
     /// Since it started, or how long it ran.
     pub elapsed: Duration,
+    /// Bytes done per second, on average since it started.
+    pub rate: u64,
+    /// Its own I/O limit in bytes per second (0: none).
+    pub bps: u64,
 }
 
 /// One job's live record, updated by whoever runs it.
@@ -154,15 +158,20 @@ impl Job {
         *self.end.lock().unwrap() = Some((state, error, self.started.elapsed()));
     }
 
-    fn info(&self) -> JobInfo {
+    /// The job as `jobs` lists it.
+    pub fn info(&self) -> JobInfo {
         let end = self.end.lock().unwrap().clone();
         let running = if self.ready.load(Ordering::Acquire) { JobState::Ready } else { JobState::Running };
         let (state, error, elapsed) = end.unwrap_or((running, None, self.started.elapsed()));
+        let done = self.done.load(Ordering::Relaxed);
+        let secs = elapsed.as_secs_f64();
         JobInfo {
             id: self.id,
             kind: self.kind,
             export: self.export.clone(),
-            done: self.done.load(Ordering::Relaxed),
+            done,
+            rate: if secs > 0.0 { (done as f64 / secs) as u64 } else { 0 },
+            bps: self.bps(),
             total: self.total.load(Ordering::Relaxed),
             state,
             error,
@@ -170,7 +179,7 @@ impl Job {
         }
     }
 
-    fn ended(&self) -> bool {
+    pub fn ended(&self) -> bool {
         self.end.lock().unwrap().is_some()
     }
 }
@@ -225,6 +234,12 @@ impl Jobs {
     /// The job running on `export`, if any.
     pub fn running_on(&self, export: &str) -> Option<Arc<Job>> {
         self.list.lock().unwrap().iter().find(|j| j.export == export && !j.ended()).cloned()
+    }
+
+    /// A running job on `export` other than job `id`: what a job that does
+    /// not copy (a snapshot) checks, since it changes the chain a copy reads.
+    pub fn other_running_on(&self, export: &str, id: u64) -> Option<Arc<Job>> {
+        self.list.lock().unwrap().iter().find(|j| j.export == export && j.id != id && !j.ended()).cloned()
     }
 
     /// Starts `work` as a job of `kind` on `export`, on a thread of its own

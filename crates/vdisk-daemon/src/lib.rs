@@ -8,12 +8,15 @@
 //! control socket (crates/vdisk-control) maps them to JSON-RPC.
 //!
 //! Modules, each depending only on those listed after it:
-//! `metrics`, `reload` → `config` → `security` → `stream` → `snapshot` → `daemon` → `jobs`;
+//! `metrics`, `reload` → `config` → `security` → `commit` → `active_commit_stub` → `stream` →
+//! `snapshot` → `daemon` → `jobs`;
 //! `daemon` → `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
+mod active_commit_stub;
 pub mod bitmaps;
+pub mod commit;
 pub mod config;
 pub mod daemon;
 pub mod error;

@@ -224,8 +224,34 @@ impl Collector for Exports {
         }
         let help = "Time from submission to completion in the engine";
         family(&mut enc, "vdisk_request_duration_seconds", help, MetricType::Histogram, &lat, histogram)?;
+        jobs(&mut enc, &self.0.jobs())?;
         process(&mut enc, exports.len() as u64)
     }
+}
+
+/// The jobs still running or ready (an ended one leaves the metrics; its
+/// outcome is `vdisk ctl jobs`'s): bytes done and total, and a state gauge
+/// (1 for the state the job is in), labelled by id, type and export.
+fn jobs(enc: &mut DescriptorEncoder, jobs: &[crate::jobs::JobInfo]) -> Result<(), std::fmt::Error> {
+    use crate::jobs::JobState;
+    let live: Vec<_> = jobs.iter().filter(|j| matches!(j.state, JobState::Running | JobState::Ready)).collect();
+    let labels = |j: &crate::jobs::JobInfo| -> Labels {
+        vec![("id", j.id.to_string()), ("type", j.kind.to_owned()), ("export", j.export.clone())]
+    };
+    let done: Vec<(Labels, u64)> = live.iter().map(|j| (labels(j), j.done)).collect();
+    let total: Vec<(Labels, u64)> = live.iter().map(|j| (labels(j), j.total)).collect();
+    let state: Vec<(Labels, u64)> = live
+        .iter()
+        .map(|j| {
+            let mut l = labels(j);
+            l.push(("state", j.state.name().to_owned()));
+            (l, 1)
+        })
+        .collect();
+    family(enc, "vdisk_job_bytes_done", "Bytes a running job has done", MetricType::Gauge, &done, gauge)?;
+    family(enc, "vdisk_job_bytes_total", "Bytes a running job will do in all", MetricType::Gauge, &total, gauge)?;
+    let help = "1 for a job that is running or ready, its state in the state label";
+    family(enc, "vdisk_job_state", help, MetricType::Gauge, &state, gauge)
 }
 
 /// Process gauges from /proc/self: memory, CPU, threads, open files.

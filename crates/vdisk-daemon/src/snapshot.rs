@@ -64,7 +64,19 @@ impl Daemon {
     /// top, while it serves. A job of the job table, failed or done.
     pub fn snapshot(&self, name: &str, overlay: &Path, format: OverlayFormat) -> Result<Snapshot, Error> {
         let job = self.jobs.start("snapshot", name);
-        let r = self.live_change(name, |live| snapshot(live, name, overlay, format, job.id));
+        let r = self.live_change(name, |live| {
+            if let Some(j) = self.jobs.other_running_on(name, job.id) {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "snapshot of export {name:?}: job {} ({}) runs on it and reads its chain: wait for it or \
+                         cancel it (`vdisk ctl cancel {}`)",
+                        j.id, j.kind, j.id
+                    ),
+                ));
+            }
+            snapshot(live, name, overlay, format, job.id)
+        });
         job.finish(&r.as_ref().map_err(|e| e.report().to_string()));
         r
     }
@@ -72,6 +84,59 @@ impl Daemon {
     /// Every job, running and ended (the last [`crate::jobs::KEPT`]), oldest first.
     pub fn jobs(&self) -> Vec<crate::jobs::JobInfo> {
         self.jobs.list()
+    }
+
+    /// Asks job `id` to stop and leave its export as it was; the job ends
+    /// `cancelled` at its next chunk. Refused for a job that has ended.
+    pub fn job_cancel(&self, id: u64) -> Result<crate::jobs::JobInfo, Error> {
+        let job = self.job(id)?;
+        let info = job.info();
+        if job.ended() {
+            return Err(Error::invalid(format!(
+                "job {id} ({} of export {:?}) has ended already ({}): there is nothing to cancel",
+                job.kind,
+                job.export,
+                info.state.name()
+            )));
+        }
+        job.cancel();
+        log::info!(export:% = job.export; "job {id} ({} of export {:?}): cancel asked", job.kind, job.export);
+        Ok(job.info())
+    }
+
+    /// Asks job `id` to switch its export to what it made. Only a ready
+    /// mirror or commit pivots (a commit of the live top: an active commit).
+    pub fn job_pivot(&self, id: u64) -> Result<crate::jobs::JobInfo, Error> {
+        let job = self.job(id)?;
+        let info = job.info();
+        if !matches!(job.kind, "mirror" | "commit") {
+            return Err(Error::invalid(format!(
+                "job {id} is a {} of export {:?}: only a mirror or an active commit pivots (a {} switches the \
+                 export by itself when it ends)",
+                job.kind, job.export, job.kind
+            )));
+        }
+        if info.state != crate::jobs::JobState::Ready {
+            return Err(Error::invalid(format!(
+                "job {id} ({} of export {:?}) is {}, not ready: it pivots once its copy has caught up (`vdisk ctl \
+                 jobs` shows its state)",
+                job.kind,
+                job.export,
+                info.state.name()
+            )));
+        }
+        job.request_pivot();
+        log::info!(export:% = job.export; "job {id} ({} of export {:?}): pivot asked", job.kind, job.export);
+        Ok(job.info())
+    }
+
+    fn job(&self, id: u64) -> Result<std::sync::Arc<crate::jobs::Job>, Error> {
+        self.jobs.get(id).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("no job {id} (`vdisk ctl jobs` lists them; ended ones are kept a while)"),
+            )
+        })
     }
 }
 

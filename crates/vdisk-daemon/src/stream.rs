@@ -9,43 +9,71 @@
 //! header's backing link (durable only after the data it exposes is), reopen
 //! the top on its own and swap. Killed midway, the chain is as it was plus
 //! copied runs (the same data): it opens and reads the same; stream again.
+//!
+//! It is a job on its own thread ([`crate::jobs::Jobs::spawn`]): checked
+//! under the daemon's change lock when it starts, it copies without that
+//! lock (adds, removes and other exports' changes go on), looks at `cancel`
+//! between chunks (a cancelled stream leaves the chain as it was: the runs
+//! copied hold the same data) and paces its own I/O to its `--bps`; only the
+//! final swap takes the change lock again, and fails, changing nothing, when
+//! the export was removed or replaced meanwhile.
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
 
-use vdisk_engine::{Buf, Command, Op, Request};
+use vdisk_engine::{Buf, Command, Device, Op, Request};
 use vdisk_image::Format;
 
 use crate::daemon::Live;
+use crate::jobs::Job;
 use crate::snapshot::{lock_top, QUIESCE_LIMIT};
-use crate::{Daemon, Error};
+use crate::{Daemon, Error, ErrorKind};
 
 /// How much of the disk one quiesce covers.
 pub const CHUNK: u64 = 1 << 20;
 
-/// What a stream did.
+/// A job that was started: it runs on, `job_list` follows it.
 #[derive(Clone, Debug)]
-pub struct Streamed {
+pub struct Started {
     pub job: u64,
     pub export: String,
-    /// Bytes copied from the backing chain into the top.
-    pub copied: u64,
+}
+
+/// What a stream works on, checked when it starts.
+struct Plan {
+    device: Arc<Device>,
+    top: PathBuf,
+    direct: bool,
 }
 
 impl Daemon {
-    /// Streams export `name`'s backing chain into its qcow2 top and drops the chain. A job.
-    pub fn stream(&self, name: &str) -> Result<Streamed, Error> {
-        let job = self.jobs.start("stream", name);
-        let r = self.live_change(name, |live| {
-            let copied = stream(live, name, &job)?;
-            Ok(Streamed { job: job.id, export: name.to_owned(), copied })
-        });
-        job.finish(&r.as_ref().map_err(|e| e.report().to_string()));
-        r
+    /// Starts streaming export `name`'s backing chain into its qcow2 top, as
+    /// a job on its own thread limited to `bps` bytes per second of its own
+    /// I/O (0: none). Everything that can be refused is refused here, before
+    /// the job starts; the answer comes at once.
+    pub fn stream(self: &Arc<Self>, name: &str, bps: u64) -> Result<Started, Error> {
+        let daemon = Arc::downgrade(self);
+        self.live_change(name, |live| {
+            let plan = check(live, name)?;
+            let export = name.to_owned();
+            let job = self
+                .jobs
+                .spawn("stream", name, bps, move |job: &Job| {
+                    let r = run(&daemon, &export, plan, job);
+                    if let Err(e) = &r {
+                        log::warn!(export:% = export; "export {export:?}: stream failed: {}", e.report());
+                    }
+                    r.map_err(|e| e.report().to_string())
+                })
+                .map_err(|e| Error::new(ErrorKind::Busy, format!("stream of export {name:?}: {e}")))?;
+            Ok(Started { job: job.id, export: name.to_owned() })
+        })
     }
 }
 
-fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Error> {
+/// Everything a stream refuses, before anything changes.
+fn check(live: &Live, name: &str) -> Result<Plan, Error> {
     let refuse = |why: String| Error::invalid(format!("stream of export {name:?}: {why}"));
     let failed = |why: String| Error::failed(format!("stream of export {name:?}: {why}"));
     let device = live.device.clone();
@@ -63,20 +91,42 @@ fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Er
     }
     let top =
         std::path::absolute(&live.spec.image).map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
-    let size = device.size();
     if !has_backing_link(&top).map_err(failed)? {
         return Err(refuse(format!("{} has no backing file: there is nothing to stream", top.display())));
     }
-    let mut runs = Vec::new();
+    Ok(Plan { device, top, direct: live.direct })
+}
+
+/// The stream job: the copy without the change lock, then the swap under it.
+fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), Error> {
+    let failed = |why: String| Error::failed(format!("stream of export {name:?}: {why}"));
+    let gone = || {
+        failed(
+            "the export was removed (or replaced) while the stream ran: nothing was changed (the runs copied so far \
+             hold the same data)"
+                .into(),
+        )
+    };
+    let Plan { device, top, direct } = plan;
+    let size = device.size();
     job.set_total(size);
+    let mut runs = Vec::new();
     let mut copied = 0;
     let mut off = 0;
     while off < size {
+        if job.cancelled() {
+            log::info!(export:% = name; "export {name:?}: stream cancelled after {copied} bytes; the chain is as it was");
+            return Ok(());
+        }
+        if !daemon.upgrade().is_some_and(|d| d.serves(name, &device)) {
+            return Err(gone());
+        }
         let len = CHUNK.min(size - off);
         let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.report().to_string()))?;
         runs.clear();
         device.image().allocation(off, len, usize::MAX, &mut runs).map_err(|e| failed(e.report().to_string()))?;
         let mut at = off;
+        let mut here = 0;
         for run in &runs {
             if at >= off + len {
                 break;
@@ -92,25 +142,54 @@ fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Er
                 if let Some(e) = guard.execute(vec![write]).remove(0).error {
                     return Err(failed(format!("writing {n} bytes at {at} to {}: {}", top.display(), e.report())));
                 }
-                copied += n;
+                here += n;
             }
             at += n;
         }
         drop(guard);
+        copied += here;
         job.add_done(len);
         off += len;
+        // Outside the quiesce: the guest is never held for the pace.
+        job.pace(here);
     }
+    let daemon = daemon.upgrade().ok_or_else(gone)?;
+    let swapped = daemon.live_change(name, |live| {
+        if !Arc::ptr_eq(&live.device, &device) {
+            return Err(gone());
+        }
+        if job.cancelled() {
+            return Ok(false);
+        }
+        finish(&device, &top, direct, name)?;
+        Ok(true)
+    });
+    match swapped {
+        Err(e) if e.kind() == ErrorKind::NotFound => Err(gone()),
+        Err(e) => Err(e),
+        Ok(false) => Ok(()),
+        Ok(true) => {
+            log::info!(export:% = name;
+                "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
+            Ok(())
+        }
+    }
+}
+
+/// Under the change lock, every run the top's: quiesce, flush, drop the link, reopen the top alone, swap.
+fn finish(device: &Device, top: &Path, direct: bool, name: &str) -> Result<(), Error> {
+    let failed = |why: String| Error::failed(format!("stream of export {name:?}: {why}"));
     let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.report().to_string()))?;
     guard.flush().map_err(|e| failed(format!("flushing {}: {}; the chain is as it was", top.display(), e.report())))?;
-    clear_backing_link(&top).map_err(|e| failed(format!("{e}; the chain is as it was, stream again")))?;
+    clear_backing_link(top).map_err(|e| failed(format!("{e}; the chain is as it was, stream again")))?;
     let old = device.image();
-    lock_top(&*old, &top, libc::LOCK_UN);
-    let options = vdisk_image::OpenOptions { format: Some(Format::Qcow2), direct: live.direct, ..Default::default() };
-    let swapped = vdisk_image::open(&top, &options)
+    lock_top(&*old, top, libc::LOCK_UN);
+    let options = vdisk_image::OpenOptions { format: Some(Format::Qcow2), direct, ..Default::default() };
+    let swapped = vdisk_image::open(top, &options)
         .map_err(|e| e.report().to_string())
         .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
     if let Err(e) = swapped {
-        lock_top(&*old, &top, libc::LOCK_EX);
+        lock_top(&*old, top, libc::LOCK_EX);
         return Err(failed(format!(
             "{} holds all its data and no longer names a backing file, but could not be reopened ({e}): the export \
              serves on from the old chain (same data); remove and add it again",
@@ -118,8 +197,7 @@ fn stream(live: &mut Live, name: &str, job: &crate::jobs::Job) -> Result<u64, Er
         )));
     }
     drop(guard);
-    log::info!(export:% = name; "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
-    Ok(copied)
+    Ok(())
 }
 
 /// Clears a qcow2 header's backing file offset and length (bytes 8..20), durably.

@@ -524,10 +524,46 @@ pub enum CtlCommand {
         #[arg(long, value_enum, default_value_t = OverlayFormatArg::Qcow2)]
         format: OverlayFormatArg,
     },
-    /// Copy what the backing files hold into the export's qcow2 top, live, then drop them from its chain.
-    Stream { name: String },
-    /// The live disk operations (snapshot; commit, stream, mirror to come), running and ended.
+    /// Copy what the backing files hold into the export's qcow2 top, live, then drop them from its chain (a job).
+    Stream {
+        name: String,
+        #[command(flatten)]
+        job: JobArgs,
+    },
+    /// Merge layers of the export's chain into a lower one, live (a job): the layers from --top down to
+    /// just above --base are copied into --base, then the layer above --top backs onto --base.
+    Commit {
+        name: String,
+        /// The highest layer merged (default: the layer just below the live top; the live top itself is an
+        /// active commit).
+        #[arg(long, value_name = "FILE")]
+        top: Option<PathBuf>,
+        /// The layer merged into (default: the bottom of the chain).
+        #[arg(long, value_name = "FILE")]
+        base: Option<PathBuf>,
+        /// Remove the dropped layers' files once the new chain serves.
+        #[arg(long)]
+        delete: bool,
+        #[command(flatten)]
+        job: JobArgs,
+    },
+    /// The live disk operations (snapshot, stream, commit), running and ended.
     Jobs,
+    /// Stop a running job; its export serves as before the job.
+    Cancel { job: u64 },
+    /// Switch a ready mirror or active commit's export to what it made.
+    Pivot { job: u64 },
+}
+
+/// How a job runs: its own I/O limit, and whether `vdisk ctl` waits for it.
+#[derive(Args, Clone, Default)]
+pub struct JobArgs {
+    /// The job's own I/O limit in bytes per second (10M, 1G), so it does not starve the guest.
+    #[arg(long, value_name = "RATE", value_parser = parse_size)]
+    pub bps: Option<u64>,
+    /// Wait for the job to end, showing its progress; exit 0 when done, 1 when it failed or was cancelled.
+    #[arg(long)]
+    pub wait: bool,
 }
 
 /// The format of a snapshot's overlay.

@@ -20,9 +20,25 @@ pub fn run(a: CtlArgs) -> Result<(), Error> {
                 "which server? give --control PATH (as given to `vdisk serve --control`) or set VDISK_CONTROL",
             )
         })?;
+    let wait = match &a.command {
+        CtlCommand::Stream { job, .. } | CtlCommand::Commit { job, .. } => job.wait,
+        _ => false,
+    };
     let (method, params) = request(a.command)?;
     let method_name = method;
     let result = call(&control, method, params)?;
+    if wait {
+        let id =
+            result["job"].as_u64().ok_or_else(|| Error::failed(format!("the server's answer has no job: {result}")))?;
+        if !a.json {
+            eprintln!(
+                "vdisk: {} of export {} started as job {id}",
+                result["type"].as_str().unwrap_or("job"),
+                result["name"]
+            );
+        }
+        return crate::ctl_jobs::wait(|| call(&control, "job_list", Map::new()), id, a.json);
+    }
     let text = if a.json {
         serde_json::to_string_pretty(&result).unwrap_or_default() + "\n"
     } else {
@@ -115,11 +131,39 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             p.insert("format".into(), format.get_name().into());
             "export_snapshot"
         }
-        CtlCommand::Stream { name } => {
+        CtlCommand::Stream { name, job } => {
             p.insert("name".into(), name.into());
+            if let Some(b) = job.bps {
+                p.insert("bps".into(), b.into());
+            }
             "export_stream"
         }
+        CtlCommand::Commit { name, top, base, delete, job } => {
+            p.insert("name".into(), name.into());
+            for (k, v) in [("top", top), ("base", base)] {
+                if let Some(v) = v {
+                    let v = std::path::absolute(&v)
+                        .map_err(|e| Error::invalid(v.display().to_string()).at(&v).because(e))?;
+                    p.insert(k.into(), json!(v));
+                }
+            }
+            if delete {
+                p.insert("delete".into(), true.into());
+            }
+            if let Some(b) = job.bps {
+                p.insert("bps".into(), b.into());
+            }
+            "export_commit"
+        }
         CtlCommand::Jobs => "job_list",
+        CtlCommand::Cancel { job } => {
+            p.insert("id".into(), job.into());
+            "job_cancel"
+        }
+        CtlCommand::Pivot { job } => {
+            p.insert("id".into(), job.into());
+            "job_pivot"
+        }
     };
     Ok((method, p))
 }

@@ -9,6 +9,7 @@ mod commit;
 mod create;
 mod ctl;
 mod ctl_bitmaps;
+mod ctl_jobs;
 mod info;
 mod logger;
 mod merge;

@@ -154,8 +154,8 @@ fn stream_under_fio_verify_leaves_a_top_that_needs_no_backing() {
     let stop = Arc::new(AtomicBool::new(false));
     let fio = fio_until(dir.0.clone(), server.uri("base"), stop.clone());
     std::thread::sleep(Duration::from_millis(300));
-    let said = ctl_ok(&control, &["stream", "base"]);
-    assert!(said.contains("no backing file now"), "{said}");
+    let said = ctl_ok(&control, &["stream", "base", "--wait"]);
+    assert!(said.contains("(stream of export \"base\"): done") && said.contains("100.0%"), "{said}");
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::SeqCst);
     fio.join().expect("every fio verify passed");
