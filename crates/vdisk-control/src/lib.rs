@@ -19,6 +19,7 @@
 
 mod access;
 pub mod bitmaps;
+pub mod follow;
 pub mod jobs;
 pub mod json;
 pub mod rpc;

@@ -40,6 +40,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 /// 1073741824 → "1 GiB", 1536 → "1.5 KiB".
 pub fn human(bytes: u64) -> String {
+    human_as(bytes, false)
+}
+
+/// Always one decimal, as a progress line shows sizes: 33554432 → "32.0 MiB".
+pub fn one_decimal(bytes: u64) -> String {
+    human_as(bytes, true)
+}
+
+fn human_as(bytes: u64, one_decimal: bool) -> String {
     const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = bytes as f64;
     let mut u = 0;
@@ -49,7 +58,7 @@ pub fn human(bytes: u64) -> String {
     }
     if u == 0 {
         format!("{bytes} bytes")
-    } else if v.fract() == 0.0 {
+    } else if v.fract() == 0.0 && !one_decimal {
         format!("{v} {}", UNITS[u])
     } else {
         format!("{v:.1} {}", UNITS[u])

@@ -37,7 +37,7 @@ pub fn run(a: CtlArgs) -> Result<(), Error> {
                 result["name"]
             );
         }
-        return crate::ctl_jobs::wait(|| call(&control, "job_list", Map::new()), id, a.json);
+        return vdisk_control::follow::wait(|| call(&control, "job_list", Map::new()), id, a.json);
     }
     let text = if a.json {
         serde_json::to_string_pretty(&result).unwrap_or_default() + "\n"

@@ -9,7 +9,6 @@ mod commit;
 mod create;
 mod ctl;
 mod ctl_bitmaps;
-mod ctl_jobs;
 mod info;
 mod logger;
 mod merge;

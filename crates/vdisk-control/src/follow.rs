@@ -1,32 +1,19 @@
-//! `vdisk ctl ... --wait`: follows a job of the server (`job_list`) until it
-//! ends, with a progress line as qemu-img prints one (on a terminal one line
-//! on stderr redrawn in place; otherwise a line about every 10%), and turns
-//! its outcome into the exit status: 0 done, 1 failed (with the job's
-//! error) or cancelled. Any verb that starts a job calls [`wait`] with its id.
+//! The client side of `vdisk ctl ... --wait` (the binary calls it): follows
+//! a job of the server (`job_list`) until it ends, with a progress line as
+//! qemu-img prints one (on a terminal one line on stderr redrawn in place;
+//! otherwise a line about every 10%), and turns its outcome into the exit
+//! status: 0 done, 1 failed (with the job's error) or cancelled. Any verb
+//! that starts a job calls [`wait`] with its id.
 
 use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
 use serde_json::Value;
+use vdisk_daemon::size::one_decimal;
 use vdisk_daemon::Error;
 
 /// How often the job table is read.
 const POLL: Duration = Duration::from_millis(200);
-
-/// Bytes with one decimal ("14.4 MiB"), as the progress line shows them.
-fn size1(bytes: u64) -> String {
-    const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let (mut v, mut u) = (bytes as f64, 0);
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} bytes")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
 
 /// The progress line of a job record of `job_list`.
 pub fn progress_line(j: &Value) -> String {
@@ -36,9 +23,9 @@ pub fn progress_line(j: &Value) -> String {
         "{} {}: {pct:.1}% ({} of {}, {}/s)",
         j["type"].as_str().unwrap_or("job"),
         j["export"].as_str().unwrap_or("?"),
-        size1(done),
-        size1(total),
-        size1(j["rate"].as_u64().unwrap_or(0)),
+        one_decimal(done),
+        one_decimal(total),
+        one_decimal(j["rate"].as_u64().unwrap_or(0)),
     )
 }
 
