@@ -21,6 +21,7 @@ mod access;
 pub mod bitmaps;
 pub mod jobs;
 pub mod json;
+pub mod mirror;
 pub mod rpc;
 pub mod stats;
 pub mod text;
@@ -348,6 +349,10 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
         Method::ExportStream { name } => jobs::stream(daemon, &name, ticket),
         Method::JobList => Ok(jobs::list(&daemon.jobs())),
+        Method::ExportMirror { .. }
+        | Method::ExportActiveCommit { .. }
+        | Method::JobCancel { .. }
+        | Method::JobPivot { .. } => mirror::call(daemon, method, ticket),
     }
 }
 

@@ -76,6 +76,28 @@ pub enum Method {
         name: String,
     },
     JobList,
+    /// Mirror the export to a file or NBD export (`to`); `format` "raw" (default) or "qcow2".
+    ExportMirror {
+        name: String,
+        to: String,
+        format: Option<String>,
+        pivot: bool,
+        existing: bool,
+        bps: u64,
+    },
+    /// Commit the export's live top (and the layers above `base`) into `base` (default: the chain's bottom).
+    ExportActiveCommit {
+        name: String,
+        base: Option<String>,
+        delete: bool,
+        bps: u64,
+    },
+    JobCancel {
+        id: u64,
+    },
+    JobPivot {
+        id: u64,
+    },
     /// `bitmap_*`: one export's dirty bitmaps.
     Bitmap(BitmapCall),
 }
@@ -148,6 +170,10 @@ impl Method {
             Method::ExportSnapshot { .. } => "export_snapshot",
             Method::ExportStream { .. } => "export_stream",
             Method::JobList => "job_list",
+            Method::ExportMirror { .. } => "export_mirror",
+            Method::ExportActiveCommit { .. } => "export_active_commit",
+            Method::JobCancel { .. } => "job_cancel",
+            Method::JobPivot { .. } => "job_pivot",
         }
     }
 }
@@ -231,6 +257,15 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
         "export_snapshot" => snapshot_params(&mut p)?,
         "export_stream" => Method::ExportStream { name: p.name()? },
         "job_list" => Method::JobList,
+        "export_mirror" => mirror_params(&mut p)?,
+        "export_active_commit" => Method::ExportActiveCommit {
+            name: p.name()?,
+            base: p.str("base")?,
+            delete: p.bool("delete")?.unwrap_or(false),
+            bps: p.u64("bps")?.unwrap_or(0),
+        },
+        "job_cancel" => Method::JobCancel { id: p.u64("id")?.ok_or_else(|| bad("\"id\" (the job's id) is required"))? },
+        "job_pivot" => Method::JobPivot { id: p.u64("id")?.ok_or_else(|| bad("\"id\" (the job's id) is required"))? },
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -279,6 +314,20 @@ fn snapshot_params(p: &mut Params) -> Result<Method, Fault> {
         }
     }
     Ok(Method::ExportSnapshot { name, overlay, format })
+}
+
+fn mirror_params(p: &mut Params) -> Result<Method, Fault> {
+    let name = p.name()?;
+    let to = p.str("to")?.ok_or_else(|| bad("\"to\" (the target: a new file's path or an NBD URI) is required"))?;
+    let format = p.str("format")?;
+    if let Some(f) = &format {
+        if !["raw", "qcow2"].contains(&f.as_str()) {
+            return Err(bad(format!("format {f:?} is not one of raw, qcow2")));
+        }
+    }
+    let pivot = p.bool("pivot")?.unwrap_or(false);
+    let existing = p.bool("existing")?.unwrap_or(false);
+    Ok(Method::ExportMirror { name, to, format, pivot, existing, bps: p.u64("bps")?.unwrap_or(0) })
 }
 
 fn bad(message: impl Into<String>) -> Fault {

@@ -8,7 +8,7 @@
 //! control socket (crates/vdisk-control) maps them to JSON-RPC.
 //!
 //! Modules, each depending only on those listed after it:
-//! `metrics`, `reload` → `config` → `security` → `stream` → `snapshot` → `daemon` → `jobs`;
+//! `metrics`, `reload` → `config` → `security` → `mirror`, `stream` → `snapshot` → `daemon` → `jobs`;
 //! `daemon` → `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
@@ -23,6 +23,7 @@ mod fuse;
 pub mod jobs;
 pub mod listen;
 pub mod metrics;
+pub mod mirror;
 pub mod reload;
 pub mod security;
 pub mod size;

@@ -528,6 +528,33 @@ pub enum CtlCommand {
     Stream { name: String },
     /// The live disk operations (snapshot; commit, stream, mirror to come), running and ended.
     Jobs,
+    /// Copy the export, live, to a new raw or qcow2 file or an NBD export; with --pivot, serve from it once
+    /// the copy has caught up.
+    Mirror {
+        name: String,
+        /// The target: a new file's path, nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH.
+        #[arg(long, value_name = "TARGET")]
+        to: String,
+        /// The new file's format.
+        #[arg(long, value_enum, default_value_t = MirrorFormatArg::Raw)]
+        format: MirrorFormatArg,
+        /// Switch the export to the target as soon as the job is ready.
+        #[arg(long)]
+        pivot: bool,
+        /// Write into an existing file of the export's size instead of a new one.
+        #[arg(long)]
+        existing: bool,
+        /// The job's own I/O limit, bytes per second (K, M, G suffixes).
+        #[arg(long, value_name = "RATE", value_parser = parse_size)]
+        bps: Option<u64>,
+    },
+}
+
+/// The format of a mirror's new file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MirrorFormatArg {
+    Raw,
+    Qcow2,
 }
 
 /// The format of a snapshot's overlay.

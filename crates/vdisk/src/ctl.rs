@@ -120,6 +120,24 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             "export_stream"
         }
         CtlCommand::Jobs => "job_list",
+        CtlCommand::Mirror { name, to, format, pivot, existing, bps } => {
+            let to = if vdisk_nbd::remote::Uri::is_nbd(&to) {
+                to
+            } else {
+                let path = PathBuf::from(&to);
+                let abs = std::path::absolute(&path).map_err(|e| Error::invalid(to.clone()).at(&path).because(e))?;
+                abs.display().to_string()
+            };
+            let format = format.to_possible_value().expect("every format has a name");
+            p.extend([("name".into(), name.into()), ("to".into(), to.into())]);
+            p.insert("format".into(), format.get_name().into());
+            p.insert("pivot".into(), pivot.into());
+            p.insert("existing".into(), existing.into());
+            if let Some(bps) = bps {
+                p.insert("bps".into(), bps.into());
+            }
+            "export_mirror"
+        }
     };
     Ok((method, p))
 }

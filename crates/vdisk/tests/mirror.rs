@@ -1,0 +1,319 @@
+//! Copy jobs against the real binary: `vdisk ctl mirror` to a raw and a qcow2
+//! file with pivot, and to a second vdisk over NBD; cancel; active commit
+//! (JSON-RPC `export_active_commit`) of a raw <- qcow2 <- qcow2 chain; all
+//! under fio verify, checked after with qemu-img (compare, check, the
+//! backing chain). A target on a full file system fails its job clearly and
+//! the export serves on.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn serve(dir: &TempDir, img: &str) -> (Server, PathBuf) {
+    let control = dir.path("ctl.sock");
+    let server = Server::start(dir, &[img, "--control", control.to_str().unwrap()]);
+    (server, control)
+}
+
+fn ctl(control: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["ctl", "--control", control.to_str().unwrap()];
+    all.extend_from_slice(args);
+    vdisk(&all)
+}
+
+fn ctl_ok(control: &Path, args: &[&str]) -> String {
+    let out = ctl(control, args);
+    assert!(out.status.success(), "vdisk ctl {args:?}:\n{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// fio write-and-verify rounds on `uri` until `stop` (at least one); panics on any error.
+fn fio_until(dir: PathBuf, uri: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let mut rounds = 0;
+        while rounds == 0 || !stop.load(Ordering::SeqCst) {
+            fio_randwrite_verify(&dir, &uri, "disk");
+            rounds += 1;
+        }
+        rounds
+    })
+}
+
+/// Job `id` as `job_list` shows it.
+fn job(control: &Path, id: u64) -> serde_json::Value {
+    let list = rpc(control, "job_list", json!({}));
+    let all = list["result"].as_array().unwrap_or_else(|| panic!("{list}")).clone();
+    all.into_iter().find(|j| j["id"] == id).unwrap_or_else(|| panic!("no job {id} in {list}"))
+}
+
+/// Waits (at most a minute) until job `id` is in one of `states`; returns it.
+fn wait_state(control: &Path, id: u64, states: &[&str]) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let j = job(control, id);
+        if states.contains(&j["state"].as_str().unwrap_or_default()) {
+            return j;
+        }
+        assert!(Instant::now() < deadline, "job {id} is not {states:?} after a minute: {j}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until ready job `id` has copied everything dirty (done == total, twice, the same).
+fn wait_caught_up(control: &Path, id: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = None;
+    loop {
+        let j = job(control, id);
+        assert_eq!(j["state"], "ready", "{j}");
+        if j["done"] == j["total"] {
+            if last.as_ref() == Some(&j["done"]) {
+                return;
+            }
+            last = Some(j["done"].clone());
+        } else {
+            last = None;
+        }
+        assert!(Instant::now() < deadline, "job {id} did not catch up in a minute: {j}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn started_job(said: &serde_json::Value) -> u64 {
+    said["result"]["job"].as_u64().unwrap_or_else(|| panic!("no job started: {said}"))
+}
+
+#[test]
+fn mirror_with_pivot_under_fio_verify_to_raw_and_qcow2() {
+    for format in ["raw", "qcow2"] {
+        let dir = TempDir::new(&format!("mirror-pivot-{format}"));
+        let img = dir.path("disk.img");
+        make_base(&img, 32 * MIB, 5);
+        let (server, control) = serve(&dir, img.to_str().unwrap());
+        let target = dir.path(&format!("target.{format}"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
+        std::thread::sleep(Duration::from_millis(300));
+        let said =
+            ctl_ok(&control, &["mirror", "disk", "--to", target.to_str().unwrap(), "--format", format, "--pivot"]);
+        assert!(said.contains("mirror job") && said.contains("pivots once ready"), "{said}");
+        let jobs = json(&ctl_ok(&control, &["jobs", "--json"]));
+        let id = jobs.as_array().unwrap().iter().find(|j| j["type"] == "mirror").unwrap()["id"].as_u64().unwrap();
+        let j = wait_state(&control, id, &["done", "failed"]);
+        assert_eq!(j["state"], "done", "{j}");
+        // The export serves from the target now, and fio goes on verifying through it.
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::SeqCst);
+        fio.join().expect("every fio verify passed");
+        let list = json(&ctl_ok(&control, &["list", "--json"]));
+        assert_eq!(list[0]["image"].as_str(), target.to_str(), "{list}");
+        assert_eq!(list[0]["format"], format, "{list}");
+        // Refusals: an existing target, a running-job clash is checked by the table.
+        let out = ctl(&control, &["mirror", "disk", "--to", img.to_str().unwrap()]);
+        assert!(String::from_utf8_lossy(&out.stderr).contains("exists already"), "{}", text(&out));
+        let guest = dir.path("guest.raw");
+        std::fs::write(&guest, read_export(&dir, &server.uri("disk"), "view.raw")).unwrap();
+        server.stop();
+        let same =
+            run("qemu-img", &["compare", "-f", format, "-F", "raw", target.to_str().unwrap(), guest.to_str().unwrap()]);
+        assert!(same.contains("Images are identical"), "{same}");
+        if format == "qcow2" {
+            run("qemu-img", &["check", target.to_str().unwrap()]);
+            let info = run("qemu-img", &["info", target.to_str().unwrap()]);
+            assert!(!info.contains("backing file"), "{info}");
+        }
+    }
+}
+
+#[test]
+fn cancel_leaves_the_export_on_its_image_with_its_data() {
+    let dir = TempDir::new("mirror-cancel");
+    let img = dir.path("disk.img");
+    make_base(&img, 16 * MIB, 9);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    let target = dir.path("copy.raw");
+    let said = rpc(&control, "export_mirror", json!({"name": "disk", "to": target}));
+    let id = started_job(&said);
+    wait_state(&control, id, &["ready"]);
+    let pivot_early = rpc(&control, "job_pivot", json!({"id": id + 100}));
+    assert!(refused(&pivot_early).contains("no job"), "{pivot_early}");
+    // Writes while ready are copied too: once caught up, the target is the disk.
+    qemu_io(&uri, &["write -P 0x5a 1M 192k", "write -z 4M 1M", "flush"]);
+    wait_caught_up(&control, id);
+    let view = read_export(&dir, &uri, "view.raw");
+    assert_same("the target once caught up", &read_file(&target), &view);
+    let c = rpc(&control, "job_cancel", json!({"id": id}));
+    assert!(c.get("result").is_some(), "{c}");
+    let j = wait_state(&control, id, &["cancelled", "failed"]);
+    assert_eq!(j["state"], "cancelled", "{j}");
+    // The export is where it was, and writes after the cancel are not mirrored.
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), img.to_str(), "{list}");
+    qemu_io(&uri, &["write -P 0x77 0 64k", "flush"]);
+    let after = read_export(&dir, &uri, "after.raw");
+    assert_ne!(after, view);
+    assert_same("the target after the cancel", &read_file(&target), &view);
+    let again = rpc(&control, "job_cancel", json!({"id": id}));
+    assert!(refused(&again).contains("has ended"), "{again}");
+    server.stop();
+    assert_same("the export's own image", &read_file(&img), &after);
+}
+
+#[test]
+fn active_commit_of_the_top_under_fio_verify() {
+    for (base_name, delete) in [("disk.img", false), ("middle.qcow2", true)] {
+        let dir = TempDir::new(&format!("active-commit-{delete}"));
+        let img = dir.path("disk.img");
+        make_base(&img, 32 * MIB, 13);
+        let (server, control) = serve(&dir, img.to_str().unwrap());
+        let (middle, top) = (dir.path("middle.qcow2"), dir.path("top.qcow2"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
+        std::thread::sleep(Duration::from_millis(200));
+        ctl_ok(&control, &["snapshot", "disk", "--overlay", middle.to_str().unwrap()]);
+        std::thread::sleep(Duration::from_millis(300));
+        ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
+        std::thread::sleep(Duration::from_millis(300));
+        let base = dir.path(base_name);
+        let params =
+            if delete { json!({"name": "disk", "base": base, "delete": true}) } else { json!({"name": "disk"}) };
+        let said = rpc(&control, "export_active_commit", params);
+        let id = started_job(&said);
+        let j = wait_state(&control, id, &["done", "failed"]);
+        assert_eq!(j["state"], "done", "{j}");
+        std::thread::sleep(Duration::from_millis(400));
+        stop.store(true, Ordering::SeqCst);
+        fio.join().expect("every fio verify passed");
+        let list = json(&ctl_ok(&control, &["list", "--json"]));
+        assert_eq!(list[0]["image"].as_str(), base.to_str(), "{list}");
+        let guest = dir.path("guest.raw");
+        std::fs::write(&guest, read_export(&dir, &server.uri("disk"), "view.raw")).unwrap();
+        server.stop();
+        let chain = run("qemu-img", &["info", "--backing-chain", base.to_str().unwrap()]);
+        let files: Vec<&str> = chain.lines().filter_map(|l| l.strip_prefix("image: ")).collect();
+        let fmt = if delete { "qcow2" } else { "raw" };
+        if delete {
+            assert_eq!(files, [middle.to_str().unwrap(), img.to_str().unwrap()], "{chain}");
+            assert!(!top.exists(), "--delete removes the committed top");
+            run("qemu-img", &["check", middle.to_str().unwrap()]);
+        } else {
+            assert_eq!(files, [img.to_str().unwrap()], "{chain}");
+            assert!(top.exists() && middle.exists(), "without --delete the layers are left");
+        }
+        let same =
+            run("qemu-img", &["compare", "-f", fmt, "-F", "raw", base.to_str().unwrap(), guest.to_str().unwrap()]);
+        assert!(same.contains("Images are identical"), "{same}");
+    }
+}
+
+#[test]
+fn active_commit_refusals_change_nothing() {
+    let dir = TempDir::new("active-commit-refused");
+    let img = dir.path("disk.img");
+    make_base(&img, 4 * MIB, 2);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let r = rpc(&control, "export_active_commit", json!({"name": "disk"}));
+    assert!(refused(&r).contains("nothing to commit"), "{r}");
+    let top = dir.path("top.qcow2");
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
+    let r = rpc(&control, "export_active_commit", json!({"name": "disk", "base": top}));
+    assert!(refused(&r).contains("the top itself"), "{r}");
+    let other = dir.path("other.img");
+    make_base(&other, MIB, 1);
+    let r = rpc(&control, "export_active_commit", json!({"name": "disk", "base": other}));
+    assert!(refused(&r).contains("not in the export's chain"), "{r}");
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), top.to_str(), "{list}");
+    server.stop();
+}
+
+#[test]
+fn mirror_to_a_second_vdisk_over_nbd() {
+    let dir = TempDir::new("mirror-nbd");
+    let img = dir.path("disk.img");
+    make_base(&img, 32 * MIB, 21);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    // The second vdisk: a new raw file of the same size, on TCP.
+    let far_dir = TempDir::new("mirror-nbd-far");
+    let far = far_dir.path("far.img");
+    std::fs::File::create(&far).unwrap().set_len(32 * MIB as u64).unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let second = Server::start(&far_dir, &[far.to_str().unwrap(), "--listen", &addr]);
+    let to = format!("nbd://{addr}/far");
+    let out = ctl(&control, &["mirror", "disk", "--to", &to, "--pivot"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--pivot to an NBD target"), "{}", text(&out));
+    let stop = Arc::new(AtomicBool::new(false));
+    let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let said = ctl_ok(&control, &["mirror", "disk", "--to", &to]);
+    assert!(said.contains(&to), "{said}");
+    let id = json(&ctl_ok(&control, &["jobs", "--json"])).as_array().unwrap().last().unwrap()["id"].as_u64().unwrap();
+    wait_state(&control, id, &["ready"]);
+    stop.store(true, Ordering::SeqCst);
+    fio.join().expect("every fio verify passed");
+    wait_caught_up(&control, id);
+    let view = read_export(&dir, &server.uri("disk"), "view.raw");
+    let c = rpc(&control, "job_cancel", json!({"id": id}));
+    assert!(c.get("result").is_some(), "{c}");
+    assert_eq!(wait_state(&control, id, &["cancelled", "failed"])["state"], "cancelled");
+    let copied = read_export(&far_dir, &second.uri("far"), "far-view.raw");
+    assert_same("the NBD target", &copied, &view);
+    server.stop();
+    second.stop();
+    let same = run("qemu-img", &["compare", "-f", "raw", "-F", "raw", far.to_str().unwrap(), img.to_str().unwrap()]);
+    assert!(same.contains("Images are identical"), "{same}");
+}
+
+/// A tmpfs of `size` mounted on `dir`, unmounted when dropped.
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn tmpfs(dir: &Path, size: &str) -> Mounted {
+        std::fs::create_dir_all(dir).unwrap();
+        let opts = format!("size={size}");
+        let out = output("mount", &["-t", "tmpfs", "-o", &opts, "tmpfs", dir.to_str().unwrap()]);
+        assert!(out.status.success(), "cannot mount a tmpfs for the full-target test (root needed):\n{}", text(&out));
+        Mounted(dir.to_owned())
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = output("umount", &[self.0.to_str().unwrap()]);
+    }
+}
+
+#[test]
+fn a_target_on_a_full_file_system_fails_the_job_and_the_export_serves_on() {
+    let dir = TempDir::new("mirror-enospc");
+    let img = dir.path("disk.img");
+    make_base(&img, 16 * MIB, 17);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    let full = Mounted::tmpfs(&dir.path("small"), "2M");
+    let target = full.0.join("copy.raw");
+    let said = rpc(&control, "export_mirror", json!({"name": "disk", "to": target, "pivot": true}));
+    let id = started_job(&said);
+    let j = wait_state(&control, id, &["failed", "done"]);
+    assert_eq!(j["state"], "failed", "{j}");
+    let e = j["error"].as_str().unwrap();
+    assert!(e.contains("copy.raw") && e.contains("No space left") && e.contains("serves on unchanged"), "{j}");
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), img.to_str(), "{list}");
+    qemu_io(&uri, &["write -P 0x3c 2M 256k", "read -P 0x3c 2M 256k"]);
+    let view = read_export(&dir, &uri, "view.raw");
+    // The export has no job now: a new one can start (and is refused on the full target for the file).
+    let again = rpc(&control, "export_mirror", json!({"name": "disk", "to": target}));
+    assert!(refused(&again).contains("exists already"), "{again}");
+    server.stop();
+    drop(full);
+    assert_same("the export's image", &read_file(&img), &view);
+}
