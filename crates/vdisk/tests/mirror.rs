@@ -108,6 +108,8 @@ fn mirror_with_pivot_under_fio_verify_to_raw_and_qcow2() {
         let id = jobs.as_array().unwrap().iter().find(|j| j["type"] == "mirror").unwrap()["id"].as_u64().unwrap();
         let j = wait_state(&control, id, &["done", "failed"]);
         assert_eq!(j["state"], "done", "{j}");
+        // Every byte of the random base was copied at least once.
+        assert!(j["done"].as_u64().unwrap() >= 32 * MIB as u64 && j["done"] == j["total"], "{j}");
         // The export serves from the target now, and fio goes on verifying through it.
         std::thread::sleep(Duration::from_millis(500));
         stop.store(true, Ordering::SeqCst);
@@ -189,6 +191,8 @@ fn active_commit_of_the_top_under_fio_verify() {
         let id = started_job(&said);
         let j = wait_state(&control, id, &["done", "failed"]);
         assert_eq!(j["state"], "done", "{j}");
+        assert_eq!(j["type"], "commit", "{j}");
+        assert!(j["done"].as_u64().unwrap() > 0, "fio's writes above the base were copied: {j}");
         std::thread::sleep(Duration::from_millis(400));
         stop.store(true, Ordering::SeqCst);
         fio.join().expect("every fio verify passed");
