@@ -156,8 +156,9 @@ struct Copy {
     buf: Vec<u8>,
     extents: Vec<vdisk_image::Extent>,
     what: &'static str,
-    /// Bytes copied so far.
+    /// Bytes copied so far, and to copy (what was dirty, as it grew).
     done: u64,
+    total: u64,
 }
 
 impl Daemon {
@@ -167,30 +168,23 @@ impl Daemon {
     pub fn mirror(&self, name: &str, target: MirrorTarget, o: MirrorOptions) -> Result<u64, Error> {
         let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
         self.no_running_job(name, "mirror")?;
+        // An NBD target is reached before the change lock is taken: a slow
+        // server holds up this request only.
+        let mut remote = match &target {
+            MirrorTarget::Nbd(uri) => Some(connect(name, uri, o.pivot)?),
+            MirrorTarget::File(_) => None,
+        };
         let (device, made, pivot, fresh) = self.live_change(name, |live| {
             let device = check_source(live, name, "mirror")?;
             match &target {
                 MirrorTarget::Nbd(uri) => {
-                    if o.pivot {
-                        return Err(refuse(format!(
-                            "--pivot to an NBD target ({uri}) is not supported: the export can only be served \
-                             from an image file here. Mirror without --pivot; once `vdisk ctl jobs` says ready, the \
-                             target holds the disk and `cancel` ends the mirror"
-                        )));
-                    }
-                    let u = Uri::parse(uri).map_err(refuse)?;
-                    let remote = Remote::open(&u).map_err(|e| {
-                        Error::failed(format!("mirror of export {name:?}: cannot open the NBD target {uri}: {e}"))
-                    })?;
+                    let remote = remote.take().expect("connected before");
                     if remote.size != device.size() {
                         return Err(refuse(format!(
                             "the NBD target {uri} is {} bytes and the export {}: they must be the same size",
                             remote.size,
                             device.size()
                         )));
-                    }
-                    if remote.flags & vdisk_nbd::proto::TF_READ_ONLY != 0 {
-                        return Err(refuse(format!("the NBD target {uri} is read-only")));
                     }
                     let t: Box<dyn Target> = Box::new(NbdTarget { remote, uri: uri.clone() });
                     Ok((device, t, Pivot::None, false))
@@ -217,6 +211,7 @@ impl Daemon {
             extents: Vec::new(),
             what: "mirror",
             done: 0,
+            total: 0,
         };
         let job = self
             .jobs
@@ -308,6 +303,7 @@ impl Daemon {
             extents: Vec::new(),
             what: "commit",
             done: 0,
+            total: 0,
         };
         let job = self
             .jobs
@@ -357,6 +353,25 @@ impl Daemon {
             None => Ok(()),
         }
     }
+}
+
+/// Opens the NBD export `uri` as a mirror's target.
+fn connect(name: &str, uri: &str, pivot: bool) -> Result<Remote, Error> {
+    let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
+    if pivot {
+        return Err(refuse(format!(
+            "--pivot to an NBD target ({uri}) is not supported: the export can only be served from an image file \
+             here. Mirror without --pivot; once `vdisk ctl jobs` says ready, the target holds the disk and `cancel` \
+             ends the mirror"
+        )));
+    }
+    let u = Uri::parse(uri).map_err(refuse)?;
+    let remote = Remote::open(&u)
+        .map_err(|e| Error::failed(format!("mirror of export {name:?}: cannot open the NBD target {uri}: {e}")))?;
+    if remote.flags & vdisk_nbd::proto::TF_READ_ONLY != 0 {
+        return Err(refuse(format!("the NBD target {uri} is read-only")));
+    }
+    Ok(remote)
 }
 
 /// The checks every copy job makes of its source; its device.
@@ -540,8 +555,8 @@ impl Copy {
         self.buf = vec![0u8; CHUNK as usize];
         self.mark_source()?;
         let map = self.attached.map.clone();
-        let mut total = map.dirty_bytes();
-        job.set_total(total);
+        self.total = map.dirty_bytes();
+        job.set_total(self.total);
         let mut last_dirty = u64::MAX;
         let mut ready = false;
         let mut told = false;
@@ -557,8 +572,8 @@ impl Copy {
                 return Ok(false);
             }
             let dirty = map.dirty_bytes();
-            total = total.max(self.done + dirty);
-            job.set_total(total);
+            self.total = self.total.max(self.done + dirty);
+            job.set_total(self.total);
             if !ready && (dirty <= READY_BELOW || (dirty >= last_dirty && dirty <= READY_STALLED)) {
                 ready = true;
                 job.set_ready(true);
@@ -668,6 +683,8 @@ impl Copy {
                 job.add_done(len);
                 self.done += len;
             }
+            self.total = self.total.max(self.done);
+            job.set_total(self.total);
             let flushed = self.target().flush();
             flushed.map_err(|e| self.failed(format!("{e}; the export serves on unchanged")))?;
             let described = self.target().describe();

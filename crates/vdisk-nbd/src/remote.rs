@@ -82,6 +82,19 @@ impl Uri {
 trait Conn: Read + Write + Send {}
 impl<T: Read + Write + Send> Conn for T {}
 
+/// Connects to the first address of `host` that answers within [`TIMEOUT`] each.
+fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"));
+    for addr in (host, port).to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, TIMEOUT.min(Duration::from_secs(10))) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
 /// An open export of a remote server, in transmission.
 pub struct Remote {
     sock: Box<dyn Conn>,
@@ -113,7 +126,7 @@ impl Remote {
     pub fn open(uri: &Uri) -> io::Result<Remote> {
         let sock: Box<dyn Conn> = match &uri.address {
             Address::Tcp { host, port } => {
-                let s = TcpStream::connect((host.as_str(), *port))?;
+                let s = connect_tcp(host, *port)?;
                 s.set_read_timeout(Some(TIMEOUT))?;
                 s.set_write_timeout(Some(TIMEOUT))?;
                 s.set_nodelay(true)?;

@@ -321,3 +321,41 @@ fn a_target_on_a_full_file_system_fails_the_job_and_the_export_serves_on() {
     drop(full);
     assert_same("the export's image", &read_file(&img), &view);
 }
+
+#[test]
+fn mirror_into_an_existing_file_writes_the_zeros_too() {
+    let dir = TempDir::new("mirror-existing");
+    // A sparse source: data in places, holes elsewhere.
+    let img = dir.path("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(8 * MIB as u64).unwrap();
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    qemu_io(&uri, &["write -P 0x21 0 100k", "write -P 0x42 3M 1M", "flush"]);
+    // The existing target holds other bytes everywhere.
+    let target = dir.path("old.raw");
+    std::fs::write(&target, vec![0xeeu8; 8 * MIB]).unwrap();
+    let out = ctl(&control, &["mirror", "disk", "--to", target.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--existing"), "{}", text(&out));
+    let short = dir.path("short.raw");
+    std::fs::write(&short, vec![0u8; MIB]).unwrap();
+    let out = ctl(&control, &["mirror", "disk", "--to", short.to_str().unwrap(), "--existing"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("same size"), "{}", text(&out));
+    let out = ctl(&control, &["mirror", "disk", "--to", img.to_str().unwrap(), "--existing"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the image the export serves"), "{}", text(&out));
+    let said = ctl_ok(&control, &["mirror", "disk", "--to", target.to_str().unwrap(), "--existing", "--bps", "16M"]);
+    assert!(said.contains("started"), "{said}");
+    let id = json(&ctl_ok(&control, &["jobs", "--json"])).as_array().unwrap().last().unwrap()["id"].as_u64().unwrap();
+    // One job per export: a second mirror waits for this one.
+    let other = dir.path("other.raw");
+    let out = ctl(&control, &["mirror", "disk", "--to", other.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("running job"), "{}", text(&out));
+    assert!(!other.exists(), "a refused mirror makes no file");
+    wait_state(&control, id, &["ready"]);
+    wait_caught_up(&control, id);
+    let view = read_export(&dir, &uri, "view.raw");
+    assert_same("the existing target", &read_file(&target), &view);
+    let c = rpc(&control, "job_cancel", json!({"id": id}));
+    assert!(c.get("result").is_some(), "{c}");
+    wait_state(&control, id, &["cancelled"]);
+    server.stop();
+}
