@@ -17,8 +17,12 @@ use common::*;
 use serde_json::json;
 
 fn serve(dir: &TempDir, img: &str) -> (Server, PathBuf) {
+    serve_on(dir, img, "uring")
+}
+
+fn serve_on(dir: &TempDir, img: &str, engine: &str) -> (Server, PathBuf) {
     let control = dir.path("ctl.sock");
-    let server = Server::start(dir, &[img, "--control", control.to_str().unwrap()]);
+    let server = Server::start(dir, &[img, "--control", control.to_str().unwrap(), "--engine", engine]);
     (server, control)
 }
 
@@ -91,12 +95,12 @@ fn started_job(said: &serde_json::Value) -> u64 {
 }
 
 #[test]
-fn mirror_with_pivot_under_fio_verify_to_raw_and_qcow2() {
-    for format in ["raw", "qcow2"] {
+fn mirror_with_pivot_under_fio_verify_to_raw_and_qcow2_on_each_engine() {
+    for (format, engine) in [("raw", "uring"), ("qcow2", "threads")] {
         let dir = TempDir::new(&format!("mirror-pivot-{format}"));
         let img = dir.path("disk.img");
         make_base(&img, 32 * MIB, 5);
-        let (server, control) = serve(&dir, img.to_str().unwrap());
+        let (server, control) = serve_on(&dir, img.to_str().unwrap(), engine);
         let target = dir.path(&format!("target.{format}"));
         let stop = Arc::new(AtomicBool::new(false));
         let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
@@ -358,4 +362,51 @@ fn mirror_into_an_existing_file_writes_the_zeros_too() {
     assert!(c.get("result").is_some(), "{c}");
     wait_state(&control, id, &["cancelled"]);
     server.stop();
+}
+
+#[test]
+fn a_server_killed_in_the_middle_of_an_active_commit_leaves_a_chain_that_reads_the_same() {
+    let dir = TempDir::new("active-commit-kill");
+    let img = dir.path("disk.img");
+    make_base(&img, 16 * MIB, 29);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    let (middle, top) = (dir.path("middle.qcow2"), dir.path("top.qcow2"));
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", middle.to_str().unwrap()]);
+    qemu_io(&uri, &["write -P 0x61 0 3M", "flush"]);
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
+    qemu_io(&uri, &["write -P 0x62 1M 6M", "write -z 9M 1M", "flush"]);
+    let guest = dir.path("guest.raw");
+    std::fs::write(&guest, read_export(&dir, &uri, "view.raw")).unwrap();
+    // A slow job (1 MiB/s over about 7 MiB), killed once it has copied some.
+    let said = rpc(&control, "export_active_commit", json!({"name": "disk", "base": middle, "bps": MIB}));
+    let id = started_job(&said);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while job(&control, id)["done"].as_u64().unwrap() < 2 * MIB as u64 {
+        assert!(Instant::now() < deadline, "the job copied nothing: {}", job(&control, id));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(job(&control, id)["state"], "running");
+    server.stop_with(libc::SIGKILL);
+    // The chain is the one the job started from, and reads as the guest saw it.
+    let chain = run("qemu-img", &["info", "--backing-chain", top.to_str().unwrap()]);
+    let files: Vec<&str> = chain.lines().filter_map(|l| l.strip_prefix("image: ")).collect();
+    assert_eq!(files, [top.to_str().unwrap(), middle.to_str().unwrap(), img.to_str().unwrap()], "{chain}");
+    for layer in [&top, &middle] {
+        let out = output("qemu-img", &["check", layer.to_str().unwrap()]);
+        let said = text(&out);
+        // 0: clean; 3: leaked clusters only (space, never data).
+        assert!(matches!(out.status.code(), Some(0) | Some(3)) && !said.contains("ERROR"), "{said}");
+    }
+    let same = run("qemu-img", &["compare", "-F", "raw", top.to_str().unwrap(), guest.to_str().unwrap()]);
+    assert!(same.contains("Images are identical"), "{same}");
+    // And the commit can start again on the chain served anew.
+    let (server, control) = serve(&dir, top.to_str().unwrap());
+    let id = started_job(&rpc(&control, "export_active_commit", json!({"name": "top", "base": middle})));
+    assert_eq!(wait_state(&control, id, &["done", "failed"])["state"], "done");
+    let after = read_export(&dir, &server.uri("top"), "after.raw");
+    assert_same("the chain after the commit", &after, &read_file(&guest));
+    server.stop();
+    let same = run("qemu-img", &["compare", "-F", "raw", middle.to_str().unwrap(), guest.to_str().unwrap()]);
+    assert!(same.contains("Images are identical"), "{same}");
 }
