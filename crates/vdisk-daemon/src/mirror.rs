@@ -313,37 +313,6 @@ impl Daemon {
         Ok(job.id)
     }
 
-    /// Asks job `id` to stop; the export serves as before it.
-    pub fn job_cancel(&self, id: u64) -> Result<(), Error> {
-        let job = self.running_job(id)?;
-        job.cancel();
-        Ok(())
-    }
-
-    /// Asks ready job `id` (a mirror, an active commit) to switch its export to what it made.
-    pub fn job_pivot(&self, id: u64) -> Result<(), Error> {
-        let job = self.running_job(id)?;
-        let state = self.jobs.list().into_iter().find(|j| j.id == id).map(|j| j.state);
-        if state != Some(JobState::Ready) {
-            return Err(Error::invalid(format!(
-                "job {id} ({} of export {:?}) is not ready yet: pivot once `vdisk ctl jobs` says ready",
-                job.kind, job.export
-            )));
-        }
-        job.request_pivot();
-        Ok(())
-    }
-
-    fn running_job(&self, id: u64) -> Result<Arc<Job>, Error> {
-        let job = self.jobs.get(id).ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no job {id}")))?;
-        let ended =
-            self.jobs.list().into_iter().any(|j| j.id == id && !matches!(j.state, JobState::Running | JobState::Ready));
-        if ended {
-            return Err(Error::invalid(format!("job {id} ({} of export {:?}) has ended", job.kind, job.export)));
-        }
-        Ok(job)
-    }
-
     fn no_running_job(&self, name: &str, what: &str) -> Result<(), Error> {
         match self.jobs.running_on(name) {
             Some(j) => Err(Error::invalid(format!(
@@ -700,7 +669,9 @@ impl Copy {
                 }
                 Pivot::None => unreachable!("no pivot to an NBD target"),
             };
-            let options = vdisk_image::OpenOptions { format: Some(format), direct: live.direct, ..Default::default() };
+            let read_only = device.read_only();
+            let options =
+                vdisk_image::OpenOptions { format: Some(format), direct: live.direct, read_only, ..Default::default() };
             let swapped = vdisk_image::open(&path, &options)
                 .map_err(|e| e.report().to_string())
                 .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
@@ -728,5 +699,40 @@ impl Copy {
             }
         }
         Ok(())
+    }
+}
+
+// Cancel and pivot by job id, for the `job_cancel` and `job_pivot` methods
+// (the jobs verbs may bring their own: then these go).
+impl Daemon {
+    /// Asks job `id` to stop; the export serves as before it.
+    pub fn job_cancel(&self, id: u64) -> Result<(), Error> {
+        let job = self.running_job(id)?;
+        job.cancel();
+        Ok(())
+    }
+
+    /// Asks ready job `id` (a mirror, an active commit) to switch its export to what it made.
+    pub fn job_pivot(&self, id: u64) -> Result<(), Error> {
+        let job = self.running_job(id)?;
+        let state = self.jobs.list().into_iter().find(|j| j.id == id).map(|j| j.state);
+        if state != Some(JobState::Ready) {
+            return Err(Error::invalid(format!(
+                "job {id} ({} of export {:?}) is not ready yet: pivot once `vdisk ctl jobs` says ready",
+                job.kind, job.export
+            )));
+        }
+        job.request_pivot();
+        Ok(())
+    }
+
+    fn running_job(&self, id: u64) -> Result<Arc<Job>, Error> {
+        let job = self.jobs.get(id).ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no job {id}")))?;
+        let ended =
+            self.jobs.list().into_iter().any(|j| j.id == id && !matches!(j.state, JobState::Running | JobState::Ready));
+        if ended {
+            return Err(Error::invalid(format!("job {id} ({} of export {:?}) has ended", job.kind, job.export)));
+        }
+        Ok(job)
     }
 }
