@@ -410,3 +410,70 @@ fn a_server_killed_in_the_middle_of_an_active_commit_leaves_a_chain_that_reads_t
     let same = run("qemu-img", &["compare", "-F", "raw", middle.to_str().unwrap(), guest.to_str().unwrap()]);
     assert!(same.contains("Images are identical"), "{same}");
 }
+
+#[test]
+fn job_pivot_switches_a_ready_mirror_and_is_refused_before() {
+    let dir = TempDir::new("mirror-job-pivot");
+    let img = dir.path("disk.img");
+    make_base(&img, 8 * MIB, 31);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    let target = dir.path("next.qcow2");
+    // 2 MiB/s over 8 MiB: running for a while, so a pivot comes too early.
+    let said = rpc(&control, "export_mirror", json!({"name": "disk", "to": target, "format": "qcow2", "bps": 2 * MIB}));
+    let id = started_job(&said);
+    let early = rpc(&control, "job_pivot", json!({"id": id}));
+    assert!(refused(&early).contains("not ready yet"), "{early}");
+    wait_state(&control, id, &["ready"]);
+    qemu_io(&uri, &["write -P 0x99 5M 64k"]);
+    let p = rpc(&control, "job_pivot", json!({"id": id}));
+    assert!(p.get("result").is_some(), "{p}");
+    assert_eq!(wait_state(&control, id, &["done", "failed"])["state"], "done");
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!((list[0]["image"].as_str(), list[0]["format"].as_str()), (target.to_str(), Some("qcow2")), "{list}");
+    qemu_io(&uri, &["read -P 0x99 5M 64k", "write -P 0x98 0 4k", "flush"]);
+    let view = read_export(&dir, &uri, "view.raw");
+    server.stop();
+    let guest = dir.path("guest.raw");
+    std::fs::write(&guest, &view).unwrap();
+    let same =
+        run("qemu-img", &["compare", "-f", "qcow2", "-F", "raw", target.to_str().unwrap(), guest.to_str().unwrap()]);
+    assert!(same.contains("Images are identical"), "{same}");
+    run("qemu-img", &["check", target.to_str().unwrap()]);
+}
+
+#[test]
+fn an_nbd_target_that_goes_away_or_a_removed_export_fails_the_job_clearly() {
+    let dir = TempDir::new("mirror-gone");
+    let img = dir.path("disk.img");
+    make_base(&img, 16 * MIB, 37);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    let far_dir = TempDir::new("mirror-gone-far");
+    let far = far_dir.path("far.img");
+    std::fs::File::create(&far).unwrap().set_len(16 * MIB as u64).unwrap();
+    let second = Server::start(&far_dir, &[far.to_str().unwrap()]);
+    let to = second.uri("far");
+    // Slow (1 MiB/s over 16 MiB): the target goes while the job copies.
+    let id = started_job(&rpc(&control, "export_mirror", json!({"name": "disk", "to": to, "bps": MIB})));
+    std::thread::sleep(Duration::from_millis(700));
+    second.stop_with(libc::SIGKILL);
+    let j = wait_state(&control, id, &["failed", "done", "cancelled"]);
+    assert_eq!(j["state"], "failed", "{j}");
+    let e = j["error"].as_str().unwrap();
+    assert!(e.contains(&to) && e.contains("serves on unchanged"), "{j}");
+    qemu_io(&uri, &["write -P 0x44 1M 64k", "read -P 0x44 1M 64k"]);
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), img.to_str(), "{list}");
+
+    // An export removed while its mirror runs: the job fails, the server goes on.
+    let target = dir.path("copy.raw");
+    let id = started_job(&rpc(&control, "export_mirror", json!({"name": "disk", "to": target, "bps": MIB})));
+    std::thread::sleep(Duration::from_millis(300));
+    ctl_ok(&control, &["remove", "disk"]);
+    let j = wait_state(&control, id, &["failed", "done", "cancelled"]);
+    assert!(j["state"] == "failed" && j["error"].as_str().unwrap().contains("removed"), "{j}");
+    ctl_ok(&control, &["add", img.to_str().unwrap()]);
+    qemu_io(&uri, &["read -P 0x44 1M 64k"]);
+    server.stop();
+}
