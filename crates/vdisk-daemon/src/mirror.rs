@@ -171,6 +171,12 @@ impl Daemon {
         // An NBD target is reached before the change lock is taken: a slow
         // server holds up this request only.
         let mut remote = match &target {
+            MirrorTarget::Nbd(uri) if o.format != TargetFormat::Raw => {
+                return Err(refuse(format!(
+                    "the NBD target {uri} is written as the disk's bytes: --format {} applies to a new file only",
+                    o.format.name()
+                )));
+            }
             MirrorTarget::Nbd(uri) => Some(connect(name, uri, o.pivot)?),
             MirrorTarget::File(_) => None,
         };

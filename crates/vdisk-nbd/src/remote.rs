@@ -103,6 +103,8 @@ pub struct Remote {
     /// Its transmission flags (`TF_*`).
     pub flags: u16,
     cookie: u64,
+    /// The handshake is over: requests (and NBD_CMD_DISC at the end) may go.
+    open: bool,
 }
 
 fn broken(what: impl Into<String>) -> io::Error {
@@ -139,7 +141,7 @@ impl Remote {
                 Box::new(s)
             }
         };
-        let mut me = Remote { sock, size: 0, flags: 0, cookie: 0 };
+        let mut me = Remote { sock, size: 0, flags: 0, cookie: 0, open: false };
         me.handshake(&uri.export)?;
         Ok(me)
     }
@@ -186,7 +188,10 @@ impl Remote {
             }
             let body = self.read_n(len)?;
             match typ {
-                REP_ACK if have_export => return Ok(()),
+                REP_ACK if have_export => {
+                    self.open = true;
+                    return Ok(());
+                }
                 REP_ACK => return Err(broken("the server ended NBD_OPT_GO without the export's size")),
                 REP_INFO if body.len() >= 12 && u16_at(&body, 0) == INFO_EXPORT => {
                     self.size = u64_at(&body, 2);
@@ -294,6 +299,9 @@ impl Remote {
 
 impl Drop for Remote {
     fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
         // NBD_CMD_DISC: the server closes when it has answered what it took.
         let mut msg = Vec::with_capacity(REQUEST_HEADER);
         msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());

@@ -184,9 +184,13 @@ fn active_commit_of_the_top_under_fio_verify() {
         let stop = Arc::new(AtomicBool::new(false));
         let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
         std::thread::sleep(Duration::from_millis(200));
+        // Each layer holds writes of its own (beyond fio's 16 MiB, which may be verifying).
+        let uri = server.uri("disk");
         ctl_ok(&control, &["snapshot", "disk", "--overlay", middle.to_str().unwrap()]);
+        qemu_io(&uri, &["write -P 0x31 20M 1M", "write -z 30M 512k"]);
         std::thread::sleep(Duration::from_millis(300));
         ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
+        qemu_io(&uri, &["write -P 0x32 20M 64k", "write -P 0x33 24M 1M"]);
         std::thread::sleep(Duration::from_millis(300));
         let base = dir.path(base_name);
         let params =
@@ -258,6 +262,10 @@ fn mirror_to_a_second_vdisk_over_nbd() {
     let to = format!("nbd://{addr}/far");
     let out = ctl(&control, &["mirror", "disk", "--to", &to, "--pivot"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--pivot to an NBD target"), "{}", text(&out));
+    let out = ctl(&control, &["mirror", "disk", "--to", &to, "--format", "qcow2"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("applies to a new file only"), "{}", text(&out));
+    let out = ctl(&control, &["mirror", "disk", "--to", &format!("nbd://{addr}/nope")]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such export"), "{}", text(&out));
     let stop = Arc::new(AtomicBool::new(false));
     let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
     std::thread::sleep(Duration::from_millis(300));
@@ -418,6 +426,10 @@ fn job_pivot_switches_a_ready_mirror_and_is_refused_before() {
     make_base(&img, 8 * MIB, 31);
     let (server, control) = serve(&dir, img.to_str().unwrap());
     let uri = server.uri("disk");
+    // The source is a chain (raw <- qcow2): what the base holds is copied too.
+    let top = dir.path("top.qcow2");
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
+    qemu_io(&uri, &["write -P 0x97 2M 1M", "flush"]);
     let target = dir.path("next.qcow2");
     // 2 MiB/s over 8 MiB: running for a while, so a pivot comes too early.
     let said = rpc(&control, "export_mirror", json!({"name": "disk", "to": target, "format": "qcow2", "bps": 2 * MIB}));
@@ -440,6 +452,8 @@ fn job_pivot_switches_a_ready_mirror_and_is_refused_before() {
         run("qemu-img", &["compare", "-f", "qcow2", "-F", "raw", target.to_str().unwrap(), guest.to_str().unwrap()]);
     assert!(same.contains("Images are identical"), "{same}");
     run("qemu-img", &["check", target.to_str().unwrap()]);
+    let info = run("qemu-img", &["info", target.to_str().unwrap()]);
+    assert!(!info.contains("backing file"), "{info}");
 }
 
 #[test]
