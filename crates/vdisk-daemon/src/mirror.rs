@@ -540,7 +540,9 @@ impl Copy {
                 return Ok(false);
             }
             if !self.changer.serves(&self.name, &self.device) {
-                return Err(self.failed("the export was removed (or replaced) while the job ran"));
+                return Err(
+                    self.failed("the export was removed or replaced (or the server is stopping) while the job ran")
+                );
             }
             let copied = self.pass(job)?;
             if job.cancelled() {
