@@ -391,10 +391,13 @@ fn open_file_target(
             refuse(format!("the target {} is not beneath the image roots: {}", path.display(), e.report()))
         })?;
     }
-    let served = std::path::absolute(&live.spec.image).unwrap_or_else(|_| live.spec.image.clone());
-    let same = |a: &Path, b: &Path| matches!((std::fs::metadata(a), std::fs::metadata(b)), (Ok(x), Ok(y)) if (x.dev(), x.ino()) == (y.dev(), y.ino()));
-    if same(path, &served) {
-        return Err(refuse(format!("the target {} is the image the export serves", path.display())));
+    // Not a file the export reads: its top or any layer beneath it.
+    if let Ok(t) = std::fs::metadata(path) {
+        let image = live.device.image();
+        let mine = image.files().iter().any(|f| f.metadata().is_ok_and(|m| (m.dev(), m.ino()) == (t.dev(), t.ino())));
+        if mine {
+            return Err(refuse(format!("the target {} is a file of the image the export serves", path.display())));
+        }
     }
     let forced = match o.format {
         TargetFormat::Raw => Format::Raw,

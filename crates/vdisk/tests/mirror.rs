@@ -353,7 +353,7 @@ fn mirror_into_an_existing_file_writes_the_zeros_too() {
     let out = ctl(&control, &["mirror", "disk", "--to", short.to_str().unwrap(), "--existing"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("same size"), "{}", text(&out));
     let out = ctl(&control, &["mirror", "disk", "--to", img.to_str().unwrap(), "--existing"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("the image the export serves"), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a file of the image the export serves"), "{}", text(&out));
     let said = ctl_ok(&control, &["mirror", "disk", "--to", target.to_str().unwrap(), "--existing", "--bps", "16M"]);
     assert!(said.contains("started"), "{said}");
     let id = json(&ctl_ok(&control, &["jobs", "--json"])).as_array().unwrap().last().unwrap()["id"].as_u64().unwrap();
@@ -430,6 +430,8 @@ fn job_pivot_switches_a_ready_mirror_and_is_refused_before() {
     let top = dir.path("top.qcow2");
     ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
     qemu_io(&uri, &["write -P 0x97 2M 1M", "flush"]);
+    let out = ctl(&control, &["mirror", "disk", "--to", img.to_str().unwrap(), "--existing"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a file of the image"), "the backing file: {}", text(&out));
     let target = dir.path("next.qcow2");
     // 2 MiB/s over 8 MiB: running for a while, so a pivot comes too early.
     let said = rpc(&control, "export_mirror", json!({"name": "disk", "to": target, "format": "qcow2", "bps": 2 * MIB}));
