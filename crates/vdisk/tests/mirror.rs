@@ -493,3 +493,27 @@ fn an_nbd_target_that_goes_away_or_a_removed_export_fails_the_job_clearly() {
     qemu_io(&uri, &["read -P 0x44 1M 64k"]);
     server.stop();
 }
+
+#[test]
+fn active_commit_of_a_cow_overlay_into_its_raw_base() {
+    let dir = TempDir::new("active-commit-cow");
+    let img = dir.path("disk.img");
+    make_base(&img, 8 * MIB, 41);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let uri = server.uri("disk");
+    let cow = dir.path("top.cow");
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", cow.to_str().unwrap(), "--format", "cow"]);
+    qemu_io(&uri, &["write -P 0x51 1000 5000", "write -P 0x52 6M 700k", "write -z 7M 64k", "flush"]);
+    let view = read_export(&dir, &uri, "view.raw");
+    let id = started_job(&rpc(&control, "export_active_commit", json!({"name": "disk", "delete": true})));
+    let j = wait_state(&control, id, &["done", "failed"]);
+    assert_eq!(j["state"], "done", "{j}");
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!((list[0]["image"].as_str(), list[0]["format"].as_str()), (img.to_str(), Some("raw")), "{list}");
+    assert!(!cow.exists(), "--delete removed the overlay");
+    qemu_io(&uri, &["write -P 0x53 0 4k", "flush"]);
+    let after = read_export(&dir, &uri, "after.raw");
+    server.stop();
+    assert_same("the base after the commit", &read_file(&img), &after);
+    assert_same("what the commit kept", &after[4096..], &view[4096..]);
+}
