@@ -29,9 +29,10 @@ pub fn progress_line(j: &Value) -> String {
     )
 }
 
-/// Waits for job `id` to end, reading the job table with `jobs` (the
-/// `job_list` answer); prints its progress (not with `json`) and its outcome.
-pub fn wait(jobs: impl Fn() -> Result<Value, Error>, id: u64, json: bool) -> Result<(), Error> {
+/// Waits for job `id` to end (or, `until_ready`, to be ready: a mirror that
+/// waits for `pivot`), reading the job table with `jobs` (the `job_list`
+/// answer); prints its progress (not with `json`) and its outcome.
+pub fn wait(jobs: impl Fn() -> Result<Value, Error>, id: u64, json: bool, until_ready: bool) -> Result<(), Error> {
     let tty = !json && std::io::stderr().is_terminal();
     let mut shown_tenth = None;
     let mut err = std::io::stderr();
@@ -67,6 +68,13 @@ pub fn wait(jobs: impl Fn() -> Result<Value, Error>, id: u64, json: bool) -> Res
         match state {
             "done" => {
                 end(&format!("{what}: done, {line}"));
+                return Ok(());
+            }
+            "ready" if until_ready => {
+                end(&format!(
+                    "{what}: ready, {line}; the target follows the export's writes until `vdisk ctl pivot {id}` \
+                     switches the export to it or `vdisk ctl cancel {id}` leaves it as it is"
+                ));
                 return Ok(());
             }
             "failed" => {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 use vdisk_daemon::jobs::JobInfo;
+use vdisk_daemon::mirror::{MirrorOptions, MirrorTarget, TargetFormat};
 use vdisk_daemon::snapshot::OverlayFormat;
 use vdisk_daemon::{Daemon, Error, Ticket};
 
@@ -56,9 +57,35 @@ pub fn commit(daemon: &Arc<Daemon>, c: crate::rpc::CommitParams, ticket: &Ticket
         base: c.base.map(Into::into),
         delete: c.delete,
         bps: c.bps.unwrap_or(0),
+        active: c.active,
     };
     let s = daemon.commit(&c.name, &request)?;
     Ok(json!({"job": s.job, "name": s.export, "type": "commit"}))
+}
+
+/// `export_mirror`: starts a mirror job.
+#[allow(clippy::too_many_arguments)]
+pub fn mirror(
+    daemon: &Daemon,
+    name: &str,
+    to: &str,
+    format: Option<String>,
+    pivot: bool,
+    existing: bool,
+    bps: u64,
+    ticket: &Ticket,
+) -> Result<Value, Error> {
+    let format = match format.as_deref() {
+        None => TargetFormat::default(),
+        Some(f) => TargetFormat::from_name(f)
+            .ok_or_else(|| Error::invalid(format!("format {f:?} is not one of raw, qcow2")))?,
+    };
+    let Some(_committing) = ticket.commit() else {
+        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
+    };
+    let o = MirrorOptions { format, pivot, bps, existing };
+    let job = daemon.mirror(name, MirrorTarget::parse(to), o)?;
+    Ok(json!({"job": job, "name": name, "to": to, "format": format.name(), "pivot": pivot}))
 }
 
 /// `job_cancel` and `job_pivot`: the job as it is once asked.

@@ -352,6 +352,9 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::JobList => Ok(jobs::list(&daemon.jobs())),
         Method::JobCancel { id } => jobs::ask(daemon, id, false),
         Method::JobPivot { id } => jobs::ask(daemon, id, true),
+        Method::ExportMirror { name, to, format, pivot, existing, bps } => {
+            jobs::mirror(daemon, &name, &to, format, pivot, existing, bps, ticket)
+        }
     }
 }
 

@@ -80,6 +80,16 @@ pub enum Method {
     /// Merge layers of the export's chain down into a lower one (a job).
     ExportCommit(CommitParams),
     JobList,
+    /// Mirror the export to a file or NBD export (`to`); `format` "raw" (default) or "qcow2".
+    ExportMirror {
+        name: String,
+        to: String,
+        format: Option<String>,
+        pivot: bool,
+        existing: bool,
+        bps: u64,
+    },
+    /// Commit the export's live top (and the layers above `base`) into `base` (default: the chain's bottom).
     /// Ask a running job to stop, leaving its export as it was.
     JobCancel {
         id: u64,
@@ -103,6 +113,8 @@ pub struct CommitParams {
     /// Remove the dropped layers' files once the new chain serves.
     pub delete: bool,
     pub bps: Option<u64>,
+    /// Commit the live top itself (an active commit: a mirror into the base).
+    pub active: bool,
 }
 
 /// The bitmap verbs (`bitmap_add` ... `bitmap_list`).
@@ -174,6 +186,7 @@ impl Method {
             Method::ExportStream { .. } => "export_stream",
             Method::ExportCommit(_) => "export_commit",
             Method::JobList => "job_list",
+            Method::ExportMirror { .. } => "export_mirror",
             Method::JobCancel { .. } => "job_cancel",
             Method::JobPivot { .. } => "job_pivot",
         }
@@ -264,10 +277,12 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
             base: p.str("base")?,
             delete: p.bool("delete")?.unwrap_or(false),
             bps: p.u64("bps")?,
+            active: p.bool("active")?.unwrap_or(false),
         }),
         "job_list" => Method::JobList,
         "job_cancel" => Method::JobCancel { id: p.id()? },
         "job_pivot" => Method::JobPivot { id: p.id()? },
+        "export_mirror" => mirror_params(&mut p)?,
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -316,6 +331,20 @@ fn snapshot_params(p: &mut Params) -> Result<Method, Fault> {
         }
     }
     Ok(Method::ExportSnapshot { name, overlay, format })
+}
+
+fn mirror_params(p: &mut Params) -> Result<Method, Fault> {
+    let name = p.name()?;
+    let to = p.str("to")?.ok_or_else(|| bad("\"to\" (the target: a new file's path or an NBD URI) is required"))?;
+    let format = p.str("format")?;
+    if let Some(f) = &format {
+        if !["raw", "qcow2"].contains(&f.as_str()) {
+            return Err(bad(format!("format {f:?} is not one of raw, qcow2")));
+        }
+    }
+    let pivot = p.bool("pivot")?.unwrap_or(false);
+    let existing = p.bool("existing")?.unwrap_or(false);
+    Ok(Method::ExportMirror { name, to, format, pivot, existing, bps: p.u64("bps")?.unwrap_or(0) })
 }
 
 fn bad(message: impl Into<String>) -> Fault {

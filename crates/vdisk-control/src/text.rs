@@ -24,6 +24,13 @@ pub fn human_output(method: &str, r: &Value) -> String {
         m if m.starts_with("bitmap_") => bitmap_text(m, r).unwrap_or_default(),
         "export_snapshot" => snapshot_text(r),
         "export_stream" | "export_commit" => started_text(r),
+        "export_mirror" => format!(
+            "mirror job {} of export {} to {} started{}\n",
+            r["job"],
+            r["name"].as_str().unwrap_or_default(),
+            r["to"].as_str().unwrap_or_default(),
+            if r["pivot"] == true { " (it pivots once ready)" } else { "" }
+        ),
         "job_list" => jobs_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
         "job_cancel" => {
             format!("job {}: cancel asked; it stops at its next chunk (`vdisk ctl jobs` shows it)\n", r["id"])

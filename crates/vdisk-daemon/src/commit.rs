@@ -48,6 +48,8 @@ pub struct CommitRequest {
     pub delete: bool,
     /// The job's own I/O limit in bytes per second (0: none).
     pub bps: u64,
+    /// Commit the live top itself (`--top` may not be given then): an active commit.
+    pub active: bool,
 }
 
 /// One layer of a chain: its file (as its overlay's header resolves it) and format.
@@ -104,7 +106,10 @@ impl Daemon {
         })?;
         match decided {
             Ok(started) => Ok(started),
-            Err(base) => self.active_commit(name, &base, req.delete, req.bps),
+            Err(base) => {
+                let job = self.active_commit(name, Some(base), req.delete, req.bps)?;
+                Ok(Started { job, export: name.to_owned() })
+            }
         }
     }
 }
@@ -200,11 +205,15 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
         None => chain.len() - 1,
     };
     let top = match &req.top {
+        Some(_) if req.active => {
+            return Err(refuse("give --top or --active, not both (--active commits the live top)".into()))
+        }
+        None if req.active => 0,
         Some(p) => find(p, "--top")?,
         None if chain.len() < 3 => {
             return Err(refuse(format!(
                 "its chain ({}) has no layer between the live top and the base: commit the live top itself with \
-                 --top {} (an active commit)",
+                 --active (or --top {})",
                 names(),
                 live_top.display()
             )))

@@ -198,9 +198,9 @@ struct Running {
 pub struct Daemon {
     settings: Settings,
     nbd: Arc<Server>,
-    exports: Mutex<Vec<Running>>,
+    exports: Arc<Mutex<Vec<Running>>>,
     /// Held by every change, so two never interleave; true once shut down.
-    changes: Mutex<bool>,
+    changes: Arc<Mutex<bool>>,
     /// Names of exports being opened (outside `changes`), so a second add of one is refused.
     reserved: Mutex<HashSet<String>>,
     /// Exports removed from the table and still stopping (outside `changes`).
@@ -222,6 +222,43 @@ pub(crate) struct Live {
     pub roots: Option<Arc<Roots>>,
 }
 
+/// The daemon's export table and change lock, for a job thread that outlives
+/// the request which started it ([`Daemon::changer`]).
+#[derive(Clone)]
+pub(crate) struct Changer {
+    exports: Arc<Mutex<Vec<Running>>>,
+    changes: Arc<Mutex<bool>>,
+    direct: bool,
+    roots: Option<Arc<Roots>>,
+}
+
+impl Changer {
+    /// [`Daemon::live_change`].
+    pub(crate) fn live_change<T>(&self, name: &str, f: impl FnOnce(&mut Live) -> Result<T, Error>) -> Result<T, Error> {
+        let closed = self.changes.lock().unwrap();
+        if *closed {
+            return Err(Error::failed("the server is shutting down"));
+        }
+        let mut live = {
+            let exports = self.exports.lock().unwrap();
+            let e = exports.iter().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
+            let (direct, roots) = (self.direct, self.roots.clone());
+            Live { device: e.device.clone(), spec: e.spec.clone(), format: e.format, direct, roots }
+        };
+        let r = f(&mut live)?;
+        if let Some(e) = self.exports.lock().unwrap().iter_mut().find(|e| e.name == name) {
+            e.spec = live.spec;
+            e.format = live.format;
+        }
+        Ok(r)
+    }
+
+    /// Export `name` is served, by `device`.
+    pub(crate) fn serves(&self, name: &str, device: &Arc<Device>) -> bool {
+        self.exports.lock().unwrap().iter().any(|e| e.name == name && Arc::ptr_eq(&e.device, device))
+    }
+}
+
 /// Why an allow list cannot work on this server.
 pub const NO_IDENTITIES: &str = "this server does not learn who its NBD clients are: allow lists need TLS \
      with client certificates (--tls-verify-peer or --tls-ca) or pre-shared keys (--tls-psk)";
@@ -231,8 +268,8 @@ impl Daemon {
         Daemon {
             settings,
             nbd,
-            exports: Mutex::new(Vec::new()),
-            changes: Mutex::new(false),
+            exports: Arc::new(Mutex::new(Vec::new())),
+            changes: Arc::new(Mutex::new(false)),
             reserved: Mutex::new(HashSet::new()),
             removing: Removing::default(),
             started: Instant::now(),
@@ -244,22 +281,17 @@ impl Daemon {
     /// add, remove or shutdown meanwhile); what `f` sets in [`Live`]'s spec
     /// and format is what the export list shows from then on.
     pub(crate) fn live_change<T>(&self, name: &str, f: impl FnOnce(&mut Live) -> Result<T, Error>) -> Result<T, Error> {
-        let closed = self.changes.lock().unwrap();
-        if *closed {
-            return Err(Error::failed("the server is shutting down"));
+        self.changer().live_change(name, f)
+    }
+
+    /// What a job's own thread keeps to change an export when it ends (a mirror's pivot).
+    pub(crate) fn changer(&self) -> Changer {
+        Changer {
+            exports: self.exports.clone(),
+            changes: self.changes.clone(),
+            direct: self.settings.direct,
+            roots: self.settings.roots.clone(),
         }
-        let mut live = {
-            let exports = self.exports.lock().unwrap();
-            let e = exports.iter().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
-            let (direct, roots) = (self.settings.direct, self.settings.roots.clone());
-            Live { device: e.device.clone(), spec: e.spec.clone(), format: e.format, direct, roots }
-        };
-        let r = f(&mut live)?;
-        if let Some(e) = self.exports.lock().unwrap().iter_mut().find(|e| e.name == name) {
-            e.spec = live.spec;
-            e.format = live.format;
-        }
-        Ok(r)
     }
 
     /// Export `name` is served, by `device` still (not removed, nor removed and added again).

@@ -8,13 +8,12 @@
 //! control socket (crates/vdisk-control) maps them to JSON-RPC.
 //!
 //! Modules, each depending only on those listed after it:
-//! `metrics`, `reload` → `config` → `security` → `commit` → `active_commit_stub` → `stream` →
+//! `metrics`, `reload` → `config` → `security` → `commit` → `mirror`, `stream` →
 //! `snapshot` → `daemon` → `jobs`;
 //! `daemon` → `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
-mod active_commit_stub;
 pub mod bitmaps;
 pub mod commit;
 pub mod config;
@@ -26,6 +25,7 @@ mod fuse;
 pub mod jobs;
 pub mod listen;
 pub mod metrics;
+pub mod mirror;
 pub mod reload;
 pub mod security;
 pub mod size;

@@ -20,6 +20,7 @@ mod outbox;
 pub mod proto;
 #[cfg(feature = "psk")]
 pub mod psk;
+pub mod remote;
 mod reply;
 mod stream;
 pub mod tls;

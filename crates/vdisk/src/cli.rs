@@ -544,15 +544,38 @@ pub enum CtlCommand {
         /// Remove the dropped layers' files once the new chain serves.
         #[arg(long)]
         delete: bool,
+        /// Commit the live top itself (an active commit: its data is mirrored into --base while the guest
+        /// writes, then the export serves from --base).
+        #[arg(long, conflicts_with = "top")]
+        active: bool,
         #[command(flatten)]
         job: JobArgs,
     },
-    /// The live disk operations (snapshot, stream, commit), running and ended.
+    /// The live disk operations (snapshot, stream, commit, mirror), running and ended.
     Jobs,
     /// Stop a running job; its export serves as before the job.
     Cancel { job: u64 },
     /// Switch a ready mirror or active commit's export to what it made.
     Pivot { job: u64 },
+    /// Copy the export, live, to a new raw or qcow2 file or an NBD export; with --pivot, serve from it once
+    /// the copy has caught up.
+    Mirror {
+        name: String,
+        /// The target: a new file's path, nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH.
+        #[arg(long, value_name = "TARGET")]
+        to: String,
+        /// The new file's format.
+        #[arg(long, value_enum, default_value_t = MirrorFormatArg::Raw)]
+        format: MirrorFormatArg,
+        /// Switch the export to the target as soon as the job is ready.
+        #[arg(long)]
+        pivot: bool,
+        /// Write into an existing file of the export's size instead of a new one.
+        #[arg(long)]
+        existing: bool,
+        #[command(flatten)]
+        job: JobArgs,
+    },
 }
 
 /// How a job runs: its own I/O limit, and whether `vdisk ctl` waits for it.
@@ -564,6 +587,13 @@ pub struct JobArgs {
     /// Wait for the job to end, showing its progress; exit 0 when done, 1 when it failed or was cancelled.
     #[arg(long)]
     pub wait: bool,
+}
+
+/// The format of a mirror's new file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MirrorFormatArg {
+    Raw,
+    Qcow2,
 }
 
 /// The format of a snapshot's overlay.

@@ -20,9 +20,11 @@ pub fn run(a: CtlArgs) -> Result<(), Error> {
                 "which server? give --control PATH (as given to `vdisk serve --control`) or set VDISK_CONTROL",
             )
         })?;
-    let wait = match &a.command {
-        CtlCommand::Stream { job, .. } | CtlCommand::Commit { job, .. } => job.wait,
-        _ => false,
+    // A mirror that does not pivot by itself is followed until it is ready.
+    let (wait, until_ready) = match &a.command {
+        CtlCommand::Stream { job, .. } | CtlCommand::Commit { job, .. } => (job.wait, false),
+        CtlCommand::Mirror { job, pivot, .. } => (job.wait, !pivot),
+        _ => (false, false),
     };
     let (method, params) = request(a.command)?;
     let method_name = method;
@@ -37,7 +39,7 @@ pub fn run(a: CtlArgs) -> Result<(), Error> {
                 result["name"]
             );
         }
-        return vdisk_control::follow::wait(|| call(&control, "job_list", Map::new()), id, a.json);
+        return vdisk_control::follow::wait(|| call(&control, "job_list", Map::new()), id, a.json, until_ready);
     }
     let text = if a.json {
         serde_json::to_string_pretty(&result).unwrap_or_default() + "\n"
@@ -138,7 +140,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             }
             "export_stream"
         }
-        CtlCommand::Commit { name, top, base, delete, job } => {
+        CtlCommand::Commit { name, top, base, delete, active, job } => {
             p.insert("name".into(), name.into());
             for (k, v) in [("top", top), ("base", base)] {
                 if let Some(v) = v {
@@ -147,8 +149,10 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
                     p.insert(k.into(), json!(v));
                 }
             }
-            if delete {
-                p.insert("delete".into(), true.into());
+            for (k, v) in [("delete", delete), ("active", active)] {
+                if v {
+                    p.insert(k.into(), true.into());
+                }
             }
             if let Some(b) = job.bps {
                 p.insert("bps".into(), b.into());
@@ -163,6 +167,24 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
         CtlCommand::Pivot { job } => {
             p.insert("id".into(), job.into());
             "job_pivot"
+        }
+        CtlCommand::Mirror { name, to, format, pivot, existing, job } => {
+            let to = if vdisk_nbd::remote::Uri::is_nbd(&to) {
+                to
+            } else {
+                let path = PathBuf::from(&to);
+                let abs = std::path::absolute(&path).map_err(|e| Error::invalid(to.clone()).at(&path).because(e))?;
+                abs.display().to_string()
+            };
+            let format = format.to_possible_value().expect("every format has a name");
+            p.extend([("name".into(), name.into()), ("to".into(), to.into())]);
+            p.insert("format".into(), format.get_name().into());
+            p.insert("pivot".into(), pivot.into());
+            p.insert("existing".into(), existing.into());
+            if let Some(bps) = job.bps {
+                p.insert("bps".into(), bps.into());
+            }
+            "export_mirror"
         }
     };
     Ok((method, p))

@@ -1,0 +1,714 @@
+//! `mirror` and active `commit`: one copy loop with two kinds of target
+//! (docs/block-jobs.md). A job on its own thread attaches a dirty map to the
+//! device's write observers, marks what the source holds, then pass after
+//! pass takes and clears dirty runs ([`DirtyBitmap::take_next`]), reads them
+//! from the live image and writes them to the target. Once what is dirty is
+//! small the job is *ready*; it keeps copying what the guest dirties until
+//! it pivots (quiesce, copy the last dirty runs, flush the target, open it,
+//! swap, and the export's spec names it) or is cancelled (detach; the export
+//! serves as before, the target is left as it is).
+//!
+//! The copy reads the image without quiescing ([`target::read_live`]): the
+//! device marks a write after its data has reached the image, so a take that
+//! comes first leaves the granule dirty again for the next pass, and a take
+//! that comes after reads the new data. Only the last pass, under the quiesce
+//! of the pivot, must see nothing in flight, and it does.
+//!
+//! A mirror writes a new raw or qcow2 file (an existing one with
+//! `existing`), or an NBD export of the same size (no pivot to it: an NBD
+//! target has no image to serve from here). An active commit writes the
+//! chain's base (the bottom, or a named layer) opened on its own, copying
+//! only runs held above it; its pivot reopens the chain from the base.
+
+pub mod target;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vdisk_engine::{Device, Observers};
+use vdisk_image::bitmap::DirtyBitmap;
+use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
+use vdisk_image::{Format, Image, Qcow2Image};
+use vdisk_nbd::remote::{Remote, Uri};
+
+use crate::daemon::{Changer, Live};
+use crate::jobs::Job;
+use crate::snapshot::QUIESCE_LIMIT;
+use crate::spec::ImageFormat;
+use crate::{Daemon, Error, ErrorKind};
+use target::{read_live, ImageTarget, NbdTarget, Target};
+
+/// The most one copy takes at a time.
+pub const CHUNK: u64 = 1 << 20;
+/// The granularity of a copy job's dirty map.
+pub const GRANULARITY: u64 = 64 << 10;
+/// A job is ready once no more than this is dirty after a pass...
+pub const READY_BELOW: u64 = 1 << 20;
+/// ...or once passes stop shrinking what is dirty (a guest writing as fast as
+/// the copy) and it is no more than this: the pivot copies it under its quiesce.
+pub const READY_STALLED: u64 = 64 << 20;
+
+/// Where a mirror writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MirrorTarget {
+    /// A new image file (an existing one with [`MirrorOptions::existing`]).
+    File(PathBuf),
+    /// An NBD export: `nbd://HOST[:PORT]/NAME` or `nbd+unix:///NAME?socket=PATH`.
+    Nbd(String),
+}
+
+impl MirrorTarget {
+    /// An NBD URI, or a file path.
+    pub fn parse(s: &str) -> MirrorTarget {
+        if Uri::is_nbd(s) {
+            MirrorTarget::Nbd(s.to_owned())
+        } else {
+            MirrorTarget::File(PathBuf::from(s))
+        }
+    }
+}
+
+/// The format of a mirror's new file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TargetFormat {
+    #[default]
+    Raw,
+    Qcow2,
+}
+
+impl TargetFormat {
+    pub fn from_name(name: &str) -> Option<TargetFormat> {
+        match name {
+            "raw" => Some(TargetFormat::Raw),
+            "qcow2" => Some(TargetFormat::Qcow2),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TargetFormat::Raw => "raw",
+            TargetFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct MirrorOptions {
+    pub format: TargetFormat,
+    /// Switch the export to the target as soon as the job is ready.
+    pub pivot: bool,
+    /// The job's own I/O limit in bytes per second (0: none).
+    pub bps: u64,
+    /// Write into an existing file (of the export's size) instead of a new one.
+    pub existing: bool,
+}
+
+/// Detaches a copy job's dirty map from the device on every way out.
+struct Attached {
+    observers: Arc<Observers>,
+    map: Arc<DirtyBitmap>,
+}
+
+impl Attached {
+    fn new(device: &Device) -> Result<Attached, Error> {
+        let map = DirtyBitmap::new(device.size(), GRANULARITY).map_err(|e| Error::failed(e.report().to_string()))?;
+        let map = Arc::new(map);
+        let observers = device.write_observers().clone();
+        observers.add(map.clone());
+        Ok(Attached { observers, map })
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.observers.remove(&self.map);
+    }
+}
+
+/// What the job's end does with the target.
+enum Pivot {
+    /// Serve the file from now on.
+    Mirror { path: PathBuf, format: TargetFormat },
+    /// Serve the chain from `base` on; `delete` the layers above it after.
+    Commit { base: PathBuf, base_format: Format, above: Vec<PathBuf>, delete: bool },
+    /// An NBD target: no pivot.
+    None,
+}
+
+/// One running copy job.
+struct Copy {
+    name: String,
+    device: Arc<Device>,
+    changer: Changer,
+    attached: Attached,
+    target: Option<Box<dyn Target>>,
+    /// The target reads as zeros where nothing was written: zero runs of the source are skipped.
+    fresh: bool,
+    /// Which runs of the source to mark: those held at a depth below this (0: every run).
+    below_depth: u32,
+    pivot: Pivot,
+    auto_pivot: bool,
+    /// The old chain's lock on the base to take back if an active commit ends without pivot.
+    relock: Option<PathBuf>,
+    buf: Vec<u8>,
+    extents: Vec<vdisk_image::Extent>,
+    what: &'static str,
+    /// Bytes copied so far, and to copy (what was dirty, as it grew).
+    done: u64,
+    total: u64,
+}
+
+impl Daemon {
+    /// Starts mirroring export `name` to `target`; returns the job's id. The
+    /// target is made (or opened, or connected to) before this returns, so
+    /// what is refused changes nothing.
+    pub fn mirror(&self, name: &str, target: MirrorTarget, o: MirrorOptions) -> Result<u64, Error> {
+        let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
+        self.no_running_job(name, "mirror")?;
+        // An NBD target is reached before the change lock is taken: a slow
+        // server holds up this request only.
+        let mut remote = match &target {
+            MirrorTarget::Nbd(uri) if o.format != TargetFormat::Raw => {
+                return Err(refuse(format!(
+                    "the NBD target {uri} is written as the disk's bytes: --format {} applies to a new file only",
+                    o.format.name()
+                )));
+            }
+            MirrorTarget::Nbd(uri) => Some(connect(name, uri, o.pivot)?),
+            MirrorTarget::File(_) => None,
+        };
+        let (device, made, pivot, fresh) = self.live_change(name, |live| {
+            let device = check_source(live, name, "mirror")?;
+            match &target {
+                MirrorTarget::Nbd(uri) => {
+                    let remote = remote.take().expect("connected before");
+                    if remote.size != device.size() {
+                        return Err(refuse(format!(
+                            "the NBD target {uri} is {} bytes and the export {}: they must be the same size",
+                            remote.size,
+                            device.size()
+                        )));
+                    }
+                    let t: Box<dyn Target> = Box::new(NbdTarget { remote, uri: uri.clone() });
+                    Ok((device, t, Pivot::None, false))
+                }
+                MirrorTarget::File(path) => {
+                    let (t, fresh) = open_file_target(live, name, path, &o, device.size())?;
+                    Ok((device, t, Pivot::Mirror { path: path.clone(), format: o.format }, fresh))
+                }
+            }
+        })?;
+        let described = made.describe();
+        let copy = Copy {
+            name: name.to_owned(),
+            attached: Attached::new(&device)?,
+            device,
+            changer: self.changer(),
+            target: Some(made),
+            fresh,
+            below_depth: 0,
+            pivot,
+            auto_pivot: o.pivot,
+            relock: None,
+            buf: Vec::new(),
+            extents: Vec::new(),
+            what: "mirror",
+            done: 0,
+            total: 0,
+        };
+        let job = self
+            .jobs
+            .spawn("mirror", name, o.bps, move |job: &Job| copy.run(job).map_err(|e| e.report().to_string()))
+            .map_err(|e| refuse(format!("{e}; the target {described} was left as it is")))?;
+        log::info!(export:% = name; "export {name:?}: mirror job {} to {described} started", job.id);
+        Ok(job.id)
+    }
+
+    /// Starts an active commit of export `name`'s live top (and every layer
+    /// above `base`) into `base` (the bottom of its chain by default); with
+    /// `delete` the layers above the base are removed after the pivot.
+    /// Returns the job's id.
+    pub fn active_commit(&self, name: &str, base: Option<PathBuf>, delete: bool, bps: u64) -> Result<u64, Error> {
+        let refuse = |why: String| Error::invalid(format!("commit of export {name:?}: {why}"));
+        self.no_running_job(name, "commit")?;
+        let (device, made, pivot, below, relock) = self.live_change(name, |live| {
+            let device = check_source(live, name, "commit")?;
+            let top = std::path::absolute(&live.spec.image)
+                .map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
+            let chain = chain_of(&top).map_err(refuse)?;
+            if chain.len() < 2 {
+                return Err(refuse(format!(
+                    "{} is {}, with no backing file: there is nothing to commit",
+                    top.display(),
+                    chain[0].1.name()
+                )));
+            }
+            let at = match &base {
+                None => chain.len() - 1,
+                Some(b) => {
+                    let want =
+                        std::fs::canonicalize(b).map_err(|e| refuse(format!("the base {}: {e}", b.display())))?;
+                    let found = chain.iter().position(|(p, _)| std::fs::canonicalize(p).is_ok_and(|c| c == want));
+                    match found {
+                        Some(0) => {
+                            return Err(refuse(format!("{} is the top itself: name a layer below it", b.display())))
+                        }
+                        Some(i) => i,
+                        None => {
+                            let names: Vec<String> = chain.iter().map(|(p, _)| p.display().to_string()).collect();
+                            return Err(refuse(format!(
+                                "{} is not in the export's chain ({})",
+                                b.display(),
+                                names.join(" <- ")
+                            )));
+                        }
+                    }
+                }
+            };
+            let (base_path, base_format) = chain[at].clone();
+            if !matches!(base_format, Format::Raw | Format::Qcow2) {
+                return Err(refuse(format!(
+                    "the base {} is {}: only a raw or qcow2 base can take the layers above it",
+                    base_path.display(),
+                    base_format.name()
+                )));
+            }
+            // The chain holds the base open read-only (a shared lock for
+            // qcow2); the job opens it read-write on its own, so it unlocks it.
+            relock_in(&*device.image(), &base_path, libc::LOCK_UN);
+            let options = vdisk_image::OpenOptions { format: Some(base_format), ..Default::default() };
+            let opened = vdisk_image::open(&base_path, &options).map_err(|e| {
+                relock_in(&*device.image(), &base_path, libc::LOCK_SH);
+                Error::failed(format!(
+                    "commit of export {name:?}: cannot open the base {} read-write",
+                    base_path.display()
+                ))
+                .because(e)
+            })?;
+            let t: Box<dyn Target> = Box::new(ImageTarget::new(opened.image, &base_path));
+            let above = chain[..at].iter().map(|(p, _)| p.clone()).collect();
+            let pivot = Pivot::Commit { base: base_path.clone(), base_format, above, delete };
+            Ok((device, t, pivot, at as u32 + 1, base_path))
+        })?;
+        let described = made.describe();
+        let copy = Copy {
+            name: name.to_owned(),
+            attached: Attached::new(&device)?,
+            device,
+            changer: self.changer(),
+            target: Some(made),
+            fresh: false,
+            below_depth: below,
+            pivot,
+            auto_pivot: true,
+            relock: Some(relock),
+            buf: Vec::new(),
+            extents: Vec::new(),
+            what: "commit",
+            done: 0,
+            total: 0,
+        };
+        let job = self
+            .jobs
+            .spawn("commit", name, bps, move |job: &Job| copy.run(job).map_err(|e| e.report().to_string()))
+            .map_err(refuse)?;
+        log::info!(export:% = name; "export {name:?}: active commit job {} into {described} started", job.id);
+        Ok(job.id)
+    }
+
+    fn no_running_job(&self, name: &str, what: &str) -> Result<(), Error> {
+        match self.jobs.running_on(name) {
+            Some(j) => Err(Error::invalid(format!(
+                "{what} of export {name:?}: it has a running job ({} {}): wait for it or cancel it first",
+                j.kind, j.id
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Opens the NBD export `uri` as a mirror's target.
+fn connect(name: &str, uri: &str, pivot: bool) -> Result<Remote, Error> {
+    let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
+    if pivot {
+        return Err(refuse(format!(
+            "--pivot to an NBD target ({uri}) is not supported: the export can only be served from an image file \
+             here. Mirror without --pivot; once `vdisk ctl jobs` says ready, the target holds the disk and `cancel` \
+             ends the mirror"
+        )));
+    }
+    let u = Uri::parse(uri).map_err(refuse)?;
+    let remote = Remote::open(&u)
+        .map_err(|e| Error::failed(format!("mirror of export {name:?}: cannot open the NBD target {uri}: {e}")))?;
+    if remote.flags & vdisk_nbd::proto::TF_READ_ONLY != 0 {
+        return Err(refuse(format!("the NBD target {uri} is read-only")));
+    }
+    Ok(remote)
+}
+
+/// The checks every copy job makes of its source; its device.
+fn check_source(live: &Live, name: &str, what: &str) -> Result<Arc<Device>, Error> {
+    let refuse = |why: &str| Error::invalid(format!("{what} of export {name:?}: {why}"));
+    let device = live.device.clone();
+    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
+        return Err(refuse(
+            "it is an RBD image: its device cannot be swapped, and the copy reads files (use `rbd migration`)",
+        ));
+    }
+    if what == "commit" && device.read_only() {
+        return Err(refuse("it is served read-only: its chain never changes"));
+    }
+    if what == "commit" && (live.spec.backing.is_some() || live.spec.ignore_backing_mtime) {
+        return Err(refuse(
+            "it was added with --backing or --ignore-backing-mtime: the chain after the commit is opened by the \
+             names its headers hold, which would not be the chain it serves now",
+        ));
+    }
+    if let Some(why) = device.failure() {
+        return Err(Error::failed(format!("{what} of export {name:?}: its device failed ({why})")));
+    }
+    Ok(device)
+}
+
+/// Makes (or, with `existing`, opens) a mirror's target file; true when it is new (reads as zeros).
+fn open_file_target(
+    live: &Live,
+    name: &str,
+    path: &Path,
+    o: &MirrorOptions,
+    size: u64,
+) -> Result<(Box<dyn Target>, bool), Error> {
+    let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
+    if !path.is_absolute() {
+        return Err(refuse(format!("the target {} must be an absolute path", path.display())));
+    }
+    if live.roots.is_some() {
+        let dir = path.parent().unwrap_or(Path::new("/"));
+        vdisk_image::files::confined(live.roots.clone(), || vdisk_image::files::check_confined(dir)).map_err(|e| {
+            refuse(format!("the target {} is not beneath the image roots: {}", path.display(), e.report()))
+        })?;
+    }
+    // Not a file the export reads: its top or any layer beneath it.
+    if let Ok(t) = std::fs::metadata(path) {
+        let image = live.device.image();
+        let mine = image.files().iter().any(|f| f.metadata().is_ok_and(|m| (m.dev(), m.ino()) == (t.dev(), t.ino())));
+        if mine {
+            return Err(refuse(format!("the target {} is a file of the image the export serves", path.display())));
+        }
+    }
+    let forced = match o.format {
+        TargetFormat::Raw => Format::Raw,
+        TargetFormat::Qcow2 => Format::Qcow2,
+    };
+    let exists = path.symlink_metadata().is_ok();
+    if exists && !o.existing {
+        return Err(Error::new(
+            ErrorKind::Exists,
+            format!(
+                "mirror of export {name:?}: {} exists already: name a new file, or write into it with --existing",
+                path.display()
+            ),
+        ));
+    }
+    if !exists {
+        let made = match o.format {
+            TargetFormat::Raw => std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .and_then(|f| f.set_len(size))
+                .map_err(|e| format!("{e}")),
+            TargetFormat::Qcow2 => {
+                let c = CreateOptions { size, cluster_bits: DEFAULT_CLUSTER_BITS, backing: None };
+                Qcow2Image::create(path, &c).map_err(|e| e.report().to_string())
+            }
+        };
+        if let Err(e) = made {
+            let _ = std::fs::remove_file(path);
+            return Err(Error::failed(format!("mirror of export {name:?}: cannot create {}: {e}", path.display())));
+        }
+    }
+    let options = vdisk_image::OpenOptions { format: Some(forced), ..Default::default() };
+    let opened = vdisk_image::open(path, &options);
+    let image = match opened {
+        Ok(o) if o.image.size() == size => o.image,
+        Ok(o) => {
+            return Err(refuse(format!(
+                "the target {} is {} bytes and the export {size}: they must be the same size",
+                path.display(),
+                o.image.size()
+            )))
+        }
+        Err(e) => {
+            if !exists {
+                let _ = std::fs::remove_file(path);
+            }
+            return Err(Error::failed(format!("mirror of export {name:?}: cannot open {}", path.display())).because(e));
+        }
+    };
+    Ok((Box::new(ImageTarget::new(image, path)), !exists))
+}
+
+/// The chain from `top` down: each layer's path and format, read from the
+/// headers (no lock taken, no backing opened).
+fn chain_of(top: &Path) -> Result<Vec<(PathBuf, Format)>, String> {
+    let mut chain = Vec::new();
+    let mut at = Some(top.to_owned());
+    while let Some(path) = at.take() {
+        if chain.len() > 64 {
+            return Err(format!("the chain under {} is longer than 64 layers", top.display()));
+        }
+        let format = vdisk_image::detect(&path).map_err(|e| e.report().to_string())?;
+        at = match format {
+            Format::Qcow2 => vdisk_image::qcow2::inspect(&path).map_err(|e| e.report().to_string())?.backing_resolved,
+            Format::Cow => Some(vdisk_image::cow::inspect(&path).map_err(|e| e.report().to_string())?.backing_resolved),
+            _ => None,
+        };
+        if at.as_deref().is_some_and(vdisk_image::rbd::is_rbd) {
+            return Err(format!("{} has an RBD backing image: a commit into RBD is not supported", path.display()));
+        }
+        chain.push((path, format));
+    }
+    Ok(chain)
+}
+
+/// Turns the BSD lock that `image` holds on the file `path` (any file of its
+/// chain) into `op` (`LOCK_SH`, `LOCK_EX`, `LOCK_UN`).
+fn relock_in(image: &dyn Image, path: &Path, op: i32) {
+    use std::os::unix::io::AsRawFd;
+    let Ok(want) = std::fs::metadata(path) else { return };
+    for file in image.files() {
+        let Ok(m) = file.metadata() else { continue };
+        if (m.dev(), m.ino()) != (want.dev(), want.ino()) {
+            continue;
+        }
+        // SAFETY: flock only reads its integer arguments; the fd is open (`image` holds it).
+        if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } != 0 {
+            log::warn!("{}: cannot change its lock: {}", path.display(), std::io::Error::last_os_error());
+        }
+    }
+}
+
+impl Copy {
+    fn failed(&self, why: impl std::fmt::Display) -> Error {
+        Error::failed(format!("{} of export {:?}: {why}", self.what, self.name))
+    }
+
+    fn target(&mut self) -> &mut dyn Target {
+        self.target.as_deref_mut().expect("the target is open until the pivot")
+    }
+
+    /// The job: mark, copy pass after pass, then pivot or stop.
+    fn run(mut self, job: &Job) -> Result<(), Error> {
+        let r = self.copy_until_done(job);
+        if self.relock.is_some() && !matches!(r, Ok(true)) {
+            // No pivot: the old chain goes on reading the base; take its lock back.
+            self.target = None;
+            let base = self.relock.take().expect("checked");
+            relock_in(&*self.device.image(), &base, libc::LOCK_SH);
+        }
+        match &r {
+            Ok(false) => {
+                let left = match &self.pivot {
+                    Pivot::Commit { base, .. } => {
+                        format!("{} holds part of the layers above it (the chain reads the same)", base.display())
+                    }
+                    _ => "the target was left as it is".into(),
+                };
+                log::info!(export:% = self.name; "export {:?}: {} cancelled: it serves as before; {left}",
+                    self.name, self.what);
+            }
+            Ok(true) => {}
+            Err(e) => log::warn!(export:% = self.name; "export {:?}: {} failed: {}",
+                self.name, self.what, e.report()),
+        }
+        r.map(|_| ())
+    }
+
+    /// Ok(true) once pivoted, Ok(false) once cancelled.
+    fn copy_until_done(&mut self, job: &Job) -> Result<bool, Error> {
+        self.buf = vec![0u8; CHUNK as usize];
+        self.mark_source()?;
+        let map = self.attached.map.clone();
+        self.total = map.dirty_bytes();
+        job.set_total(self.total);
+        let mut last_dirty = u64::MAX;
+        let mut ready = false;
+        let mut told = false;
+        loop {
+            if job.cancelled() {
+                return Ok(false);
+            }
+            if !self.changer.serves(&self.name, &self.device) {
+                return Err(
+                    self.failed("the export was removed or replaced (or the server is stopping) while the job ran")
+                );
+            }
+            let copied = self.pass(job)?;
+            if job.cancelled() {
+                return Ok(false);
+            }
+            let dirty = map.dirty_bytes();
+            self.total = self.total.max(self.done + dirty);
+            job.set_total(self.total);
+            if !ready && (dirty <= READY_BELOW || (dirty >= last_dirty && dirty <= READY_STALLED)) {
+                ready = true;
+                job.set_ready(true);
+                log::info!(export:% = self.name; "export {:?}: {} job {} is ready ({dirty} bytes dirty)",
+                    self.name, self.what, job.id);
+            }
+            last_dirty = dirty;
+            if ready && (self.auto_pivot || job.pivot_requested()) {
+                if matches!(self.pivot, Pivot::None) {
+                    if !told {
+                        log::warn!(export:% = self.name; "export {:?}: mirror job {}: an NBD target cannot be \
+                            pivoted to; the copy is complete while ready: `cancel` ends it", self.name, job.id);
+                        told = true;
+                    }
+                } else {
+                    self.pivot(job)?;
+                    return Ok(true);
+                }
+            }
+            if copied == 0 || ready {
+                std::thread::sleep(Duration::from_millis(if copied == 0 { 20 } else { 5 }));
+            }
+        }
+    }
+
+    /// Marks what the source holds that the target must get.
+    fn mark_source(&mut self) -> Result<(), Error> {
+        let image = self.device.image();
+        let map = &self.attached.map;
+        let size = image.size();
+        let mut runs = Vec::new();
+        let mut off = 0;
+        while off < size {
+            runs.clear();
+            image
+                .allocation(off, size - off, 1024, &mut runs)
+                .map_err(|e| self.failed(format!("reading the source's allocation: {}", e.report())))?;
+            if runs.is_empty() {
+                return Err(self.failed(format!("the source's allocation at {off} is empty")));
+            }
+            for run in &runs {
+                let wanted = if self.below_depth > 0 {
+                    run.depth >= 1 && run.depth < self.below_depth
+                } else {
+                    !(self.fresh && run.zero)
+                };
+                if wanted {
+                    map.set(off, run.len);
+                }
+                off += run.len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes and copies every dirty run once; the bytes copied.
+    fn pass(&mut self, job: &Job) -> Result<u64, Error> {
+        let map = self.attached.map.clone();
+        let mut from = 0;
+        let mut copied = 0;
+        while let Some((off, len)) = map.take_next(from, CHUNK) {
+            if let Err(e) = self.copy_run(off, len) {
+                map.set(off, len);
+                return Err(e);
+            }
+            job.add_done(len);
+            self.done += len;
+            job.pace(len);
+            copied += len;
+            from = off + len;
+            if job.cancelled() {
+                break;
+            }
+        }
+        Ok(copied)
+    }
+
+    fn copy_run(&mut self, off: u64, len: u64) -> Result<(), Error> {
+        let image = self.device.image();
+        let mut buf = std::mem::take(&mut self.buf);
+        let data = &mut buf[..len as usize];
+        let r = read_live(&*image, off, data, &mut self.extents).map_err(|e| self.failed(e)).and_then(|()| {
+            let w = if data.iter().all(|&b| b == 0) {
+                self.target().zero(off, len)
+            } else {
+                self.target().write(off, data)
+            };
+            w.map_err(|e| self.failed(format!("{e}; the export serves on unchanged")))
+        });
+        self.buf = buf;
+        r
+    }
+
+    /// Quiesce, copy the last dirty runs, flush, open the target and swap.
+    fn pivot(&mut self, job: &Job) -> Result<(), Error> {
+        let name = self.name.clone();
+        let changer = self.changer.clone();
+        changer.live_change(&name, |live| {
+            if !Arc::ptr_eq(&live.device, &self.device) {
+                return Err(self.failed("the export was replaced while the job ran"));
+            }
+            let device = self.device.clone();
+            let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| self.failed(e.report()))?;
+            let map = self.attached.map.clone();
+            while let Some((off, len)) = map.take_next(0, CHUNK) {
+                self.copy_run(off, len)?;
+                job.add_done(len);
+                self.done += len;
+            }
+            self.total = self.total.max(self.done);
+            job.set_total(self.total);
+            let flushed = self.target().flush();
+            flushed.map_err(|e| self.failed(format!("{e}; the export serves on unchanged")))?;
+            let described = self.target().describe();
+            self.target = None;
+            let (path, format, spec_format) = match &self.pivot {
+                Pivot::Mirror { path, format: TargetFormat::Raw } => (path.clone(), Format::Raw, ImageFormat::Raw),
+                Pivot::Mirror { path, format: TargetFormat::Qcow2 } => {
+                    (path.clone(), Format::Qcow2, ImageFormat::Qcow2)
+                }
+                Pivot::Commit { base, base_format, .. } => {
+                    let f = if *base_format == Format::Qcow2 { ImageFormat::Qcow2 } else { ImageFormat::Raw };
+                    (base.clone(), *base_format, f)
+                }
+                Pivot::None => unreachable!("no pivot to an NBD target"),
+            };
+            let read_only = device.read_only();
+            let options =
+                vdisk_image::OpenOptions { format: Some(format), direct: live.direct, read_only, ..Default::default() };
+            let swapped = vdisk_image::open(&path, &options)
+                .map_err(|e| e.report().to_string())
+                .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
+            if let Err(e) = swapped {
+                return Err(self.failed(format!(
+                    "{described} holds the disk, but could not be served ({e}): the export serves on from its old \
+                     image"
+                )));
+            }
+            drop(guard);
+            self.relock = None;
+            live.spec.image = path.clone();
+            live.spec.format = spec_format;
+            live.spec.backing = None;
+            live.spec.ignore_backing_mtime = false;
+            live.format = device.image().format();
+            log::info!(export:% = name; "export {name:?}: {} job {}: now served from {described}", self.what, job.id);
+            Ok(())
+        })?;
+        if let Pivot::Commit { above, delete: true, .. } = &self.pivot {
+            for p in above {
+                if let Err(e) = std::fs::remove_file(p) {
+                    log::warn!(export:% = name; "export {name:?}: commit: cannot remove {}: {e}", p.display());
+                }
+            }
+        }
+        Ok(())
+    }
+}

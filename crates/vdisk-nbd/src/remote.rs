@@ -1,0 +1,333 @@
+//! A small NBD client for writing to another server's export: the target of
+//! a mirror (vdisk-daemon `mirror`). It connects over TCP (`nbd://HOST[:PORT]/NAME`)
+//! or a unix socket (`nbd+unix:///NAME?socket=PATH`), does the fixed newstyle
+//! handshake with NBD_OPT_GO (no TLS, no structured replies), and sends one
+//! request at a time with simple replies: WRITE, FLUSH (when the export
+//! offers it), WRITE_ZEROES (when offered; written zeros otherwise), READ.
+//! Every socket operation has a timeout, so a server that goes away fails
+//! the caller instead of hanging it. Wire constants come from [`crate::proto`];
+//! it shares nothing with the server side.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::proto::*;
+
+/// How long one socket operation may take before the target counts as gone.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+/// The largest request sent (the protocol's usual 32 MiB limit).
+const MAX_CHUNK: u64 = 32 << 20;
+
+/// Where an NBD URI points.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Address {
+    Tcp { host: String, port: u16 },
+    Unix(PathBuf),
+}
+
+/// A parsed `nbd://` or `nbd+unix://` URI.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Uri {
+    pub address: Address,
+    pub export: String,
+}
+
+impl Uri {
+    /// True when `s` looks like an NBD URI (and is no file name).
+    pub fn is_nbd(s: &str) -> bool {
+        s.starts_with("nbd://") || s.starts_with("nbd+unix://")
+    }
+
+    /// Parses `nbd://HOST[:PORT][/NAME]` (port 10809 by default) or
+    /// `nbd+unix:///[NAME]?socket=PATH`.
+    pub fn parse(s: &str) -> Result<Uri, String> {
+        let bad = |why: &str| {
+            format!("{s:?} is not an NBD URI ({why}): use nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH")
+        };
+        if let Some(rest) = s.strip_prefix("nbd+unix://") {
+            let (path, query) = rest.split_once('?').ok_or_else(|| bad("no ?socket=PATH"))?;
+            let export = path.strip_prefix('/').unwrap_or(path).to_owned();
+            let socket = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("socket="))
+                .filter(|p| !p.is_empty())
+                .ok_or_else(|| bad("no ?socket=PATH"))?;
+            return Ok(Uri { address: Address::Unix(PathBuf::from(socket)), export });
+        }
+        let rest = s.strip_prefix("nbd://").ok_or_else(|| bad("it starts with neither nbd:// nor nbd+unix://"))?;
+        let (hostport, export) = rest.split_once('/').unwrap_or((rest, ""));
+        let (host, port) = if let Some(h) = hostport.strip_prefix('[') {
+            let (h, p) = h.split_once(']').ok_or_else(|| bad("an unclosed [ in the host"))?;
+            (h.to_owned(), p.strip_prefix(':'))
+        } else {
+            match hostport.rsplit_once(':') {
+                Some((h, p)) => (h.to_owned(), Some(p)),
+                None => (hostport.to_owned(), None),
+            }
+        };
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        let port = match port {
+            None => 10809,
+            Some(p) => p.parse().map_err(|_| bad("the port is not a number"))?,
+        };
+        Ok(Uri { address: Address::Tcp { host, port }, export: export.to_owned() })
+    }
+}
+
+trait Conn: Read + Write + Send {}
+impl<T: Read + Write + Send> Conn for T {}
+
+/// Connects to the first address of `host` that answers within [`TIMEOUT`] each.
+fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"));
+    for addr in (host, port).to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, TIMEOUT.min(Duration::from_secs(10))) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// An open export of a remote server, in transmission.
+pub struct Remote {
+    sock: Box<dyn Conn>,
+    /// The export's size in bytes.
+    pub size: u64,
+    /// Its transmission flags (`TF_*`).
+    pub flags: u16,
+    cookie: u64,
+    /// The handshake is over: requests (and NBD_CMD_DISC at the end) may go.
+    open: bool,
+}
+
+fn broken(what: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.into())
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes(b[at..at + 2].try_into().unwrap())
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+impl Remote {
+    /// Connects to `uri`'s server and opens its export (NBD_OPT_GO).
+    pub fn open(uri: &Uri) -> io::Result<Remote> {
+        let sock: Box<dyn Conn> = match &uri.address {
+            Address::Tcp { host, port } => {
+                let s = connect_tcp(host, *port)?;
+                s.set_read_timeout(Some(TIMEOUT))?;
+                s.set_write_timeout(Some(TIMEOUT))?;
+                s.set_nodelay(true)?;
+                Box::new(s)
+            }
+            Address::Unix(path) => {
+                let s = UnixStream::connect(path)?;
+                s.set_read_timeout(Some(TIMEOUT))?;
+                s.set_write_timeout(Some(TIMEOUT))?;
+                Box::new(s)
+            }
+        };
+        let mut me = Remote { sock, size: 0, flags: 0, cookie: 0, open: false };
+        me.handshake(&uri.export)?;
+        Ok(me)
+    }
+
+    fn read_n(&mut self, n: usize) -> io::Result<Vec<u8>> {
+        let mut b = vec![0u8; n];
+        self.sock.read_exact(&mut b)?;
+        Ok(b)
+    }
+
+    fn handshake(&mut self, export: &str) -> io::Result<()> {
+        let hello = self.read_n(18)?;
+        if u64_at(&hello, 0) != NBDMAGIC || u64_at(&hello, 8) != IHAVEOPT {
+            return Err(broken("the server does not speak newstyle NBD (bad greeting magic)"));
+        }
+        let server = u16_at(&hello, 16);
+        if server & FLAG_FIXED_NEWSTYLE == 0 {
+            return Err(broken("the server does not offer fixed newstyle negotiation"));
+        }
+        let mut client = FLAG_C_FIXED_NEWSTYLE;
+        if server & FLAG_NO_ZEROES != 0 {
+            client |= FLAG_C_NO_ZEROES;
+        }
+        self.sock.write_all(&client.to_be_bytes())?;
+        let mut data = Vec::with_capacity(6 + export.len());
+        data.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        data.extend_from_slice(export.as_bytes());
+        data.extend_from_slice(&0u16.to_be_bytes());
+        let mut msg = Vec::with_capacity(16 + data.len());
+        msg.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        msg.extend_from_slice(&OPT_GO.to_be_bytes());
+        msg.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        msg.extend_from_slice(&data);
+        self.sock.write_all(&msg)?;
+        let mut have_export = false;
+        loop {
+            let head = self.read_n(20)?;
+            if u64_at(&head, 0) != OPT_REPLY_MAGIC || u32_at(&head, 8) != OPT_GO {
+                return Err(broken("the server's option reply is malformed"));
+            }
+            let (typ, len) = (u32_at(&head, 12), u32_at(&head, 16) as usize);
+            if len > 1 << 20 {
+                return Err(broken(format!("the server's option reply is {len} bytes long")));
+            }
+            let body = self.read_n(len)?;
+            match typ {
+                REP_ACK if have_export => {
+                    self.open = true;
+                    return Ok(());
+                }
+                REP_ACK => return Err(broken("the server ended NBD_OPT_GO without the export's size")),
+                REP_INFO if body.len() >= 12 && u16_at(&body, 0) == INFO_EXPORT => {
+                    self.size = u64_at(&body, 2);
+                    self.flags = u16_at(&body, 10);
+                    have_export = true;
+                }
+                REP_INFO => {}
+                t if t & REP_FLAG_ERROR != 0 => {
+                    let why = String::from_utf8_lossy(&body).into_owned();
+                    let what = match t {
+                        REP_ERR_UNKNOWN => "no such export",
+                        REP_ERR_TLS_REQD => "the server requires TLS",
+                        REP_ERR_POLICY => "the server refuses this client",
+                        REP_ERR_UNSUP => "the server does not support NBD_OPT_GO",
+                        _ => "the server refused the export",
+                    };
+                    let e =
+                        format!("{what} {export:?}{}", if why.is_empty() { String::new() } else { format!(": {why}") });
+                    return Err(io::Error::other(e));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Sends one request and waits for its simple reply.
+    fn request(&mut self, typ: u16, offset: u64, len: u32, payload: &[u8]) -> io::Result<()> {
+        self.cookie += 1;
+        let mut msg = Vec::with_capacity(REQUEST_HEADER + payload.len());
+        msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        msg.extend_from_slice(&0u16.to_be_bytes());
+        msg.extend_from_slice(&typ.to_be_bytes());
+        msg.extend_from_slice(&self.cookie.to_be_bytes());
+        msg.extend_from_slice(&offset.to_be_bytes());
+        msg.extend_from_slice(&len.to_be_bytes());
+        msg.extend_from_slice(payload);
+        self.sock.write_all(&msg)?;
+        let reply = self.read_n(16)?;
+        if u32_at(&reply, 0) != SIMPLE_REPLY_MAGIC || u64_at(&reply, 8) != self.cookie {
+            return Err(broken("the server's reply is malformed (magic or cookie)"));
+        }
+        match u32_at(&reply, 4) {
+            0 => Ok(()),
+            e => Err(io::Error::from_raw_os_error(e as i32)),
+        }
+    }
+
+    /// Writes `data` at `offset`.
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        for (i, chunk) in data.chunks(MAX_CHUNK as usize).enumerate() {
+            self.request(CMD_WRITE, offset + (i as u64) * MAX_CHUNK, chunk.len() as u32, chunk)?;
+        }
+        Ok(())
+    }
+
+    /// Makes `len` bytes at `offset` read as zeros (WRITE_ZEROES, or written zeros).
+    pub fn zero(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        let mut at = 0;
+        if self.flags & TF_SEND_WRITE_ZEROES != 0 {
+            while at < len {
+                let n = (len - at).min(MAX_CHUNK);
+                self.request(CMD_WRITE_ZEROES, offset + at, n as u32, &[])?;
+                at += n;
+            }
+            return Ok(());
+        }
+        let zeros = vec![0u8; len.min(1 << 20) as usize];
+        while at < len {
+            let n = (len - at).min(zeros.len() as u64);
+            self.write(offset + at, &zeros[..n as usize])?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Makes every write durable (a no-op on an export that offers no FLUSH).
+    pub fn flush(&mut self) -> io::Result<()> {
+        if self.flags & TF_SEND_FLUSH != 0 {
+            self.request(CMD_FLUSH, 0, 0, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes at `offset`.
+    pub fn read(&mut self, offset: u64, len: u32) -> io::Result<Vec<u8>> {
+        self.cookie += 1;
+        let mut msg = Vec::with_capacity(REQUEST_HEADER);
+        msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        msg.extend_from_slice(&0u16.to_be_bytes());
+        msg.extend_from_slice(&CMD_READ.to_be_bytes());
+        msg.extend_from_slice(&self.cookie.to_be_bytes());
+        msg.extend_from_slice(&offset.to_be_bytes());
+        msg.extend_from_slice(&len.to_be_bytes());
+        self.sock.write_all(&msg)?;
+        let reply = self.read_n(16)?;
+        if u32_at(&reply, 0) != SIMPLE_REPLY_MAGIC || u64_at(&reply, 8) != self.cookie {
+            return Err(broken("the server's reply is malformed (magic or cookie)"));
+        }
+        match u32_at(&reply, 4) {
+            0 => self.read_n(len as usize),
+            e => Err(io::Error::from_raw_os_error(e as i32)),
+        }
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        // NBD_CMD_DISC: the server closes when it has answered what it took.
+        let mut msg = Vec::with_capacity(REQUEST_HEADER);
+        msg.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        msg.extend_from_slice(&0u16.to_be_bytes());
+        msg.extend_from_slice(&CMD_DISC.to_be_bytes());
+        msg.extend_from_slice(&[0u8; 20]);
+        let _ = self.sock.write_all(&msg);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_parse_or_say_why_not() {
+        let u = Uri::parse("nbd://127.0.0.1:10810/disk").unwrap();
+        assert_eq!(u.address, Address::Tcp { host: "127.0.0.1".into(), port: 10810 });
+        assert_eq!(u.export, "disk");
+        let u = Uri::parse("nbd://[::1]/x").unwrap();
+        assert_eq!(u.address, Address::Tcp { host: "::1".into(), port: 10809 });
+        let u = Uri::parse("nbd+unix:///d?socket=/run/a.sock").unwrap();
+        assert_eq!((u.address, u.export.as_str()), (Address::Unix("/run/a.sock".into()), "d"));
+        assert!(Uri::parse("nbd+unix:///d").unwrap_err().contains("socket=PATH"));
+        assert!(Uri::parse("nbd://:5/d").unwrap_err().contains("no host"));
+        assert!(Uri::parse("nbd://h:x/d").unwrap_err().contains("port"));
+        assert!(Uri::is_nbd("nbd://h/d") && !Uri::is_nbd("/tmp/nbd://x"));
+    }
+}
