@@ -1,0 +1,541 @@
+//! Copy-before-write: the point-in-time view of a disk that a backup reads
+//! while the guest keeps writing (qemu's "fleecing"; docs/block-jobs.md
+//! "Incremental backup").
+//!
+//! [`Cbw::wrap`] puts a [`CbwImage`] over the image an export serves. Before
+//! the guest changes a range (its `prepare_write`, and `zero` for what a
+//! format records in metadata, like a qcow2 zero cluster), the old data of
+//! each granule of the range not copied yet is read through the image and
+//! written to a scratch file, at the granule's own offset (the scratch file is
+//! sparse: only copied granules take space; a granule that read as zeros is
+//! not written at all). The granule → copied map lives in memory, behind one
+//! lock; a write to a granule being copied waits for that copy.
+//!
+//! [`ViewImage`] is the frozen disk, read-only: a copied granule reads from
+//! the scratch file, any other from the live image. A read of the live image
+//! must not race a guest write that lands there after its copy: a view read
+//! *pins* every granule it covers from `map_read` until the engine says the
+//! read is done (`read_done`; the image says it needs that with `pins_reads`,
+//! and the engine then serves it on the thread engine, where a read is mapped
+//! and performed by one thread in one go). A guest write waits until the
+//! granules it changes are copied and unpinned. That is qemu's rule too
+//! (copy-before-write's snapshot-access reads lock their range against the
+//! copy-before-write of guest writes).
+//!
+//! The scratch file is unlinked from the start (`O_TMPFILE`, or created and
+//! unlinked at once where the file system has none): it is never one of the
+//! disk's own files, a crash leaves nothing behind, and dropping the last
+//! holder of the [`Cbw`] frees its space.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::{bitmap, Allocation, Error, Extent, Image, ImageBase, RbdImage, Result};
+
+/// The default copy unit: 64 KiB, qemu's cluster size and bitmap granularity.
+pub const DEFAULT_GRANULE: u64 = 64 << 10;
+
+/// What the lock guards: which granules are copied, being copied, or pinned by view reads.
+#[derive(Default)]
+struct State {
+    /// One bit per granule: its old data is in the scratch file (or read as zeros).
+    copied: Vec<u64>,
+    /// Zero-filled copied granules (no data in the scratch file): the view reports them as zeros.
+    zeros: Vec<u64>,
+    /// Granules a write is copying now.
+    copying: HashSet<u64>,
+    /// View reads in flight per granule.
+    pins: HashMap<u64, u32>,
+    /// The backup ended: writes no longer copy (the wrapper is on its way out).
+    detached: bool,
+}
+
+fn bit(v: &[u64], g: u64) -> bool {
+    v[(g / 64) as usize] & (1 << (g % 64)) != 0
+}
+
+fn set_bit(v: &mut [u64], g: u64) {
+    v[(g / 64) as usize] |= 1 << (g % 64);
+}
+
+/// The copy-before-write state one backup shares between the wrapper (its
+/// writer) and the view (its reader).
+pub struct Cbw {
+    inner: Arc<dyn Image>,
+    granule: u64,
+    scratch: File,
+    /// Where the scratch file was made (it has no name of its own), for messages.
+    scratch_dir: PathBuf,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Cbw {
+    /// Wraps `inner` with a scratch file made in `scratch_dir`, copying
+    /// `granule` bytes at a time (a power of two, at least 512). Returns the
+    /// wrapper the export serves from now on and the frozen view.
+    /// An image on RBD is refused (the copy reads files).
+    pub fn wrap(inner: Arc<dyn Image>, scratch_dir: &Path, granule: u64) -> Result<(Arc<CbwImage>, Arc<ViewImage>)> {
+        bitmap::check_granularity(granule)?;
+        if (0..inner.files().len().max(1)).any(|f| inner.rbd(f).is_some()) {
+            return Err(Error::invalid(format!(
+                "{}: an image on RBD cannot be given a copy-before-write backup view",
+                inner.base().path.display()
+            )));
+        }
+        let scratch = scratch_file(scratch_dir)?;
+        let granules = inner.size().div_ceil(granule);
+        let words = granules.div_ceil(64) as usize;
+        let state = State { copied: vec![0; words], zeros: vec![0; words], ..Default::default() };
+        let cbw = Arc::new(Cbw {
+            inner: inner.clone(),
+            granule,
+            scratch,
+            scratch_dir: scratch_dir.to_owned(),
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+        });
+        let mut files = Vec::with_capacity(inner.files().len() + 1);
+        for (i, f) in inner.files().iter().enumerate() {
+            files.push(f.try_clone().map_err(|e| {
+                Error::io(e, format!("cannot duplicate the descriptor of {}", inner.file_path(i).display()))
+            })?);
+        }
+        files
+            .push(cbw.scratch.try_clone().map_err(|e| Error::io(e, "cannot duplicate the scratch file's descriptor"))?);
+        let view_base = ImageBase::new(inner.base().path.clone(), inner.size(), true, files);
+        let view = Arc::new(ViewImage { cbw: cbw.clone(), base: view_base });
+        Ok((Arc::new(CbwImage { cbw }), view))
+    }
+
+    /// The granules `len` bytes at `offset` touch.
+    fn granules(&self, offset: u64, len: u64) -> std::ops::Range<u64> {
+        if len == 0 {
+            return 0..0;
+        }
+        offset / self.granule..(offset + len - 1) / self.granule + 1
+    }
+
+    /// Byte range of granule `g`, clamped to the disk.
+    fn span(&self, g: u64) -> (u64, u64) {
+        let start = g * self.granule;
+        (start, self.granule.min(self.inner.size() - start))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.changed.wait(st).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Copies the old data of every granule of the range not copied yet and
+    /// returns once they all are and no view read pins any of them.
+    fn copy_before(&self, offset: u64, len: u64) -> Result<()> {
+        let range = self.granules(offset, len);
+        let mut st = self.lock();
+        loop {
+            if st.detached {
+                return Ok(());
+            }
+            // Claim what nobody copies yet; wait for what another write copies.
+            let mut mine = Vec::new();
+            let mut waiting = false;
+            for g in range.clone() {
+                if bit(&st.copied, g) {
+                    continue;
+                }
+                if st.copying.insert(g) {
+                    mine.push(g);
+                } else {
+                    waiting = true;
+                }
+            }
+            if !mine.is_empty() {
+                drop(st);
+                let mut done = Vec::with_capacity(mine.len());
+                let mut failed = None;
+                for &g in &mine {
+                    match self.copy_granule(g) {
+                        Ok(zero) => done.push((g, zero)),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                st = self.lock();
+                for &g in &mine {
+                    st.copying.remove(&g);
+                }
+                for (g, zero) in done {
+                    set_bit(&mut st.copied, g);
+                    if zero {
+                        set_bit(&mut st.zeros, g);
+                    }
+                }
+                self.changed.notify_all();
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                continue;
+            }
+            let pinned = range.clone().any(|g| st.pins.get(&g).is_some_and(|&n| n > 0));
+            if !waiting && !pinned {
+                return Ok(());
+            }
+            st = self.wait(st);
+        }
+    }
+
+    /// Reads granule `g` of the live image and writes it to the scratch file
+    /// (unless it reads as zeros); returns whether it did read as zeros.
+    fn copy_granule(&self, g: u64) -> Result<bool> {
+        let (start, len) = self.span(g);
+        let mut extents = Vec::new();
+        self.inner.map_read(start, len, &mut extents)?;
+        let mut buf = vec![0u8; len as usize];
+        let mut at = 0usize;
+        for ext in &extents {
+            let n = ext.len() as usize;
+            if let Extent::Data { file, offset, .. } = *ext {
+                read_full(&self.inner.files()[file], &mut buf[at..at + n], offset).map_err(|e| {
+                    Error::io(
+                        e,
+                        format!(
+                            "copy-before-write: cannot read {n} bytes at offset {offset} of {}",
+                            self.inner.file_path(file).display()
+                        ),
+                    )
+                })?;
+            }
+            at += n;
+        }
+        if buf.iter().all(|&b| b == 0) {
+            return Ok(true);
+        }
+        self.scratch.write_all_at(&buf, start).map_err(|e| {
+            Error::io(
+                e,
+                format!(
+                    "copy-before-write: cannot write {len} bytes to the scratch file in {} (is it full? give the \
+                     backup a --scratch directory with room)",
+                    self.scratch_dir.display()
+                ),
+            )
+        })?;
+        Ok(false)
+    }
+
+    /// Bytes of the disk copied to the scratch file so far (whole granules, zero ones too).
+    pub fn copied_bytes(&self) -> u64 {
+        let st = self.lock();
+        st.copied.iter().map(|w| w.count_ones() as u64).sum::<u64>() * self.granule
+    }
+
+    /// Ends copying: the writes that follow go straight to the image. Called
+    /// before the wrapper is swapped out, under the device's quiesce.
+    pub fn detach(&self) {
+        self.lock().detached = true;
+        self.changed.notify_all();
+    }
+
+    /// The image under the wrapper.
+    pub fn inner(&self) -> &Arc<dyn Image> {
+        &self.inner
+    }
+}
+
+/// Reads `buf.len()` bytes at `offset`; what lies past the end of the file reads as zeros.
+fn read_full(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                buf[done..].fill(0);
+                return Ok(());
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A scratch file in `dir` with no name: `O_TMPFILE`, else made and unlinked at once.
+fn scratch_file(dir: &Path) -> Result<File> {
+    let md = std::fs::metadata(dir).map_err(|e| {
+        Error::io(e, format!("scratch directory {}: cannot use it (give an existing directory)", dir.display()))
+    })?;
+    if !md.is_dir() {
+        return Err(Error::invalid(format!("scratch directory {} is not a directory", dir.display())));
+    }
+    let tmp =
+        std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC).open(dir);
+    match tmp {
+        Ok(f) => Ok(f),
+        Err(_) => {
+            let path = dir.join(format!(".vdisk-scratch-{}-{:x}", std::process::id(), rand_suffix()));
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(|e| Error::io(e, format!("cannot create a scratch file in {}", dir.display())))?;
+            let _ = std::fs::remove_file(&path);
+            Ok(f)
+        }
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    h.finish()
+}
+
+/// The image an export serves during a backup: the plain image, whose writes
+/// first copy the old data to the scratch file.
+pub struct CbwImage {
+    cbw: Arc<Cbw>,
+}
+
+impl CbwImage {
+    pub fn cbw(&self) -> &Arc<Cbw> {
+        &self.cbw
+    }
+}
+
+impl Image for CbwImage {
+    fn format(&self) -> &'static str {
+        self.cbw.inner.format()
+    }
+
+    fn base(&self) -> &ImageBase {
+        self.cbw.inner.base()
+    }
+
+    fn size(&self) -> u64 {
+        self.cbw.inner.size()
+    }
+
+    fn read_only(&self) -> bool {
+        self.cbw.inner.read_only()
+    }
+
+    fn files(&self) -> &[File] {
+        self.cbw.inner.files()
+    }
+
+    fn direct_files(&self) -> &[File] {
+        self.cbw.inner.direct_files()
+    }
+
+    fn rbd(&self, file: usize) -> Option<&RbdImage> {
+        self.cbw.inner.rbd(file)
+    }
+
+    fn file_path(&self, file: usize) -> &Path {
+        self.cbw.inner.file_path(file)
+    }
+
+    fn map_read(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        self.cbw.inner.map_read(offset, len, out)
+    }
+
+    fn map_write(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        self.cbw.inner.map_write(offset, len, out)
+    }
+
+    fn prepare_write(&self, offset: u64, len: u64) -> Result<()> {
+        self.cbw.copy_before(offset, len)?;
+        self.cbw.inner.prepare_write(offset, len)
+    }
+
+    fn write_done(&self, offset: u64, len: u64, durable: bool) -> Result<()> {
+        self.cbw.inner.write_done(offset, len, durable)
+    }
+
+    fn write_failed(&self, offset: u64, len: u64) {
+        self.cbw.inner.write_failed(offset, len)
+    }
+
+    fn zero(&self, offset: u64, len: u64, trim: bool, no_hole: bool) -> Result<Vec<(u64, u64)>> {
+        // A format may record the zeros in its metadata without a prepare_write: copy first.
+        self.cbw.copy_before(offset, len)?;
+        self.cbw.inner.zero(offset, len, trim, no_hole)
+    }
+
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()> {
+        self.cbw.inner.allocation(offset, len, max, out)
+    }
+
+    fn sync_metadata(&self) -> Result<()> {
+        self.cbw.inner.sync_metadata()
+    }
+
+    fn bitmap_store(&self) -> Option<&dyn bitmap::BitmapStore> {
+        self.cbw.inner.bitmap_store()
+    }
+}
+
+/// The disk as it was when the backup began, read-only. Its files are the
+/// live image's (same numbers) and then the scratch file.
+pub struct ViewImage {
+    cbw: Arc<Cbw>,
+    base: ImageBase,
+}
+
+impl ViewImage {
+    fn scratch_index(&self) -> usize {
+        self.base.files.len() - 1
+    }
+
+    /// Pins the granules of the range, waiting out copies in progress; returns
+    /// the lock and, per granule run, whether it is copied (and zeros).
+    fn pin(&self, offset: u64, len: u64) -> MutexGuard<'_, State> {
+        let cbw = &self.cbw;
+        let range = cbw.granules(offset, len);
+        let mut st = cbw.lock();
+        while range.clone().any(|g| st.copying.contains(&g)) {
+            st = cbw.wait(st);
+        }
+        for g in range {
+            *st.pins.entry(g).or_insert(0) += 1;
+        }
+        st
+    }
+
+    fn unpin(&self, offset: u64, len: u64) {
+        let cbw = &self.cbw;
+        let mut st = cbw.lock();
+        for g in cbw.granules(offset, len) {
+            if let Some(n) = st.pins.get_mut(&g) {
+                *n -= 1;
+                if *n == 0 {
+                    st.pins.remove(&g);
+                }
+            }
+        }
+        drop(st);
+        cbw.changed.notify_all();
+    }
+
+    /// Splits the range into runs of one state: (start, len, copied, zeros).
+    fn runs(&self, st: &State, offset: u64, len: u64) -> Vec<(u64, u64, bool, bool)> {
+        let cbw = &self.cbw;
+        let mut out: Vec<(u64, u64, bool, bool)> = Vec::new();
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let g = pos / cbw.granule;
+            let stop = ((g + 1) * cbw.granule).min(end);
+            let (c, z) = (bit(&st.copied, g), bit(&st.zeros, g));
+            match out.last_mut() {
+                Some(last) if last.2 == c && last.3 == z => last.1 += stop - pos,
+                _ => out.push((pos, stop - pos, c, z)),
+            }
+            pos = stop;
+        }
+        out
+    }
+}
+
+impl Image for ViewImage {
+    fn format(&self) -> &'static str {
+        "backup-view"
+    }
+
+    fn base(&self) -> &ImageBase {
+        &self.base
+    }
+
+    fn rbd(&self, _file: usize) -> Option<&RbdImage> {
+        None
+    }
+
+    fn file_path(&self, file: usize) -> &Path {
+        if file == self.scratch_index() {
+            &self.cbw.scratch_dir
+        } else {
+            self.cbw.inner.file_path(file)
+        }
+    }
+
+    fn map_read(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
+        let st = self.pin(offset, len);
+        let first = out.len();
+        let mut mapped = Ok(());
+        for (at, n, copied, zeros) in self.runs(&st, offset, len) {
+            mapped = match (copied, zeros) {
+                (true, true) => {
+                    out.push(Extent::Zero { len: n });
+                    Ok(())
+                }
+                (true, false) => {
+                    out.push(Extent::Data { file: self.scratch_index(), offset: at, len: n });
+                    Ok(())
+                }
+                (false, _) => self.cbw.inner.map_read(at, n, out),
+            };
+            if mapped.is_err() {
+                break;
+            }
+        }
+        drop(st);
+        if mapped.is_err() {
+            out.truncate(first);
+            self.unpin(offset, len);
+        }
+        mapped
+    }
+
+    fn map_write(&self, offset: u64, _len: u64, _out: &mut Vec<Extent>) -> Result<()> {
+        Err(Error::invalid(format!("a backup view is read-only (a write at offset {offset} was refused)")))
+    }
+
+    fn pins_reads(&self) -> bool {
+        true
+    }
+
+    fn read_done(&self, offset: u64, len: u64) {
+        self.unpin(offset, len);
+    }
+
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Allocation>) -> Result<()> {
+        let st = self.pin(offset, len);
+        let runs = self.runs(&st, offset, len);
+        drop(st);
+        let r = (|| {
+            let first = out.len();
+            for (at, n, copied, zeros) in runs {
+                if out.len() - first >= max {
+                    break;
+                }
+                if copied {
+                    out.push(Allocation { len: n, hole: zeros, zero: zeros, depth: 1 });
+                    continue;
+                }
+                let before: u64 = out[first..].iter().map(|a| a.len).sum();
+                self.cbw.inner.allocation(at, n, max - (out.len() - first), out)?;
+                let got: u64 = out[first..].iter().map(|a| a.len).sum::<u64>() - before;
+                if got < n {
+                    break;
+                }
+            }
+            Ok(())
+        })();
+        self.unpin(offset, len);
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests;
