@@ -18,6 +18,7 @@
 //! and the change is given up (nothing half added, [`Ticket`]).
 
 mod access;
+pub mod backup;
 pub mod bitmaps;
 pub mod jobs;
 pub mod json;
@@ -348,6 +349,9 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
         Method::ExportStream { name } => jobs::stream(daemon, &name, ticket),
         Method::JobList => Ok(jobs::list(&daemon.jobs())),
+        Method::BackupBegin(b) => backup::begin(daemon, b, ticket),
+        Method::BackupEnd { view } => backup::end(daemon, &view, ticket),
+        Method::BackupList => Ok(backup::list(daemon)),
     }
 }
 

@@ -78,6 +78,31 @@ pub enum Method {
     JobList,
     /// `bitmap_*`: one export's dirty bitmaps.
     Bitmap(BitmapCall),
+    /// `backup_begin`: a point-in-time view `view` of export `export` (fleecing).
+    BackupBegin(BackupParams),
+    /// `backup_end`: drop view `view` and its scratch data.
+    BackupEnd {
+        view: String,
+    },
+    /// `backup_list`: the backups in progress.
+    BackupList,
+}
+
+/// `backup_begin`'s params, type-checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackupParams {
+    pub export: String,
+    pub view: String,
+    pub bitmap: Option<String>,
+    pub new_bitmap: Option<String>,
+    pub scratch: Option<String>,
+}
+
+fn backup_params(p: &mut Params) -> Result<Method, Fault> {
+    let export = p.str("export")?.ok_or_else(|| bad("\"export\" (the export backed up) is required"))?;
+    let view = p.str("view")?.ok_or_else(|| bad("\"view\" (the name of the view's NBD export) is required"))?;
+    let (bitmap, new_bitmap, scratch) = (p.str("bitmap")?, p.str("new_bitmap")?, p.str("scratch")?);
+    Ok(Method::BackupBegin(BackupParams { export, view, bitmap, new_bitmap, scratch }))
 }
 
 /// The bitmap verbs (`bitmap_add` ... `bitmap_list`).
@@ -123,7 +148,14 @@ impl Method {
     pub fn changes_state(&self) -> bool {
         match self {
             Method::Bitmap(b) => b.verb != "list",
-            m => !matches!(m, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo | Method::JobList),
+            m => !matches!(
+                m,
+                Method::ExportList
+                    | Method::ExportStats { .. }
+                    | Method::ServerInfo
+                    | Method::JobList
+                    | Method::BackupList
+            ),
         }
     }
 
@@ -148,6 +180,9 @@ impl Method {
             Method::ExportSnapshot { .. } => "export_snapshot",
             Method::ExportStream { .. } => "export_stream",
             Method::JobList => "job_list",
+            Method::BackupBegin(_) => "backup_begin",
+            Method::BackupEnd { .. } => "backup_end",
+            Method::BackupList => "backup_list",
         }
     }
 }
@@ -231,6 +266,11 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
         "export_snapshot" => snapshot_params(&mut p)?,
         "export_stream" => Method::ExportStream { name: p.name()? },
         "job_list" => Method::JobList,
+        "backup_begin" => backup_params(&mut p)?,
+        "backup_end" => {
+            Method::BackupEnd { view: p.str("view")?.ok_or_else(|| bad("\"view\" (the view to end) is required"))? }
+        }
+        "backup_list" => Method::BackupList,
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -421,5 +461,25 @@ mod tests {
             assert_eq!(parse(m, p(j)).unwrap_err().code, INVALID_PARAMS, "{m} {j}");
         }
         assert_eq!(parse("bitmap_frob", p("{}")).unwrap_err().code, METHOD_NOT_FOUND);
+    }
+
+    #[test]
+    fn backup_methods_are_parsed_and_checked() {
+        let p = |j: &str| Params(serde_json::from_str(j).unwrap());
+        let m = parse("backup_begin", p(r#"{"export":"d","view":"v","bitmap":"b","new_bitmap":"b2"}"#)).unwrap();
+        let Method::BackupBegin(b) = &m else { panic!("not a backup") };
+        assert_eq!((b.bitmap.as_deref(), b.new_bitmap.as_deref(), b.scratch.as_deref()), (Some("b"), Some("b2"), None));
+        assert!(m.changes_state() && m.name() == "backup_begin");
+        assert_eq!(parse("backup_end", p(r#"{"view":"v"}"#)).unwrap(), Method::BackupEnd { view: "v".into() });
+        assert!(!parse("backup_list", p("{}")).unwrap().changes_state());
+        for (m, params) in [
+            ("backup_begin", r#"{"export":"d"}"#),
+            ("backup_begin", r#"{"view":"v"}"#),
+            ("backup_begin", r#"{"export":"d","view":"v","bitmap":1}"#),
+            ("backup_begin", r#"{"export":"d","view":"v","frob":true}"#),
+            ("backup_end", r#"{}"#),
+        ] {
+            assert_eq!(parse(m, p(params)).unwrap_err().code, INVALID_PARAMS, "{m} {params}");
+        }
     }
 }

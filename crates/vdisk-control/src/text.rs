@@ -25,6 +25,7 @@ pub fn human_output(method: &str, r: &Value) -> String {
         "export_snapshot" => snapshot_text(r),
         "export_stream" => stream_text(r),
         "job_list" => jobs_table(r.as_array().map(Vec::as_slice).unwrap_or_default()),
+        m if m.starts_with("backup_") => crate::backup::text(m, r),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }

@@ -8,11 +8,12 @@
 //! control socket (crates/vdisk-control) maps them to JSON-RPC.
 //!
 //! Modules, each depending only on those listed after it:
-//! `metrics`, `reload` → `config` → `security` → `stream` → `snapshot` → `daemon` → `jobs`;
-//! `daemon` → `fuse`, `vhost`
+//! `metrics`, `reload` → `config` → `security` → `stream` → `snapshot` → `backup` → `daemon` → `jobs`;
+//! `daemon` → `views`, `bitmaps`, `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
+pub mod backup;
 pub mod bitmaps;
 pub mod config;
 pub mod daemon;
@@ -32,6 +33,7 @@ pub mod stopping;
 pub mod stream;
 pub mod systemd;
 mod vhost;
+pub mod views;
 
 pub use daemon::{Daemon, ExportInfo, ExportStats, Origin, ServerInfo, Settings, Ticket};
 pub use error::{Error, ErrorKind};

@@ -244,6 +244,14 @@ impl Cbw {
         self.changed.notify_all();
     }
 
+    /// Frees the scratch file's space (at the end of a backup, once nothing
+    /// reads the view and nothing copies any more).
+    pub fn discard_scratch(&self) {
+        if let Err(e) = self.scratch.set_len(0) {
+            log::warn!("backup scratch file in {}: cannot free its space: {e}", self.scratch_dir.display());
+        }
+    }
+
     /// The image under the wrapper.
     pub fn inner(&self) -> &Arc<dyn Image> {
         &self.inner

@@ -528,6 +528,9 @@ pub enum CtlCommand {
     Stream { name: String },
     /// The live disk operations (snapshot; commit, stream, mirror to come), running and ended.
     Jobs,
+    /// Point-in-time backup views of an export (begin, end, list), for full and incremental backups over NBD.
+    #[command(subcommand)]
+    Backup(crate::ctl_backup::BackupCommand),
 }
 
 /// The format of a snapshot's overlay.

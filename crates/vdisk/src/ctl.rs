@@ -120,6 +120,11 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             "export_stream"
         }
         CtlCommand::Jobs => "job_list",
+        CtlCommand::Backup(b) => {
+            let (method, params) = crate::ctl_backup::request(b)?;
+            p = params;
+            method
+        }
     };
     Ok((method, p))
 }

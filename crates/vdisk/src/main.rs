@@ -8,6 +8,7 @@ mod cli;
 mod commit;
 mod create;
 mod ctl;
+mod ctl_backup;
 mod ctl_bitmaps;
 mod info;
 mod logger;
