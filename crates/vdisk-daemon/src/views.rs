@@ -7,8 +7,8 @@
 //! image pins what it reads, see vdisk_image::cbw) over the frozen disk, while
 //! the export's device serves the copy-before-write wrapper. Ending one:
 //! the view leaves the NBD server (its clients are disconnected) and its
-//! device stops; then, under a quiesce of the export's device, copying stops
-//! and the plain image is put back; the scratch file (unlinked from the start)
+//! device stops; copying stops; then, under a quiesce of the export's device,
+//! the plain image is put back; the scratch file (unlinked from the start)
 //! is truncated so its space is freed at once.
 
 use std::path::PathBuf;
@@ -105,23 +105,25 @@ pub(crate) fn end(view: View, nbd: &Server, stopping: bool) -> Result<(), Error>
     if let Err(e) = view.device.shutdown() {
         log::warn!(export:% = export; "backup view {name:?}: its device stopped with an error: {}", e.report());
     }
-    let restored = if stopping {
-        view.cbw.cbw().detach();
-        Ok(())
-    } else {
-        put_back(&view)
-    };
+    // Nothing reads the view any more: writes stop copying at once, whatever follows.
+    view.cbw.cbw().detach();
+    let restored = if stopping { Ok(()) } else { put_back(&view) };
     view.cbw.cbw().discard_scratch();
     log::info!(export:% = export; "backup view {name:?} of export {export:?} ended");
     restored
 }
 
-/// Under a quiesce of the export's device: stop copying, serve the plain image again.
+/// Under a quiesce of the export's device: serve the plain image again. Should
+/// that fail, the wrapper stays, detached: it passes every request through.
 fn put_back(view: &View) -> Result<(), Error> {
     let (name, export) = (&view.info.view, &view.info.export);
-    let fail = |why: String| Error::failed(format!("end of backup view {name:?} of export {export:?}: {why}"));
+    let fail = |why: String| {
+        Error::failed(format!(
+            "end of backup view {name:?} of export {export:?}: the view is gone, but the export's image could not \
+             be unwrapped ({why}); it no longer copies anything and is unwrapped when the export is removed"
+        ))
+    };
     let guard = view.live.quiesce(QUIESCE_LIMIT).map_err(|e| fail(e.report().to_string()))?;
-    view.cbw.cbw().detach();
     let current = view.live.image();
     // The wrapper, unless something swapped it out meanwhile (nothing should: live changes are refused).
     if std::ptr::addr_eq(Arc::as_ptr(&current), Arc::as_ptr(&view.cbw)) {
