@@ -8,19 +8,25 @@
 //! each granule of the range not copied yet is read through the image and
 //! written to a scratch file, at the granule's own offset (the scratch file is
 //! sparse: only copied granules take space; a granule that read as zeros is
-//! not written at all). The granule → copied map lives in memory, behind one
-//! lock; a write to a granule being copied waits for that copy.
+//! not written at all). The granule → copied map lives in memory: which
+//! granules are being copied, and the view reads in flight, behind one lock;
+//! the copied bits are atomic too, so a write whose granules are all copied
+//! already goes on without taking the lock. A write to a granule being
+//! copied waits for that copy.
 //!
 //! [`ViewImage`] is the frozen disk, read-only: a copied granule reads from
 //! the scratch file, any other from the live image. A read of the live image
 //! must not race a guest write that lands there after its copy: a view read
-//! *pins* every granule it covers from `map_read` until the engine says the
-//! read is done (`read_done`; the image says it needs that with `pins_reads`,
-//! and the engine then serves it on the thread engine, where a read is mapped
-//! and performed by one thread in one go). A guest write waits until the
-//! granules it changes are copied and unpinned. That is qemu's rule too
-//! (copy-before-write's snapshot-access reads lock their range against the
-//! copy-before-write of guest writes).
+//! *pins* every granule it maps to the live image, from `map_read` until the
+//! engine says the read is done (`read_done`; the image says it needs that
+//! with `pins_reads`, and the engine then serves it on the thread engine,
+//! where a read is mapped and performed by one thread in one go). A copy
+//! claims its granule first (view reads of it wait), then waits until no
+//! read pins it, then copies; the guest write waits for the copy. So a pinned
+//! granule is never copied, and a granule copied stays copied: `read_done`
+//! unpins exactly the granules of its range not copied. That is qemu's rule
+//! too (copy-before-write's snapshot-access reads lock their range against
+//! the copy-before-write of guest writes).
 //!
 //! The scratch file is unlinked from the start (`O_TMPFILE`, or created and
 //! unlinked at once where the file system has none): it is never one of the
@@ -31,6 +37,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::{bitmap, Allocation, Error, Extent, Image, ImageBase, RbdImage, Result};
@@ -38,11 +45,9 @@ use crate::{bitmap, Allocation, Error, Extent, Image, ImageBase, RbdImage, Resul
 /// The default copy unit: 64 KiB, qemu's cluster size and bitmap granularity.
 pub const DEFAULT_GRANULE: u64 = 64 << 10;
 
-/// What the lock guards: which granules are copied, being copied, or pinned by view reads.
+/// What the lock guards: which granules are being copied, or pinned by view reads.
 #[derive(Default)]
 struct State {
-    /// One bit per granule: its old data is in the scratch file (or read as zeros).
-    copied: Vec<u64>,
     /// Zero-filled copied granules (no data in the scratch file): the view reports them as zeros.
     zeros: Vec<u64>,
     /// Granules a write is copying now.
@@ -51,6 +56,27 @@ struct State {
     pins: HashMap<u64, u32>,
     /// The backup ended: writes no longer copy (the wrapper is on its way out).
     detached: bool,
+}
+
+/// One bit per granule, read without the lock and set under it.
+struct Bits(Vec<AtomicU64>);
+
+impl Bits {
+    fn new(granules: u64) -> Bits {
+        Bits((0..granules.div_ceil(64)).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    fn get(&self, g: u64) -> bool {
+        self.0[(g / 64) as usize].load(Ordering::Acquire) & (1 << (g % 64)) != 0
+    }
+
+    fn set(&self, g: u64) {
+        self.0[(g / 64) as usize].fetch_or(1 << (g % 64), Ordering::Release);
+    }
+
+    fn count(&self) -> u64 {
+        self.0.iter().map(|w| w.load(Ordering::Relaxed).count_ones() as u64).sum()
+    }
 }
 
 fn bit(v: &[u64], g: u64) -> bool {
@@ -69,6 +95,10 @@ pub struct Cbw {
     scratch: File,
     /// Where the scratch file was made (it has no name of its own), for messages.
     scratch_dir: PathBuf,
+    /// The granules whose old data is in the scratch file (or read as zeros): set under the lock, never cleared.
+    copied: Bits,
+    /// Set once the backup ended: writes go straight on.
+    detached: AtomicBool,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -89,12 +119,14 @@ impl Cbw {
         let scratch = scratch_file(scratch_dir)?;
         let granules = inner.size().div_ceil(granule);
         let words = granules.div_ceil(64) as usize;
-        let state = State { copied: vec![0; words], zeros: vec![0; words], ..Default::default() };
+        let state = State { zeros: vec![0; words], ..Default::default() };
         let cbw = Arc::new(Cbw {
             inner: inner.clone(),
             granule,
             scratch,
             scratch_dir: scratch_dir.to_owned(),
+            copied: Bits::new(granules),
+            detached: AtomicBool::new(false),
             state: Mutex::new(state),
             changed: Condvar::new(),
         });
@@ -134,9 +166,13 @@ impl Cbw {
     }
 
     /// Copies the old data of every granule of the range not copied yet and
-    /// returns once they all are and no view read pins any of them.
+    /// returns once they all are.
     fn copy_before(&self, offset: u64, len: u64) -> Result<()> {
         let range = self.granules(offset, len);
+        // The common case once a backup has run a while: nothing to copy, no lock.
+        if self.detached.load(Ordering::Acquire) || range.clone().all(|g| self.copied.get(g)) {
+            return Ok(());
+        }
         let mut st = self.lock();
         loop {
             if st.detached {
@@ -146,7 +182,7 @@ impl Cbw {
             let mut mine = Vec::new();
             let mut waiting = false;
             for g in range.clone() {
-                if bit(&st.copied, g) {
+                if self.copied.get(g) {
                     continue;
                 }
                 if st.copying.insert(g) {
@@ -155,40 +191,43 @@ impl Cbw {
                     waiting = true;
                 }
             }
-            if !mine.is_empty() {
-                drop(st);
-                let mut done = Vec::with_capacity(mine.len());
-                let mut failed = None;
-                for &g in &mine {
-                    match self.copy_granule(g) {
-                        Ok(zero) => done.push((g, zero)),
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    }
+            if mine.is_empty() {
+                if !waiting {
+                    return Ok(());
                 }
-                st = self.lock();
-                for &g in &mine {
-                    st.copying.remove(&g);
-                }
-                for (g, zero) in done {
-                    set_bit(&mut st.copied, g);
-                    if zero {
-                        set_bit(&mut st.zeros, g);
-                    }
-                }
-                self.changed.notify_all();
-                if let Some(e) = failed {
-                    return Err(e);
-                }
+                st = self.wait(st);
                 continue;
             }
-            let pinned = range.clone().any(|g| st.pins.get(&g).is_some_and(|&n| n > 0));
-            if !waiting && !pinned {
-                return Ok(());
+            // Claimed: no view read pins them from now on; those in flight finish first.
+            while mine.iter().any(|g| st.pins.contains_key(g)) {
+                st = self.wait(st);
             }
-            st = self.wait(st);
+            drop(st);
+            let mut done = Vec::with_capacity(mine.len());
+            let mut failed = None;
+            for &g in &mine {
+                match self.copy_granule(g) {
+                    Ok(zero) => done.push((g, zero)),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            st = self.lock();
+            for &g in &mine {
+                st.copying.remove(&g);
+            }
+            for (g, zero) in done {
+                if zero {
+                    set_bit(&mut st.zeros, g);
+                }
+                self.copied.set(g);
+            }
+            self.changed.notify_all();
+            if let Some(e) = failed {
+                return Err(e);
+            }
         }
     }
 
@@ -233,14 +272,14 @@ impl Cbw {
 
     /// Bytes of the disk copied to the scratch file so far (whole granules, zero ones too).
     pub fn copied_bytes(&self) -> u64 {
-        let st = self.lock();
-        st.copied.iter().map(|w| w.count_ones() as u64).sum::<u64>() * self.granule
+        self.copied.count() * self.granule
     }
 
     /// Ends copying: the writes that follow go straight to the image. Called
     /// before the wrapper is swapped out, under the device's quiesce.
     pub fn detach(&self) {
         self.lock().detached = true;
+        self.detached.store(true, Ordering::Release);
         self.changed.notify_all();
     }
 
@@ -406,8 +445,8 @@ impl ViewImage {
         self.base.files.len() - 1
     }
 
-    /// Pins the granules of the range, waiting out copies in progress; returns
-    /// the lock and, per granule run, whether it is copied (and zeros).
+    /// Pins the granules of the range not copied yet, once no copy of any of
+    /// them is in progress; returns the lock.
     fn pin(&self, offset: u64, len: u64) -> MutexGuard<'_, State> {
         let cbw = &self.cbw;
         let range = cbw.granules(offset, len);
@@ -415,21 +454,24 @@ impl ViewImage {
         while range.clone().any(|g| st.copying.contains(&g)) {
             st = cbw.wait(st);
         }
-        for g in range {
+        for g in range.filter(|&g| !cbw.copied.get(g)) {
             *st.pins.entry(g).or_insert(0) += 1;
         }
         st
     }
 
+    /// Unpins what [`ViewImage::pin`] pinned: a pinned granule is never
+    /// copied, and a copied one stays copied, so those not copied now.
     fn unpin(&self, offset: u64, len: u64) {
         let cbw = &self.cbw;
         let mut st = cbw.lock();
-        for g in cbw.granules(offset, len) {
-            if let Some(n) = st.pins.get_mut(&g) {
-                *n -= 1;
-                if *n == 0 {
+        for g in cbw.granules(offset, len).filter(|&g| !cbw.copied.get(g)) {
+            match st.pins.get_mut(&g) {
+                Some(1) => {
                     st.pins.remove(&g);
                 }
+                Some(n) => *n -= 1,
+                None => debug_assert!(false, "granule {g} unpinned but not pinned"),
             }
         }
         drop(st);
@@ -445,7 +487,7 @@ impl ViewImage {
         while pos < end {
             let g = pos / cbw.granule;
             let stop = ((g + 1) * cbw.granule).min(end);
-            let (c, z) = (bit(&st.copied, g), bit(&st.zeros, g));
+            let (c, z) = (cbw.copied.get(g), bit(&st.zeros, g));
             match out.last_mut() {
                 Some(last) if last.2 == c && last.3 == z => last.1 += stop - pos,
                 _ => out.push((pos, stop - pos, c, z)),
