@@ -163,6 +163,21 @@ fn scratch_files(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Bytes held by the unlinked files process `pid` has open in `dir` (the
+/// scratch file has no name: O_TMPFILE shows as `DIR/#INODE (deleted)`).
+fn scratch_bytes(pid: u32, dir: &Path) -> u64 {
+    let prefix = format!("{}/", dir.display());
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| {
+            let fd = e.ok()?.path();
+            let target = std::fs::read_link(&fd).ok()?.display().to_string();
+            (target.starts_with(&prefix) && target.ends_with(" (deleted)")).then(|| std::fs::metadata(&fd).ok())?
+        })
+        .map(|m| m.len())
+        .sum()
+}
+
 #[test]
 fn readme_backup_and_restore_runs_as_written() {
     let (sh, py) = readme_blocks();
@@ -231,7 +246,10 @@ fn chain(format: &str) {
             assert_ne!(digest(&uri, 32 * MIB, 2 * MIB), before, "the guest's writes landed");
             assert!(scratch_files(&dir.0).is_empty() && std::fs::read_dir(&scratch).unwrap().next().is_none());
             nbdcopy(&view("full"), &dir.path("full.img"));
+            let pid = server.child.id();
+            assert!(scratch_bytes(pid, &scratch) > 0, "the overwritten data is in the scratch file");
             ctl_ok(&control, &["backup", "end", "full"]);
+            assert_eq!(scratch_bytes(pid, &scratch), 0, "the scratch data outlived the backup");
 
             // Incremental 1: what changed since the full backup.
             let w1 = [40 * MIB + 512 * 1024, 50 * MIB, 63 * MIB + 4096];
