@@ -139,6 +139,24 @@ fn dirty(uri: &str, b: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Dirty runs as qemu's NBD client sees them (x-dirty-bitmap: a dirty run reads as "data": false).
+fn qemu_img_dirty(socket: &Path, export: &str, b: &str) -> Vec<(u64, u64)> {
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},export={export},x-dirty-bitmap=qemu:dirty-bitmap:{b}",
+        socket.display()
+    );
+    let v = common::json(&run("qemu-img", &["map", "--output=json", "--image-opts", &opts]));
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for e in v.as_array().unwrap().iter().filter(|e| e["data"] == false) {
+        let (o, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+        match runs.last_mut() {
+            Some((po, pl)) if *po + *pl == o => *pl += l,
+            _ => runs.push((o, l)),
+        }
+    }
+    runs
+}
+
 fn covered(runs: &[(u64, u64)], offset: u64, len: u64) -> bool {
     (offset..offset + len).step_by(512).all(|o| runs.iter().any(|&(a, l)| a <= o && o < a + l))
 }
@@ -260,6 +278,7 @@ fn chain(format: &str) {
                 assert!(covered(&d1, o, 128 * 1024), "b1 misses the write at {o}: {d1:?}");
             }
             assert!(!covered(&d1, 20 * MIB, 4096), "b1 marks what nobody wrote: {d1:?}");
+            assert_eq!(qemu_img_dirty(&server.socket, "inc1", "b1"), d1, "qemu-img map of the view's bitmap");
             std::fs::copy(dir.path("full.img"), dir.path("inc1.img")).unwrap();
             incremental(&dir.0, &view("inc1"), "b1", &dir.path("inc1.img"));
             ctl_ok(&control, &["backup", "end", "inc1"]);
