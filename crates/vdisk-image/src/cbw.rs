@@ -10,8 +10,9 @@
 //! sparse: only copied granules take space; a granule that read as zeros is
 //! not written at all). The granule → copied map lives in memory: which
 //! granules are being copied, and the view reads in flight, behind one lock;
-//! the copied bits are atomic too, so a write whose granules are all copied
-//! already goes on without taking the lock. A write to a granule being
+//! per granule, a "copied" and a "settled" bit (copied, and no view read of
+//! the live data left) are atomic too, so a write whose granules have all
+//! settled goes on without taking the lock. A write to a granule being
 //! copied waits for that copy.
 //!
 //! [`ViewImage`] is the frozen disk, read-only: a copied granule reads from
@@ -20,13 +21,19 @@
 //! *pins* every granule it maps to the live image, from `map_read` until the
 //! engine says the read is done (`read_done`; the image says it needs that
 //! with `pins_reads`, and the engine then serves it on the thread engine,
-//! where a read is mapped and performed by one thread in one go). A copy
-//! claims its granule first (view reads of it wait), then waits until no
-//! read pins it, then copies; the guest write waits for the copy. So a pinned
-//! granule is never copied, and a granule copied stays copied: `read_done`
-//! unpins exactly the granules of its range not copied. That is qemu's rule
-//! too (copy-before-write's snapshot-access reads lock their range against
-//! the copy-before-write of guest writes).
+//! where a read is mapped and performed by one thread in one go). A guest
+//! write waits until its granules are copied *and* unpinned. A view read
+//! never waits (the thread engine maps a batch of reads before performing
+//! any: a read waiting for a copy, which waits for the pin of a read mapped
+//! earlier in the same batch, would never end); the live data of a granule
+//! being copied is unchanged until its writer goes on, so it may be read.
+//! `read_done` names only the range, so the view keeps the granules each read
+//! pinned, per range; as a granule once copied stays copied, a later read of
+//! a range pins a subset of what an earlier one did, and `read_done` releases
+//! the smallest set kept for its range (never too much: at worst, a pin is
+//! kept until the last read of that range ends). That is qemu's rule too
+//! (copy-before-write's snapshot-access reads lock their range against the
+//! guest writes that would change it).
 //!
 //! The scratch file is unlinked from the start (`O_TMPFILE`, or created and
 //! unlinked at once where the file system has none): it is never one of the
@@ -52,8 +59,10 @@ struct State {
     zeros: Vec<u64>,
     /// Granules a write is copying now.
     copying: HashSet<u64>,
-    /// View reads in flight per granule.
+    /// View reads of the live data in flight, per granule.
     pins: HashMap<u64, u32>,
+    /// The granules each view read in flight pinned, by its range.
+    reads: HashMap<(u64, u64), Vec<Vec<u64>>>,
     /// The backup ended: writes no longer copy (the wrapper is on its way out).
     detached: bool,
 }
@@ -97,6 +106,8 @@ pub struct Cbw {
     scratch_dir: PathBuf,
     /// The granules whose old data is in the scratch file (or read as zeros): set under the lock, never cleared.
     copied: Bits,
+    /// Copied, and no view read of their live data in flight: writes go on. Set under the lock, never cleared.
+    settled: Bits,
     /// Set once the backup ended: writes go straight on.
     detached: AtomicBool,
     state: Mutex<State>,
@@ -126,6 +137,7 @@ impl Cbw {
             scratch,
             scratch_dir: scratch_dir.to_owned(),
             copied: Bits::new(granules),
+            settled: Bits::new(granules),
             detached: AtomicBool::new(false),
             state: Mutex::new(state),
             changed: Condvar::new(),
@@ -166,11 +178,11 @@ impl Cbw {
     }
 
     /// Copies the old data of every granule of the range not copied yet and
-    /// returns once they all are.
+    /// returns once they all are and no view read of their live data is in flight.
     fn copy_before(&self, offset: u64, len: u64) -> Result<()> {
         let range = self.granules(offset, len);
         // The common case once a backup has run a while: nothing to copy, no lock.
-        if self.detached.load(Ordering::Acquire) || range.clone().all(|g| self.copied.get(g)) {
+        if self.detached.load(Ordering::Acquire) || range.clone().all(|g| self.settled.get(g)) {
             return Ok(());
         }
         let mut st = self.lock();
@@ -178,14 +190,13 @@ impl Cbw {
             if st.detached {
                 return Ok(());
             }
-            // Claim what nobody copies yet; wait for what another write copies.
+            // Claim what nobody copies yet; wait for other copies and for view reads.
             let mut mine = Vec::new();
             let mut waiting = false;
             for g in range.clone() {
                 if self.copied.get(g) {
-                    continue;
-                }
-                if st.copying.insert(g) {
+                    waiting |= st.pins.contains_key(&g);
+                } else if st.copying.insert(g) {
                     mine.push(g);
                 } else {
                     waiting = true;
@@ -197,10 +208,6 @@ impl Cbw {
                 }
                 st = self.wait(st);
                 continue;
-            }
-            // Claimed: no view read pins them from now on; those in flight finish first.
-            while mine.iter().any(|g| st.pins.contains_key(g)) {
-                st = self.wait(st);
             }
             drop(st);
             let mut done = Vec::with_capacity(mine.len());
@@ -223,6 +230,9 @@ impl Cbw {
                     set_bit(&mut st.zeros, g);
                 }
                 self.copied.set(g);
+                if !st.pins.contains_key(&g) {
+                    self.settled.set(g);
+                }
             }
             self.changed.notify_all();
             if let Some(e) = failed {
@@ -445,33 +455,42 @@ impl ViewImage {
         self.base.files.len() - 1
     }
 
-    /// Pins the granules of the range not copied yet, once no copy of any of
-    /// them is in progress; returns the lock.
+    /// Pins the granules of the range not copied yet (their data is read
+    /// from the live image) and returns the lock. Never waits for a copy.
     fn pin(&self, offset: u64, len: u64) -> MutexGuard<'_, State> {
         let cbw = &self.cbw;
-        let range = cbw.granules(offset, len);
         let mut st = cbw.lock();
-        while range.clone().any(|g| st.copying.contains(&g)) {
-            st = cbw.wait(st);
-        }
-        for g in range.filter(|&g| !cbw.copied.get(g)) {
+        let pinned: Vec<u64> = cbw.granules(offset, len).filter(|&g| !cbw.copied.get(g)).collect();
+        for &g in &pinned {
             *st.pins.entry(g).or_insert(0) += 1;
         }
+        st.reads.entry((offset, len)).or_default().push(pinned);
         st
     }
 
-    /// Unpins what [`ViewImage::pin`] pinned: a pinned granule is never
-    /// copied, and a copied one stays copied, so those not copied now.
+    /// Releases a read of the range: the smallest set of pins kept for it
+    /// (the module doc: why that is never too much).
     fn unpin(&self, offset: u64, len: u64) {
         let cbw = &self.cbw;
         let mut st = cbw.lock();
-        for g in cbw.granules(offset, len).filter(|&g| !cbw.copied.get(g)) {
+        let Some(sets) = st.reads.get_mut(&(offset, len)) else {
+            debug_assert!(false, "read_done of {len} bytes at {offset}, never mapped");
+            return;
+        };
+        let smallest = (0..sets.len()).min_by_key(|&i| sets[i].len()).expect("a set per read");
+        let pinned = sets.swap_remove(smallest);
+        if sets.is_empty() {
+            st.reads.remove(&(offset, len));
+        }
+        for g in pinned {
             match st.pins.get_mut(&g) {
-                Some(1) => {
+                Some(1) | None => {
                     st.pins.remove(&g);
+                    if cbw.copied.get(g) {
+                        cbw.settled.set(g);
+                    }
                 }
                 Some(n) => *n -= 1,
-                None => debug_assert!(false, "granule {g} unpinned but not pinned"),
             }
         }
         drop(st);

@@ -164,6 +164,60 @@ fn a_pinned_granule_holds_the_write_until_read_done() {
 }
 
 #[test]
+fn a_batch_of_view_reads_never_waits_for_a_copy_that_waits_for_it() {
+    // The thread engine maps a whole batch, then performs it: read A pins a
+    // granule, a guest write copies it and waits for A, then read B of the
+    // same granule is mapped (in A's batch) and must not wait for that write.
+    let d = dir("batch");
+    let inner = raw(&d, 1 << 20);
+    write(&*inner, 0, &pattern(4, 65536));
+    let (live, view) = Cbw::wrap(inner.clone(), &d, 65536).unwrap();
+    let mut a = Vec::new();
+    view.map_read(0, 4096, &mut a).unwrap();
+    let landed = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (live, landed) = (live.clone(), landed.clone());
+        std::thread::spawn(move || {
+            write(&*live, 0, &[0xEE; 512]);
+            landed.store(true, Ordering::SeqCst);
+        })
+    };
+    // The copy is made (or under way) while A is pinned.
+    let t0 = std::time::Instant::now();
+    while live.cbw().copied_bytes() == 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let view = view.clone();
+        std::thread::spawn(move || {
+            let mut b = Vec::new();
+            view.map_read(0, 8192, &mut b).unwrap();
+            tx.send(b).unwrap();
+        });
+    }
+    let b = rx.recv_timeout(Duration::from_secs(10)).expect("a view read waited for a copy");
+    assert!(!landed.load(Ordering::SeqCst), "the write went ahead of pinned view reads");
+    // Both reads see the frozen data, wherever they were mapped.
+    for (ext, len) in [(&a, 4096usize), (&b, 8192)] {
+        let mut got = Vec::new();
+        for e in ext.iter() {
+            let Extent::Data { file, offset, len } = *e else { panic!("{e:?}") };
+            let mut buf = vec![0u8; len as usize];
+            read_full(&view.files()[file], &mut buf, offset).unwrap();
+            got.extend(buf);
+        }
+        assert_eq!(got, pattern(4, 65536)[..len]);
+    }
+    view.read_done(0, 8192);
+    assert!(!landed.load(Ordering::SeqCst), "released with a read still pinning the granule");
+    view.read_done(0, 4096);
+    writer.join().unwrap();
+    assert_eq!(read(&*inner, 0, 512), vec![0xEE; 512]);
+    assert_eq!(read(&*view, 0, 65536), pattern(4, 65536));
+}
+
+#[test]
 fn concurrent_writers_and_readers_see_one_frozen_disk() {
     let d = dir("race");
     let size = 8u64 << 20;
