@@ -377,7 +377,16 @@ fn refusals_change_nothing() {
     ctl_refused(&control2, &["backup", "begin", "disk", "--name", "v", "--bitmap", "b1"], "inconsistent");
     assert_eq!(ctl_ok(&control2, &["--json", "bitmap", "list", "disk"]), before);
     assert_eq!(common::json(&ctl_ok(&control2, &["--json", "backup", "list"])), serde_json::json!([]));
+    // A stop during a backup ends it and exits cleanly; the disk is the guest's.
+    ctl_ok(&control2, &["backup", "begin", "disk", "--name", "v", "--new-bitmap", "b2"]);
+    let frozen = digest(&server.uri("v"), 0, MIB);
+    write(&server.uri("disk"), &[0], MIB, 7);
+    assert_eq!(digest(&server.uri("v"), 0, MIB), frozen);
     server.stop();
+    let mut now = vec![0u8; MIB as usize];
+    std::os::unix::fs::FileExt::read_exact_at(&std::fs::File::open(&img).unwrap(), &mut now, 0).unwrap();
+    assert_same("the disk after a stop during a backup", &now, &pattern(7, MIB));
+    assert!(scratch_files(&dir.0).is_empty());
 }
 
 /// kill -9 during a backup, a few rounds: the disk reads the guest's flushed
