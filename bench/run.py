@@ -13,7 +13,8 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
              randwrite QD32, and system calls per request (perf or strace) for
              every vdisk config and both peers.
   bitmaps    4K randwrite QD32 on tmpfs, vdisk uring with 0, 1 and 4 enabled dirty
-             bitmaps, and the ratio of each to none (about 1 min in --quick).
+             bitmaps and during a backup (a backup view open: copy-before-write),
+             and the ratio of each to none (about 1 min in --quick).
   loop       the old experiments through a FUSE file + a loop device (--direct-io=on):
              the file from vdisk --fuse (classic /dev/fuse and FUSE-over-io_uring), nbdfuse
              on vdisk's, qemu-nbd's and nbdkit's NBD, and qemu-storage-daemon's FUSE export;

@@ -18,6 +18,7 @@
 //! and the change is given up (nothing half added, [`Ticket`]).
 
 mod access;
+pub mod backup;
 pub mod bitmaps;
 pub mod follow;
 pub mod jobs;
@@ -355,6 +356,9 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ExportMirror { name, to, format, pivot, existing, bps } => {
             jobs::mirror(daemon, &name, &to, format, pivot, existing, bps, ticket)
         }
+        Method::BackupBegin(b) => backup::begin(daemon, b, ticket),
+        Method::BackupEnd { view } => backup::end(daemon, &view, ticket),
+        Method::BackupList => Ok(backup::list(daemon)),
     }
 }
 

@@ -100,6 +100,31 @@ pub enum Method {
     },
     /// `bitmap_*`: one export's dirty bitmaps.
     Bitmap(BitmapCall),
+    /// `backup_begin`: a point-in-time view `view` of export `export` (fleecing).
+    BackupBegin(BackupParams),
+    /// `backup_end`: drop view `view` and its scratch data.
+    BackupEnd {
+        view: String,
+    },
+    /// `backup_list`: the backups in progress.
+    BackupList,
+}
+
+/// `backup_begin`'s params, type-checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackupParams {
+    pub export: String,
+    pub view: String,
+    pub bitmap: Option<String>,
+    pub new_bitmap: Option<String>,
+    pub scratch: Option<String>,
+}
+
+fn backup_params(p: &mut Params) -> Result<Method, Fault> {
+    let export = p.str("export")?.ok_or_else(|| bad("\"export\" (the export backed up) is required"))?;
+    let view = p.str("view")?.ok_or_else(|| bad("\"view\" (the name of the view's NBD export) is required"))?;
+    let (bitmap, new_bitmap, scratch) = (p.str("bitmap")?, p.str("new_bitmap")?, p.str("scratch")?);
+    Ok(Method::BackupBegin(BackupParams { export, view, bitmap, new_bitmap, scratch }))
 }
 
 /// `export_commit`'s params, type-checked.
@@ -160,7 +185,14 @@ impl Method {
     pub fn changes_state(&self) -> bool {
         match self {
             Method::Bitmap(b) => b.verb != "list",
-            m => !matches!(m, Method::ExportList | Method::ExportStats { .. } | Method::ServerInfo | Method::JobList),
+            m => !matches!(
+                m,
+                Method::ExportList
+                    | Method::ExportStats { .. }
+                    | Method::ServerInfo
+                    | Method::JobList
+                    | Method::BackupList
+            ),
         }
     }
 
@@ -189,6 +221,9 @@ impl Method {
             Method::ExportMirror { .. } => "export_mirror",
             Method::JobCancel { .. } => "job_cancel",
             Method::JobPivot { .. } => "job_pivot",
+            Method::BackupBegin(_) => "backup_begin",
+            Method::BackupEnd { .. } => "backup_end",
+            Method::BackupList => "backup_list",
         }
     }
 }
@@ -283,6 +318,11 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
         "job_cancel" => Method::JobCancel { id: p.id()? },
         "job_pivot" => Method::JobPivot { id: p.id()? },
         "export_mirror" => mirror_params(&mut p)?,
+        "backup_begin" => backup_params(&mut p)?,
+        "backup_end" => {
+            Method::BackupEnd { view: p.str("view")?.ok_or_else(|| bad("\"view\" (the view to end) is required"))? }
+        }
+        "backup_list" => Method::BackupList,
         _ => {
             return Err(Fault::new(METHOD_NOT_FOUND, format!("no method {method:?} (docs/control.md lists them)")));
         }
@@ -511,5 +551,25 @@ mod tests {
         };
         assert_eq!(c, Method::ExportCommit(want));
         assert_eq!(parse("export_stream", p(r#"{"name":"d","bps":-1}"#)).unwrap_err().code, INVALID_PARAMS);
+    }
+
+    #[test]
+    fn backup_methods_are_parsed_and_checked() {
+        let p = |j: &str| Params(serde_json::from_str(j).unwrap());
+        let m = parse("backup_begin", p(r#"{"export":"d","view":"v","bitmap":"b","new_bitmap":"b2"}"#)).unwrap();
+        let Method::BackupBegin(b) = &m else { panic!("not a backup") };
+        assert_eq!((b.bitmap.as_deref(), b.new_bitmap.as_deref(), b.scratch.as_deref()), (Some("b"), Some("b2"), None));
+        assert!(m.changes_state() && m.name() == "backup_begin");
+        assert_eq!(parse("backup_end", p(r#"{"view":"v"}"#)).unwrap(), Method::BackupEnd { view: "v".into() });
+        assert!(!parse("backup_list", p("{}")).unwrap().changes_state());
+        for (m, params) in [
+            ("backup_begin", r#"{"export":"d"}"#),
+            ("backup_begin", r#"{"view":"v"}"#),
+            ("backup_begin", r#"{"export":"d","view":"v","bitmap":1}"#),
+            ("backup_begin", r#"{"export":"d","view":"v","frob":true}"#),
+            ("backup_end", r#"{}"#),
+        ] {
+            assert_eq!(parse(m, p(params)).unwrap_err().code, INVALID_PARAMS, "{m} {params}");
+        }
     }
 }

@@ -36,6 +36,7 @@ pub fn human_output(method: &str, r: &Value) -> String {
             format!("job {}: cancel asked; it stops at its next chunk (`vdisk ctl jobs` shows it)\n", r["id"])
         }
         "job_pivot" => format!("job {}: pivot asked (`vdisk ctl jobs` shows when it is done)\n", r["id"]),
+        m if m.starts_with("backup_") => crate::backup::text(m, r),
         _ => serde_json::to_string_pretty(r).unwrap_or_default() + "\n",
     }
 }

@@ -208,6 +208,8 @@ pub struct Daemon {
     started: Instant,
     /// Live disk operations, running and ended (`jobs`, `snapshot`).
     pub(crate) jobs: crate::jobs::Jobs,
+    /// Backups in progress: their views and copy-before-write wrappers (`backup`).
+    pub(crate) views: crate::views::Views,
 }
 
 /// An export as a live disk operation changes it ([`Daemon::live_change`]):
@@ -274,13 +276,36 @@ impl Daemon {
             removing: Removing::default(),
             started: Instant::now(),
             jobs: Default::default(),
+            views: Default::default(),
         }
     }
 
     /// Runs a live disk operation on export `name` under the change lock (no
     /// add, remove or shutdown meanwhile); what `f` sets in [`Live`]'s spec
     /// and format is what the export list shows from then on.
+    /// Refused while the export has a backup running: the operation would
+    /// swap its copy-before-write wrapper out from under the view.
     pub(crate) fn live_change<T>(&self, name: &str, f: impl FnOnce(&mut Live) -> Result<T, Error>) -> Result<T, Error> {
+        self.live_change_unchecked(name, |live| {
+            if let Some(view) = self.views.view_of(name) {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "export {name:?} has a backup running (view {view:?}): end it first (`vdisk ctl backup end \
+                         {view}`); nothing was changed"
+                    ),
+                ));
+            }
+            f(live)
+        })
+    }
+
+    /// [`Daemon::live_change`] without the backup check (what `backup` itself uses).
+    pub(crate) fn live_change_unchecked<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&mut Live) -> Result<T, Error>,
+    ) -> Result<T, Error> {
         self.changer().live_change(name, f)
     }
 
@@ -297,6 +322,27 @@ impl Daemon {
     /// Export `name` is served, by `device` still (not removed, nor removed and added again).
     pub(crate) fn serves(&self, name: &str, device: &Arc<Device>) -> bool {
         self.exports.lock().unwrap().iter().any(|e| e.name == name && Arc::ptr_eq(&e.device, device))
+    }
+
+    /// The change lock, unless the server is shutting down.
+    pub(crate) fn changes_lock(&self) -> Result<MutexGuard<'_, bool>, Error> {
+        let closed = self.changes.lock().unwrap();
+        if *closed {
+            return Err(Error::failed("the server is shutting down"));
+        }
+        Ok(closed)
+    }
+
+    /// True when `name` is an export's, a backup view's, or one being added or removed.
+    pub(crate) fn name_in_use(&self, name: &str) -> bool {
+        self.exports.lock().unwrap().iter().any(|e| e.name == name)
+            || self.views.export_of(name).is_some()
+            || self.reserved.lock().unwrap().contains(name)
+            || self.removing.names.lock().unwrap().contains_key(name)
+    }
+
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
     }
 
     /// One line for a service manager's status: exports and clients.
@@ -362,6 +408,12 @@ impl Daemon {
         if self.exports.lock().unwrap().iter().any(|e| e.name == name) {
             return Err(exists());
         }
+        if let Some(of) = self.views.export_of(name) {
+            return Err(Error::new(
+                ErrorKind::Exists,
+                format!("{name:?} is a backup view of export {of:?}: give the new export another name (--name)"),
+            ));
+        }
         if self.removing.names.lock().unwrap().contains_key(name) {
             return Err(Error::new(
                 ErrorKind::Exists,
@@ -426,6 +478,10 @@ impl Daemon {
 
     /// An export's allow list, checked: the patterns parse, and the server
     /// learns who its clients are (else the list could never admit anyone).
+    pub(crate) fn allow_list_of(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Error> {
+        self.allow_list(name, patterns)
+    }
+
     fn allow_list(&self, name: &str, patterns: &[String]) -> Result<vdisk_nbd::allow::Allow, Error> {
         let allow = vdisk_nbd::allow::Allow::new(patterns)
             .map_err(|e| Error::invalid(format!("export {name:?}")).because(e))?;
@@ -469,6 +525,11 @@ impl Daemon {
         let (running, _stopping) = {
             let _change = self.changes.lock().unwrap();
             let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
+            if let Some(of) = self.views.export_of(name) {
+                return Err(Error::invalid(format!(
+                    "{name:?} is a backup view of export {of:?}: end the backup (`vdisk ctl backup end {name}`)"
+                )));
+            }
             let Some((at, export)) = self.nbd.remove_export(name) else {
                 return Err(Error::new(
                     ErrorKind::NotFound,
@@ -502,6 +563,12 @@ impl Daemon {
         // Its clients finish what they sent (on hung storage that may never end): outside the lock too.
         self.nbd.disconnect(name);
         self.nbd.set_bitmaps(name, Vec::new());
+        // Its backups end with it (their scratch data goes).
+        for view in self.views.take_of(Some(name)) {
+            if let Err(e) = crate::views::end(view, &self.nbd, true) {
+                log::warn!(export:% = name; "{}", e.report());
+            }
+        }
         let failed = running.device.failure().is_some();
         let stopped = match stop_export(running, &|_| {}) {
             // Removing a failed export is how it is brought back: that is no error of the removal.
@@ -647,6 +714,12 @@ impl Daemon {
     pub fn shutdown(&self, progress: &StopProgress) -> Result<(), Error> {
         let mut closed = self.changes.lock().unwrap();
         *closed = true;
+        // Backups end first: their views go, their scratch data with them.
+        for view in self.views.take_of(None) {
+            if let Err(e) = crate::views::end(view, &self.nbd, true) {
+                log::warn!("{}", e.report());
+            }
+        }
         let all = std::mem::take(&mut *self.exports.lock().unwrap());
         for running in &all {
             progress.begin(&running.name, running.spec.fuse.clone());
@@ -753,7 +826,7 @@ fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec,
 }
 
 /// NBD names are at most 4096 bytes; an empty one would shadow the default export.
-fn check_name(name: &str) -> Result<(), Error> {
+pub(crate) fn check_name(name: &str) -> Result<(), Error> {
     if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
         return Err(Error::new(
             ErrorKind::Invalid,
@@ -771,7 +844,7 @@ fn joined(errors: &[Error]) -> String {
 /// Dirty bitmaps (kept by `bitmaps`), by export.
 impl Daemon {
     /// The bitmaps of export `export`.
-    fn bitmaps_of(&self, export: &str) -> Result<Arc<ExportBitmaps>, Error> {
+    pub(crate) fn bitmaps_of(&self, export: &str) -> Result<Arc<ExportBitmaps>, Error> {
         match self.export_bitmaps(export) {
             None => Err(Error::new(ErrorKind::NotFound, format!("no export {export:?} (`vdisk ctl list` shows them)"))),
             Some(None) => Err(Error::invalid(format!(

@@ -9,11 +9,12 @@
 //!
 //! Modules, each depending only on those listed after it:
 //! `metrics`, `reload` → `config` → `security` → `commit` → `mirror`, `stream` →
-//! `snapshot` → `daemon` → `jobs`;
-//! `daemon` → `fuse`, `vhost`
+//! `snapshot` → `backup` → `daemon` → `jobs`;
+//! `daemon` → `views`, `bitmaps`, `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
+pub mod backup;
 pub mod bitmaps;
 pub mod commit;
 pub mod config;
@@ -35,6 +36,7 @@ pub mod stopping;
 pub mod stream;
 pub mod systemd;
 mod vhost;
+pub mod views;
 
 pub use daemon::{Daemon, ExportInfo, ExportStats, Origin, ServerInfo, Settings, Ticket};
 pub use error::{Error, ErrorKind};

@@ -232,7 +232,9 @@ impl Device {
         if rbd::uses_rbd(&*image) {
             return Self::spawn(core, name, &image, config, EngineKind::Rbd);
         }
-        if config.kind == EngineKind::Uring {
+        // An image that pins its reads until they are performed needs them
+        // mapped and performed in one thread (see `Image::pins_reads`).
+        if config.kind == EngineKind::Uring && !image.pins_reads() {
             match uring::probe()
                 .map_err(|e| std::io::Error::other(e.report().to_string()))
                 .and_then(|()| Self::spawn(core, name, &image, config, EngineKind::Uring))
@@ -492,6 +494,8 @@ impl Device {
                         run.jobs.iter().for_each(|&j| missed[j] = true);
                     }
                 }
+                // A missed read is mapped again by the worker that performs it.
+                planner.release_reads();
                 for (req, missed) in reads.into_iter().zip(missed) {
                     if missed && req.error.is_none() {
                         rest.push(req);

@@ -80,6 +80,9 @@ pub(crate) struct Planner {
     /// The device's image slot and the generation this planner serves (see `swap`).
     pub slot: Option<(Arc<crate::swap::Slot>, u64)>,
     extents: Vec<Extent>,
+    /// Reads mapped by an image that pins them ([`Image::pins_reads`]), to
+    /// be released with [`Planner::release_reads`] once performed.
+    pinned: Vec<(u64, u64)>,
 }
 
 impl Planner {
@@ -101,6 +104,7 @@ impl Planner {
             observers: Arc::default(),
             slot: None,
             extents: Vec::new(),
+            pinned: Vec::new(),
         }
     }
 
@@ -171,6 +175,9 @@ impl Planner {
             self.image.map_write(offset, len, &mut self.extents)?;
         } else {
             self.image.map_read(offset, len, &mut self.extents)?;
+            if self.image.pins_reads() {
+                self.pinned.push((offset, len));
+            }
         }
         let dsync = write && (self.sync || fua);
         let can_direct = !self.image.direct_files().is_empty();
@@ -317,6 +324,14 @@ impl Planner {
         self.image.file_path(file).display().to_string()
     }
 
+    /// Tells an image that pins its reads that the reads planned so far are
+    /// performed (see [`Image::read_done`]); nothing for other images.
+    pub fn release_reads(&mut self) {
+        for (offset, len) in self.pinned.drain(..) {
+            self.image.read_done(offset, len);
+        }
+    }
+
     /// Performs a request that is not a data transfer or a flush (those return
     /// `false`, untouched): trim, write zeroes, cache, block status.
     pub fn perform_other(&mut self, req: &mut Request) -> bool {
@@ -419,6 +434,9 @@ impl Planner {
             if let Extent::Data { file, offset, len } = *ext {
                 sys::readahead(&self.image.files()[file], offset, len);
             }
+        }
+        if self.image.pins_reads() {
+            self.image.read_done(req.offset, req.len);
         }
         Ok(())
     }

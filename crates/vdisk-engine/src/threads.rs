@@ -24,6 +24,7 @@ pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
             unsafe { planner.finish_run(run, None, fail) };
         }
     }
+    planner.release_reads();
     let durable: Vec<bool> = reqs.iter_mut().map(|r| planner.write_done(r)).collect();
     if durable.contains(&true) {
         planner.settle_metadata(reqs.iter_mut().zip(&durable).filter(|(_, &d)| d).map(|(r, _)| &mut **r));

@@ -8,6 +8,7 @@
 
 pub mod bitmap;
 pub mod breakage;
+pub mod cbw;
 pub mod cow;
 mod error;
 pub mod files;
@@ -147,6 +148,19 @@ pub trait Image: Send + Sync {
     /// Appends to `out` the extents a write of `len` bytes at `offset` must go
     /// to. For TRIM and WRITE_ZEROES the same extents are punched or zeroed.
     fn map_write(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()>;
+
+    /// True for an image that holds something of each read from `map_read`
+    /// until [`Image::read_done`] (a backup view pins the granules it mapped
+    /// to the live image, see [`cbw`]). The engine serves such an image on the
+    /// thread engine, which maps and performs a read in one thread, and calls
+    /// `read_done` once for every read `map_read` mapped without error.
+    fn pins_reads(&self) -> bool {
+        false
+    }
+
+    /// Called, for an image whose [`Image::pins_reads`] is true, once a read
+    /// it mapped has been performed (or failed).
+    fn read_done(&self, _offset: u64, _len: u64) {}
 
     /// Called before a write, TRIM or WRITE_ZEROES is mapped. An image whose
     /// allocation unit is bigger than a byte makes the untouched bytes of each

@@ -6,7 +6,7 @@ use crate::{Extent, Image};
 
 /// Prepares and maps a write the way the engine does, without writing its
 /// data yet: what is in flight between `plan` and the completion.
-pub(crate) fn start(img: &impl Image, offset: u64, len: u64) -> Vec<Extent> {
+pub(crate) fn start(img: &(impl Image + ?Sized), offset: u64, len: u64) -> Vec<Extent> {
     img.prepare_write(offset, len).unwrap();
     let mut ext = Vec::new();
     img.map_write(offset, len, &mut ext).unwrap();
@@ -14,7 +14,7 @@ pub(crate) fn start(img: &impl Image, offset: u64, len: u64) -> Vec<Extent> {
 }
 
 /// Lands the data of a write [`start`]ed earlier and reports it done.
-pub(crate) fn finish(img: &impl Image, offset: u64, ext: &[Extent], data: &[u8]) {
+pub(crate) fn finish(img: &(impl Image + ?Sized), offset: u64, ext: &[Extent], data: &[u8]) {
     let mut at = 0;
     for e in ext {
         let Extent::Data { file, offset, len } = *e else { panic!("a write mapped to zeros: {e:?}") };
@@ -25,7 +25,7 @@ pub(crate) fn finish(img: &impl Image, offset: u64, ext: &[Extent], data: &[u8])
 }
 
 /// Writes through the image the way the engine does: prepare, map, pwrite, done.
-pub(crate) fn write(img: &impl Image, offset: u64, data: &[u8]) {
+pub(crate) fn write(img: &(impl Image + ?Sized), offset: u64, data: &[u8]) {
     let ext = start(img, offset, data.len() as u64);
     finish(img, offset, &ext, data);
 }

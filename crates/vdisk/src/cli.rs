@@ -514,7 +514,7 @@ pub enum CtlCommand {
     Reload,
     /// An export's dirty bitmaps (incremental backup): add, remove, clear, enable, disable, merge, list.
     #[command(subcommand)]
-    Bitmap(crate::ctl_bitmaps::BitmapCommand),
+    Bitmap(crate::ctl_verbs::BitmapCommand),
     /// Make a new overlay the export's top, live: the current top becomes its read-only backing.
     Snapshot {
         name: String,
@@ -576,6 +576,9 @@ pub enum CtlCommand {
         #[command(flatten)]
         job: JobArgs,
     },
+    /// Point-in-time backup views of an export (begin, end, list), for full and incremental backups over NBD.
+    #[command(subcommand)]
+    Backup(crate::ctl_verbs::BackupCommand),
 }
 
 /// How a job runs: its own I/O limit, and whether `vdisk ctl` waits for it.

@@ -5,13 +5,14 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
 use serde_json::{json, Map, Value};
 use vdisk_daemon::Error;
 
 use crate::cli::{CtlArgs, CtlCommand, QosArgs};
+use crate::ctl_verbs::{absolute, flag, set};
 
 pub fn run(a: CtlArgs) -> Result<(), Error> {
     let control =
@@ -86,13 +87,8 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
                 ("ceph_id", backing.ceph.ceph_id.map(Value::from)),
                 ("num_queues", num_queues.map(Value::from)),
             ];
-            p.extend(opts.into_iter().chain(more).filter_map(|(k, v)| Some((k.to_owned(), v?))));
-            if readonly {
-                p.insert("readonly".into(), true.into());
-            }
-            if backing.ignore_backing_mtime {
-                p.insert("ignore_backing_mtime".into(), true.into());
-            }
+            let flags = [("readonly", flag(readonly)), ("ignore_backing_mtime", flag(backing.ignore_backing_mtime))];
+            set(&mut p, opts.into_iter().chain(more).chain(flags));
             qos_params(qos, &mut p);
             "export_add"
         }
@@ -103,9 +99,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
         }
         CtlCommand::List => "export_list",
         CtlCommand::Stats { name } => {
-            if let Some(n) = name {
-                p.insert("name".into(), n.into());
-            }
+            set(&mut p, [("name", name.map(Into::into))]);
             "export_stats"
         }
         CtlCommand::Qos { name, qos } => {
@@ -121,42 +115,25 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
         CtlCommand::Info => "server_info",
         CtlCommand::Reload => "config_reload",
         CtlCommand::Bitmap(b) => {
-            let (method, params) = crate::ctl_bitmaps::request(b);
+            let (method, params) = crate::ctl_verbs::bitmap_request(b);
             p = params;
             method
         }
         CtlCommand::Snapshot { name, overlay, format } => {
-            let overlay = std::path::absolute(&overlay)
-                .map_err(|e| Error::invalid(overlay.display().to_string()).at(&overlay).because(e))?;
+            let overlay = absolute(&overlay)?;
             let format = format.to_possible_value().expect("every format has a name");
             p.extend([("name".into(), name.into()), ("overlay".into(), json!(overlay))]);
             p.insert("format".into(), format.get_name().into());
             "export_snapshot"
         }
         CtlCommand::Stream { name, job } => {
-            p.insert("name".into(), name.into());
-            if let Some(b) = job.bps {
-                p.insert("bps".into(), b.into());
-            }
+            set(&mut p, [("name", Some(name.into())), ("bps", job.bps.map(Into::into))]);
             "export_stream"
         }
         CtlCommand::Commit { name, top, base, delete, active, job } => {
-            p.insert("name".into(), name.into());
-            for (k, v) in [("top", top), ("base", base)] {
-                if let Some(v) = v {
-                    let v = std::path::absolute(&v)
-                        .map_err(|e| Error::invalid(v.display().to_string()).at(&v).because(e))?;
-                    p.insert(k.into(), json!(v));
-                }
-            }
-            for (k, v) in [("delete", delete), ("active", active)] {
-                if v {
-                    p.insert(k.into(), true.into());
-                }
-            }
-            if let Some(b) = job.bps {
-                p.insert("bps".into(), b.into());
-            }
+            let [top, base] = [top, base].map(|l| l.map(|l| absolute(&l).map(|l| json!(l))).transpose());
+            let given = [("name", Some(name.into())), ("top", top?), ("base", base?), ("delete", flag(delete))];
+            set(&mut p, given.into_iter().chain([("active", flag(active)), ("bps", job.bps.map(Into::into))]));
             "export_commit"
         }
         CtlCommand::Jobs => "job_list",
@@ -169,22 +146,25 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             "job_pivot"
         }
         CtlCommand::Mirror { name, to, format, pivot, existing, job } => {
-            let to = if vdisk_nbd::remote::Uri::is_nbd(&to) {
-                to
-            } else {
-                let path = PathBuf::from(&to);
-                let abs = std::path::absolute(&path).map_err(|e| Error::invalid(to.clone()).at(&path).because(e))?;
-                abs.display().to_string()
-            };
+            let to =
+                if vdisk_nbd::remote::Uri::is_nbd(&to) { to } else { absolute(Path::new(&to))?.display().to_string() };
             let format = format.to_possible_value().expect("every format has a name");
-            p.extend([("name".into(), name.into()), ("to".into(), to.into())]);
-            p.insert("format".into(), format.get_name().into());
-            p.insert("pivot".into(), pivot.into());
-            p.insert("existing".into(), existing.into());
-            if let Some(bps) = job.bps {
-                p.insert("bps".into(), bps.into());
-            }
+            let given =
+                [("name", Some(name.into())), ("to", Some(to.into())), ("format", Some(format.get_name().into()))];
+            set(
+                &mut p,
+                given.into_iter().chain([
+                    ("pivot", flag(pivot)),
+                    ("existing", flag(existing)),
+                    ("bps", job.bps.map(Into::into)),
+                ]),
+            );
             "export_mirror"
+        }
+        CtlCommand::Backup(b) => {
+            let (method, params) = crate::ctl_verbs::backup_request(b)?;
+            p = params;
+            method
         }
     };
     Ok((method, p))

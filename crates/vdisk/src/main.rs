@@ -8,7 +8,7 @@ mod cli;
 mod commit;
 mod create;
 mod ctl;
-mod ctl_bitmaps;
+mod ctl_verbs;
 mod info;
 mod logger;
 mod merge;
