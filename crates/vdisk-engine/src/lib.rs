@@ -66,7 +66,23 @@ mod faults {
         pub fn check_enter(&self) -> Option<EnterFault> {
             match *self {}
         }
+
+        pub fn delay(&self) -> Option<u64> {
+            match *self {}
+        }
+
+        pub fn lend(&self, _iov: &[libc::iovec]) {
+            match *self {}
+        }
+
+        pub fn returned(&self, _iov: &[libc::iovec]) {
+            match *self {}
+        }
     }
+
+    /// Nothing is lent to a backend under watch in this build.
+    #[inline]
+    pub fn freeing(_ptr: *const u8, _len: usize) {}
 
     /// Never made: only a [`Faults`] (which this build cannot have) makes one.
     #[allow(dead_code)]
@@ -75,6 +91,7 @@ mod faults {
         Interrupt,
     }
 }
+mod flight;
 mod health;
 pub mod inflight;
 mod lent;
@@ -320,9 +337,8 @@ impl Device {
 
     /// Runs `batch` on the current image in the caller's thread (under a quiesce: see `swap`).
     fn execute_now(&self, batch: &mut [Request]) {
-        let mut planner = self.planner();
         let mut reqs: Vec<&mut Request> = batch.iter_mut().collect();
-        threads::execute(&mut planner, &mut reqs);
+        threads::execute(self.planner(), &mut reqs);
     }
 
     /// The dirty maps this device marks with every write, TRIM and
@@ -438,16 +454,15 @@ impl Device {
         }
         // Quiesced: held in the queue like every other request (see `swap`).
         let Some(_turn) = self.queue.enter_inline() else { return submit(batch) };
-        let mut planner = self.planner();
         let inline = self.slot.get().inline;
-        self.run_inline(inline, &mut planner, batch, &submit, done);
+        self.run_inline(inline, self.planner(), batch, &submit, done);
     }
 
     /// What [`Device::submit_inline`] does once it may run inline.
     fn run_inline(
         &self,
         inline: Inline,
-        planner: &mut plan::Planner,
+        mut planner: plan::Planner,
         batch: Vec<Request>,
         submit: &dyn Fn(Vec<Request>),
         done: &mut Vec<Request>,

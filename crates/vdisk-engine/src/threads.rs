@@ -1,45 +1,112 @@
-//! The thread engine's work: [`execute`] performs a batch with blocking
-//! `preadv`/`pwritev2` calls. The shared pool (`pool`) runs it for every
-//! thread-engine device; a connection runs it inline in its own thread.
+//! The thread engine's backend: blocking `preadv`/`pwritev2` calls, behind
+//! the same in-flight table and completion path as the ring (`flight`).
+//! [`execute`] runs a batch through a table of its own over [`Blocking`]:
+//! each operation is performed when the table starts it, and its result is
+//! handed back at the next reap, so a short or failed transfer, a FLUSH's
+//! metadata round and a write's bookkeeping are the ring's code, not a copy.
+//! The shared pool (`pool`) runs it for every thread-engine device; a
+//! connection runs it inline in its own thread.
 //!
 //! Every call it blocks in retries EINTR (`sys`). A panic is caught by the
 //! caller (the pool's thread, at its edge): the blocking calls of the batch
-//! have returned by then, so its requests' data is the caller's again.
+//! have returned by then, so its requests' data is the caller's again, and
+//! nothing is in flight: the table (which only borrowed the requests) goes
+//! with the unwinding.
 
-use crate::plan::Planner;
-use crate::{Op, Request};
+use std::sync::Arc;
 
-/// Performs a batch with blocking calls: data runs first, then the other
-/// operations, then one flush for all the FLUSH requests of the batch.
-pub(crate) fn execute(planner: &mut Planner, reqs: &mut [&mut Request]) {
-    let runs = planner.plan(reqs.iter_mut().map(|r| &mut **r).enumerate());
-    for run in &runs {
-        // SAFETY: the runs point into `reqs`, which this function borrows mutably
-        // throughout: alive, and touched by nothing else until it returns.
-        if unsafe { planner.perform(run) }.is_err() {
-            let fail = |job: usize, e| {
-                reqs[job].error.get_or_insert(e);
-            };
-            // SAFETY: as above.
-            unsafe { planner.finish_run(run, None, fail) };
+use vdisk_image::Image;
+
+use crate::flight::{Backend, Flight, Lane};
+use crate::plan::{Planner, Run};
+use crate::Request;
+
+/// Blocking calls as a backend: done when started, handed back at the next reap.
+#[derive(Default)]
+pub(crate) struct Blocking {
+    done: Vec<(u64, i64)>,
+    /// FLUSHes of this batch: one data sync of `image` for them all, at the reap.
+    syncs: Vec<u64>,
+    image: Option<Arc<dyn Image>>,
+}
+
+fn errno(e: &vdisk_image::Error) -> i64 {
+    -i64::from(match e.errno() {
+        0 => libc::EIO,
+        n => n,
+    })
+}
+
+impl Backend for Blocking {
+    unsafe fn rw(
+        &mut self,
+        planner: &Planner,
+        run: &Run,
+        _iov: &[libc::iovec],
+        key: u64,
+        sync: Option<u64>,
+    ) -> std::io::Result<()> {
+        if let Some(ms) = planner.faults.as_ref().and_then(|f| f.delay()) {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
         }
-    }
-    let durable: Vec<bool> = reqs.iter_mut().map(|r| planner.write_done(r)).collect();
-    if durable.contains(&true) {
-        planner.settle_metadata(reqs.iter_mut().zip(&durable).filter(|(_, &d)| d).map(|(r, _)| &mut **r));
-    }
-    let mut flush = false;
-    for req in reqs.iter_mut() {
-        if !planner.perform_other(req) && req.op() == Op::Flush {
-            flush = true;
+        // SAFETY: the run points into requests the table holds, alive and untouched
+        // by anyone else until this blocking call returns (the caller's contract).
+        let r = unsafe { planner.perform(run) };
+        let res = match &r {
+            Ok(()) => run.len() as i64,
+            Err(e) => errno(e),
+        };
+        self.done.push((key, res));
+        if let Some(s) = sync {
+            // `perform` syncs a durable write itself where RWF_DSYNC may be dropped;
+            // after a failure the blocking retry of `finish_run` does.
+            self.done.push((s, if r.is_ok() { 0 } else { -i64::from(libc::ECANCELED) }));
         }
+        Ok(())
     }
-    if flush {
-        let r = planner.flush();
-        for req in reqs.iter_mut().filter(|r| r.op() == Op::Flush) {
-            if let Err(e) = &r {
-                req.error = Some(e.clone());
-            }
+
+    fn sync(&mut self, planner: &Planner, key: u64) -> std::io::Result<bool> {
+        if crate::plan::skips_data_sync() || planner.image.files().is_empty() {
+            return Ok(false);
         }
+        self.syncs.push(key);
+        self.image.get_or_insert_with(|| planner.image.clone());
+        Ok(true)
     }
+
+    /// Nothing to ask back: every call has returned.
+    fn cancel(&mut self, _key: u64) {}
+
+    fn reap(&mut self, out: &mut Vec<(u64, i64)>) {
+        out.append(&mut self.done);
+        if self.syncs.is_empty() {
+            return;
+        }
+        // After every data call of the batch: one fdatasync of file 0 (the only
+        // one writes reach) for all its FLUSHes.
+        let image = self.image.take().expect("set with the first sync");
+        let res = match crate::sys::fdatasync(&image.files()[0]) {
+            Ok(()) => 0,
+            Err(e) => -i64::from(e.raw_os_error().unwrap_or(libc::EIO)),
+        };
+        out.extend(self.syncs.drain(..).map(|k| (k, res)));
+    }
+}
+
+/// Performs a batch with blocking calls, through the in-flight table: data
+/// runs, then the other operations, then one data sync for all the FLUSH
+/// requests of the batch and their metadata rounds. Returns the planner.
+pub(crate) fn execute(planner: Planner, reqs: &mut [&mut Request]) -> Planner {
+    let mut lane = Lane::new(planner, None);
+    let mut flight: Flight<&mut Request, Blocking> = Flight::new(Blocking::default());
+    let mut new: Vec<&mut Request> = reqs.iter_mut().map(|r| &mut **r).collect();
+    flight.start(&mut lane, 0, &mut new).expect("blocking calls never fail to start");
+    let mut done = Vec::new();
+    flight.backend.reap(&mut done);
+    for (key, res) in done {
+        flight.completed(&mut lane, key, res);
+    }
+    debug_assert!(flight.jobs.is_empty() && flight.ops.is_empty(), "every operation was handed back");
+    lane.settle();
+    lane.planner
 }
