@@ -70,10 +70,39 @@ pub(crate) trait Backend {
         sync: Option<u64>,
     ) -> std::io::Result<()>;
 
-    /// Starts the data sync of the image's written file for a FLUSH.
-    /// Ok(false): nothing to sync (no file, or a test build told to skip it);
-    /// no completion comes then.
+    /// Starts the data sync of the image's written target (0) for a FLUSH,
+    /// or after a durable write to a target that ignores RWF_DSYNC.
+    /// Ok(false): nothing to sync (no target, or a test build told to skip
+    /// it); no completion comes then.
     fn sync(&mut self, planner: &Planner, key: u64) -> std::io::Result<bool>;
+
+    /// Whether a durable write to target `file` must be followed by a sync of
+    /// it before its reply, having no RWF_DSYNC (an RBD image).
+    fn sync_after_durable_write(&self, _planner: &Planner, _file: usize) -> bool {
+        false
+    }
+
+    /// Whether the result of a read or write of target `file` counts its
+    /// bytes, so that a short one is finished with blocking calls and a
+    /// failed one retried piece by piece (a file); when not (librbd), any
+    /// result not an error means the whole run was done, and an error fails
+    /// each of the run's requests.
+    fn counts_bytes(&self, _planner: &Planner, _file: usize) -> bool {
+        true
+    }
+
+    /// Whether this backend does the TRIM and WRITE_ZEROES of `planner`'s
+    /// image itself ([`Backend::zero`], one extent at a time; CACHE is then
+    /// a hint it ignores), rather than the planner's blocking calls on files.
+    fn zeroes_itself(&self, _planner: &Planner) -> bool {
+        false
+    }
+
+    /// Starts a TRIM (`op`) or WRITE_ZEROES of `len` bytes at `offset` of
+    /// target 0 (only asked when [`Backend::zeroes_itself`]).
+    fn zero(&mut self, _planner: &Planner, _op: Op, _offset: u64, _len: u64, _key: u64) -> std::io::Result<()> {
+        Err(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP))
+    }
 
     /// Asks for operation `key` back early (best effort: it still completes, maybe with ECANCELED).
     fn cancel(&mut self, key: u64);
@@ -87,6 +116,8 @@ pub(crate) struct Slot<J> {
     pub dev: u64,
     pub job: J,
     pub pending: usize,
+    /// A durable write to a target without RWF_DSYNC: a sync follows once its data is there.
+    pub sync_after: bool,
 }
 
 /// An operation the backend holds.
@@ -100,8 +131,11 @@ pub(crate) enum OpKind {
         iov: Vec<libc::iovec>,
         jobs: Jobs,
     },
-    /// The data sync of a FLUSH.
-    Flush { dev: u64, job: [usize; 1] },
+    /// The data sync of a FLUSH (`request`), or the one after a durable write
+    /// to a target without RWF_DSYNC.
+    Flush { dev: u64, job: [usize; 1], request: bool },
+    /// A TRIM or WRITE_ZEROES of one extent, done by the backend.
+    Zero { dev: u64, job: [usize; 1], offset: u64, len: u64 },
     /// The data sync linked after a durable write where the file system may
     /// drop RWF_DSYNC; each job of the write waits for it too.
     WriteSync { dev: u64, run: Run, jobs: Jobs },
@@ -113,7 +147,10 @@ pub(crate) enum OpKind {
 impl OpKind {
     pub fn dev(&self) -> Option<u64> {
         match self {
-            OpKind::Data { dev, .. } | OpKind::Flush { dev, .. } | OpKind::WriteSync { dev, .. } => Some(*dev),
+            OpKind::Data { dev, .. }
+            | OpKind::Flush { dev, .. }
+            | OpKind::WriteSync { dev, .. }
+            | OpKind::Zero { dev, .. } => Some(*dev),
             OpKind::Leaked => None,
         }
     }
@@ -121,7 +158,7 @@ impl OpKind {
     pub fn jobs(&self) -> &[usize] {
         match self {
             OpKind::Data { jobs, .. } | OpKind::WriteSync { jobs, .. } => jobs,
-            OpKind::Flush { job, .. } => job,
+            OpKind::Flush { job, .. } | OpKind::Zero { job, .. } => job,
             OpKind::Leaked => &[],
         }
     }
@@ -182,7 +219,8 @@ impl<J: Held, B: Backend> Flight<J, B> {
         let runs = d.planner.plan(new.iter_mut().map(|j| j.req()).enumerate());
         // Each request holds one count of its own until everything it needs is
         // started: an operation that completes at once cannot finish it early.
-        let keys: Vec<usize> = new.drain(..).map(|job| self.jobs.insert(Slot { dev: id, job, pending: 1 })).collect();
+        let keys: Vec<usize> =
+            new.drain(..).map(|job| self.jobs.insert(Slot { dev: id, job, pending: 1, sync_after: false })).collect();
         d.in_flight += keys.len();
         for mut run in runs {
             for j in run.jobs.iter_mut() {
@@ -191,12 +229,43 @@ impl<J: Held, B: Backend> Flight<J, B> {
             self.start_run(d, id, run)?;
         }
         for &k in &keys {
-            if self.jobs[k].job.req().op() == Op::Flush {
-                self.start_flush(d, id, k)?;
-            } else {
-                d.planner.perform_other(self.jobs[k].job.req());
+            match self.jobs[k].job.req().op() {
+                Op::Flush => self.start_flush(d, id, k)?,
+                Op::Trim { .. } | Op::WriteZeroes { .. } if self.backend.zeroes_itself(&d.planner) => {
+                    self.start_zero(d, id, k)?
+                }
+                // A hint, for a backend that does its own zeroing (librbd has no prefetch).
+                Op::Cache if self.backend.zeroes_itself(&d.planner) => {}
+                _ => {
+                    d.planner.perform_other(self.jobs[k].job.req());
+                }
             }
             self.release(d, k);
+        }
+        Ok(())
+    }
+
+    /// A TRIM or WRITE_ZEROES the backend does itself: one operation per
+    /// extent it maps to; a durable one is followed by a sync.
+    fn start_zero(&mut self, d: &Lane<J>, id: u64, k: usize) -> std::io::Result<()> {
+        let req = self.jobs[k].job.req();
+        let (op, offset, len) = (req.op(), req.offset, req.len);
+        crate::validate::debug_assert_valid(op, offset, len, &*d.planner.image);
+        let mut extents = Vec::new();
+        if let Err(e) = d.planner.image.map_write(offset, len, &mut extents) {
+            req.error = Some(e);
+            return Ok(());
+        }
+        self.jobs[k].sync_after = d.planner.sync || op.fua();
+        for ext in extents {
+            let vdisk_image::Extent::Data { offset, len, .. } = ext else { continue };
+            let key = self.ops.insert(OpKind::Zero { dev: id, job: [k], offset, len });
+            self.jobs[k].pending += 1;
+            if let Err(e) = self.backend.zero(&d.planner, op, offset, len, key as u64) {
+                self.ops.remove(key);
+                self.jobs[k].pending -= 1;
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -206,8 +275,10 @@ impl<J: Held, B: Backend> Flight<J, B> {
         let mut jobs = run.jobs.clone();
         jobs.dedup();
         let linked = run.write && run.dsync && d.planner.dsync_unreliable && !crate::plan::skips_data_sync();
+        let sync_after = run.write && run.dsync && self.backend.sync_after_durable_write(&d.planner, run.file);
         for &j in &jobs {
             self.jobs[j].pending += if linked { 2 } else { 1 };
+            self.jobs[j].sync_after |= sync_after;
         }
         let iov: Vec<libc::iovec> =
             run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
@@ -244,7 +315,7 @@ impl<J: Held, B: Backend> Flight<J, B> {
             self.jobs[k].job.req().error = Some(e);
             return Ok(());
         }
-        let op = self.ops.insert(OpKind::Flush { dev: id, job: [k] });
+        let op = self.ops.insert(OpKind::Flush { dev: id, job: [k], request: true });
         match self.backend.sync(&d.planner, op as u64) {
             Ok(true) => {
                 self.jobs[k].pending += 1;
@@ -297,6 +368,17 @@ impl<J: Held, B: Backend> Flight<J, B> {
             return;
         }
         match kind {
+            OpKind::Data { run, iov: _, jobs, .. } if !self.backend.counts_bytes(&d.planner, run.file) => {
+                if res < 0 {
+                    let e = d.planner.run_error(&run, std::io::Error::from_raw_os_error(-res as i32));
+                    for &j in &jobs {
+                        self.jobs[j].job.req().error.get_or_insert(e.clone());
+                    }
+                }
+                for j in jobs {
+                    self.release(d, j);
+                }
+            }
             OpKind::Data { run, iov: _, jobs, .. } => {
                 if res < 0 || res as usize != run.len() {
                     let slots = &mut self.jobs;
@@ -311,11 +393,35 @@ impl<J: Held, B: Backend> Flight<J, B> {
                     self.release(d, j);
                 }
             }
-            OpKind::Flush { job: [job], .. } => {
+            OpKind::Flush { job: [job], request: true, .. } => {
                 let synced = if res < 0 { Err(std::io::Error::from_raw_os_error(-res as i32)) } else { Ok(()) };
                 if let Err(e) = d.planner.flush_end(synced) {
                     self.jobs[job].job.req().error.get_or_insert(e);
                 }
+                self.release(d, job);
+            }
+            OpKind::Flush { job: [job], request: false, .. } => {
+                if res < 0 {
+                    let e = d.planner.flush_error(std::io::Error::from_raw_os_error(-res as i32));
+                    self.jobs[job].job.req().error.get_or_insert(e);
+                }
+                self.release(d, job);
+            }
+            OpKind::Zero { job: [job], offset, len, .. } => {
+                let req = self.jobs[job].job.req();
+                if res < 0 {
+                    let e = std::io::Error::from_raw_os_error(-res as i32);
+                    let what = req.op().name();
+                    let e = vdisk_image::Error::io(
+                        e,
+                        format!("{what} of {len} bytes at offset {offset} of {}", d.planner.describe(0)),
+                    )
+                    .op(what)
+                    .at(offset);
+                    req.error.get_or_insert(e);
+                }
+                // Done or failed, its range may have changed (see `Observers`).
+                d.planner.observers.record(offset, len);
                 self.release(d, job);
             }
             OpKind::WriteSync { run, jobs, .. } => {
@@ -339,6 +445,26 @@ impl<J: Held, B: Backend> Flight<J, B> {
     fn release(&mut self, d: &mut Lane<J>, k: usize) {
         let Some(slot) = self.jobs.get_mut(k) else { return };
         slot.pending = slot.pending.saturating_sub(1);
+        if slot.pending == 0 && slot.sync_after && slot.job.req().error.is_none() && !d.failed() {
+            // A durable write (or zeroing) on a target without RWF_DSYNC: its sync, then its reply.
+            slot.sync_after = false;
+            let op = self.ops.insert(OpKind::Flush { dev: slot.dev, job: [k], request: false });
+            match self.backend.sync(&d.planner, op as u64) {
+                Ok(true) => {
+                    self.jobs[k].pending += 1;
+                    return;
+                }
+                Ok(false) => {
+                    self.ops.remove(op);
+                }
+                Err(e) => {
+                    self.ops.remove(op);
+                    let e = d.planner.flush_error(e);
+                    self.jobs[k].job.req().error.get_or_insert(e);
+                }
+            }
+        }
+        let slot = &mut self.jobs[k];
         if slot.pending == 0 {
             if !d.failed() && d.planner.write_done(slot.job.req()) {
                 d.owed.push(d.done.len());

@@ -246,7 +246,7 @@ impl Device {
 
     /// [`Device::start`] on the workers of `core` (for the uring engine).
     pub fn start_on(core: &Core, name: &str, image: Arc<dyn Image>, config: &EngineConfig) -> std::io::Result<Device> {
-        if rbd::uses_rbd(&*image) {
+        if rbd::uses_librbd(&*image) {
             return Self::spawn(core, name, &image, config, EngineKind::Rbd);
         }
         if config.kind == EngineKind::Uring {
@@ -549,13 +549,9 @@ impl Device {
         let image = self.image();
         let flushed = bounded(deadline, move || {
             let r = plan::Planner::new(image.clone(), false, false).flush();
-            // An RBD image is closed now, not whenever the last reference goes: closing
-            // releases its exclusive lock, which another client would otherwise wait for.
-            for file in 0..2 {
-                if let Some(rbd) = image.rbd(file) {
-                    rbd.close();
-                }
-            }
+            // Its targets let go now, not whenever the last reference goes: an RBD
+            // image's exclusive lock would otherwise keep another client waiting.
+            (0..).map_while(|i| image.target(i)).for_each(|t| t.release());
             r
         });
         let flushed = flushed.unwrap_or_else(|why| {
@@ -623,7 +619,7 @@ fn flush_image(image: &Arc<dyn Image>) -> Result<()> {
 
 /// The image is on Ceph RBD (served by the RBD engine).
 fn on_rbd(image: &dyn Image) -> bool {
-    rbd::uses_rbd(image)
+    rbd::uses_librbd(image)
 }
 
 /// Runs `f` (which must not panic the caller: a panic is its error), on a
