@@ -103,14 +103,16 @@ pub fn violations() -> usize {
 }
 
 /// A buffer of `len` bytes at `ptr` is being freed (or given back to the
-/// pool): if a backend still holds any of it, that is counted and logged.
+/// pool): if a backend still holds any of it, that is logged and the process
+/// aborts (see [`check_not_lent`]).
 pub fn freeing(ptr: *const u8, len: usize) {
     check_not_lent(ptr, len, "freed");
 }
 
 /// Memory of `len` bytes at `ptr` is about to be `what` ("freed", "answered":
 /// handed back to a sink, which may free or reuse it): if a backend still
-/// holds any of it, that is counted and logged.
+/// holds any of it, that is counted, logged, and the process aborts (a test
+/// build only: this module is compiled in only with the `faults` feature).
 pub fn check_not_lent(ptr: *const u8, len: usize, what: &str) {
     let (start, end) = (ptr as usize, ptr as usize + len);
     let lent = LENT.lock().unwrap();
@@ -119,7 +121,12 @@ pub fn check_not_lent(ptr: *const u8, len: usize, what: &str) {
     if let Some((&s, &(e, _))) = lent.range(..end).next_back() {
         if s < end && start < e {
             VIOLATIONS.fetch_add(1, Ordering::SeqCst);
-            log::error!("a buffer at {ptr:?} ({len} bytes) was {what} while a backend still held {s:#x}..{e:#x}");
+            let msg = format!("a buffer at {ptr:?} ({len} bytes) was {what} while a backend still held {s:#x}..{e:#x}");
+            log::error!("{msg}");
+            // Memory the kernel or librbd may still write: a test build stops here, loudly,
+            // so every test (the binary's too) fails on it, not on what it corrupts later.
+            eprintln!("vdisk: fatal (faults build): {msg}");
+            std::process::abort();
         }
     }
 }

@@ -345,6 +345,17 @@ impl<J: Held, B: Backend> Flight<J, B> {
         Some(kind)
     }
 
+    /// After a panic unwound through a backend that holds nothing once its
+    /// caller unwinds (blocking calls): the operations' memory is no longer
+    /// lent (for the `faults` bookkeeping), and the table is emptied.
+    pub fn forget_ops(&mut self, d: &Lane<J>) {
+        for op in self.ops.drain() {
+            if let (OpKind::Data { iov, .. }, Some(f)) = (&op, &d.planner.faults) {
+                f.returned(iov);
+            }
+        }
+    }
+
     /// The device a completion under `key` is for, if any (None: not an
     /// operation of this table, or one whose memory was leaked: then it is
     /// removed here, its key free again).

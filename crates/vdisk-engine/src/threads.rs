@@ -13,6 +13,7 @@
 //! nothing is in flight: the table (which only borrowed the requests) goes
 //! with the unwinding.
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use vdisk_image::Image;
@@ -100,11 +101,18 @@ pub(crate) fn execute(planner: Planner, reqs: &mut [&mut Request]) -> Planner {
     let mut lane = Lane::new(planner, None);
     let mut flight: Flight<&mut Request, Blocking> = Flight::new(Blocking::default());
     let mut new: Vec<&mut Request> = reqs.iter_mut().map(|r| &mut **r).collect();
-    flight.start(&mut lane, 0, &mut new).expect("blocking calls never fail to start");
-    let mut done = Vec::new();
-    flight.backend.reap(&mut done);
-    for (key, res) in done {
-        flight.completed(&mut lane, key, res);
+    let run = catch_unwind(AssertUnwindSafe(|| {
+        flight.start(&mut lane, 0, &mut new).expect("blocking calls never fail to start");
+        let mut done = Vec::new();
+        flight.backend.reap(&mut done);
+        for (key, res) in done {
+            flight.completed(&mut lane, key, res);
+        }
+    }));
+    if let Err(p) = run {
+        // Every blocking call has returned: nothing of the batch is with a backend.
+        flight.forget_ops(&lane);
+        resume_unwind(p);
     }
     debug_assert!(flight.jobs.is_empty() && flight.ops.is_empty(), "every operation was handed back");
     lane.settle();
