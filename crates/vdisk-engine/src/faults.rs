@@ -33,6 +33,12 @@
 //!   again under that name (the export removed and added back) is spared it.
 //!
 //! Example: `VDISK_FAULTS=read@1048576+4096,write#5=enospc,flush#2,disk2:enter#40`.
+//!
+//! Besides the rules, this build watches the in-flight table (`flight`):
+//! every iovec range handed to a backend is registered ([`Faults::lend`])
+//! until its completion is reaped ([`Faults::returned`]); a buffer freed, or
+//! a request handed back to its sink, while a backend holds part of its
+//! memory is logged and aborts the process ([`check_not_lent`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

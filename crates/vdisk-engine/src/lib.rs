@@ -24,7 +24,8 @@
 //! worker retries EINTR (a stopped and continued process gets it); a worker
 //! that panics or meets an unrecoverable error is caught at its thread's edge,
 //! gives back what it held (cancelled and reaped, or leaked where the kernel
-//! or librbd may still touch it, see `uring` and `rbd`) and fails the device
+//! or librbd may still touch it: the one in-flight table of every backend,
+//! `flight`, and its owners `uring`, `threads` and `rbd`) and fails the device
 //! ([`Device::failure`]): its requests, then and later, complete with EIO,
 //! while every other device goes on. Stopping can be bounded
 //! ([`Device::shutdown_within`]).

@@ -9,9 +9,10 @@
 //! The operations themselves (reads, writes, fsyncs, their completions) are
 //! in `uring_ops`; this file is the loop, attach/detach and the failure paths.
 //!
-//! The in-flight table (`Flight`: `ops`, `jobs`) owns every request, and with
-//! it every buffer and iovec array the kernel may touch, until that
-//! operation's completion has been reaped. Files are plain fds, not
+//! The worker's in-flight table (the engine's one, `flight`, over the ring as
+//! its backend, `uring_ops`) owns every request, and with it every buffer and
+//! iovec array the kernel may touch, until that operation's completion has
+//! been reaped. Files are plain fds, not
 //! registered: a shared ring would need a sparse table updated on every
 //! attach and detach, for a per-op saving this engine has not needed.
 //!
