@@ -175,11 +175,16 @@ pub(crate) struct Lane<J> {
     pub done: Vec<J>,
     /// Positions in `done` of durable writes whose metadata is not yet durable.
     pub owed: Vec<usize>,
+    /// The metadata round of a FLUSH whose data sync came back in this reap:
+    /// another FLUSH back in the same reap needs no round of its own (every
+    /// write it covers was done before that round), so a batch's FLUSHes
+    /// cost one metadata sync, as one data sync on the thread engine.
+    pub flushed: Option<vdisk_image::Result<()>>,
 }
 
 impl<J: Held> Lane<J> {
     pub fn new(planner: Planner, queue: Option<Arc<Queue>>) -> Self {
-        Lane { planner, queue, in_flight: 0, done: Vec::new(), owed: Vec::new() }
+        Lane { planner, queue, in_flight: 0, done: Vec::new(), owed: Vec::new(), flushed: None }
     }
 
     pub fn failed(&self) -> bool {
@@ -189,6 +194,7 @@ impl<J: Held> Lane<J> {
     /// One metadata sync for every durable write finished since the last
     /// settle (before any of them is answered).
     pub fn settle(&mut self) {
+        self.flushed = None;
         if self.owed.is_empty() {
             return;
         }
@@ -405,8 +411,12 @@ impl<J: Held, B: Backend> Flight<J, B> {
                 }
             }
             OpKind::Flush { job: [job], request: true, .. } => {
-                let synced = if res < 0 { Err(std::io::Error::from_raw_os_error(-res as i32)) } else { Ok(()) };
-                if let Err(e) = d.planner.flush_end(synced) {
+                let r = match &d.flushed {
+                    Some(round) if res >= 0 => round.clone(),
+                    _ if res < 0 => d.planner.flush_end(Err(std::io::Error::from_raw_os_error(-res as i32))),
+                    _ => d.flushed.insert(d.planner.flush_end(Ok(()))).clone(),
+                };
+                if let Err(e) = r {
                     self.jobs[job].job.req().error.get_or_insert(e);
                 }
                 self.release(d, job);
