@@ -70,6 +70,13 @@ pub(crate) trait Backend {
         sync: Option<u64>,
     ) -> std::io::Result<()>;
 
+    /// Whether [`Backend::rw`] reads its `iov` (false: it performs the run's
+    /// segments itself, and the table builds no array unless the `faults`
+    /// bookkeeping needs one).
+    fn takes_iovecs(&self) -> bool {
+        true
+    }
+
     /// Starts the data sync of the image's written target (0) for a FLUSH,
     /// or after a durable write to a target that ignores RWF_DSYNC.
     /// Ok(false): nothing to sync (no target, or a test build told to skip
@@ -225,7 +232,7 @@ impl<J: Held, B: Backend> Flight<J, B> {
         let runs = d.planner.plan(new.iter_mut().map(|j| j.req()).enumerate());
         // Each request holds one count of its own until everything it needs is
         // started: an operation that completes at once cannot finish it early.
-        let keys: Vec<usize> =
+        let keys: smallvec::SmallVec<[usize; 16]> =
             new.drain(..).map(|job| self.jobs.insert(Slot { dev: id, job, pending: 1, sync_after: false })).collect();
         d.in_flight += keys.len();
         for mut run in runs {
@@ -286,8 +293,13 @@ impl<J: Held, B: Backend> Flight<J, B> {
             self.jobs[j].pending += if linked { 2 } else { 1 };
             self.jobs[j].sync_after |= sync_after;
         }
-        let iov: Vec<libc::iovec> =
-            run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect();
+        // On the heap, never inline in the table: the slab may move its entries
+        // while the backend still reads the array.
+        let iov: Vec<libc::iovec> = if self.backend.takes_iovecs() || d.planner.faults.is_some() {
+            run.segs.iter().map(|s| libc::iovec { iov_base: s.ptr.cast(), iov_len: s.len }).collect()
+        } else {
+            Vec::new()
+        };
         if let Some(f) = &d.planner.faults {
             f.lend(&iov);
         }

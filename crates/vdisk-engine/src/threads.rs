@@ -13,12 +13,14 @@
 //! nothing is in flight: the table (which only borrowed the requests) goes
 //! with the unwinding.
 
+use std::cell::RefCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use vdisk_image::Image;
 
-use crate::flight::{Backend, Flight, Lane};
+use crate::flight::{Backend, Flight, Held, Lane};
 use crate::plan::{Planner, Run};
 use crate::Request;
 
@@ -75,6 +77,11 @@ impl Backend for Blocking {
         Ok(true)
     }
 
+    /// It performs the run's segments (`Planner::perform`).
+    fn takes_iovecs(&self) -> bool {
+        false
+    }
+
     /// Nothing to ask back: every call has returned.
     fn cancel(&mut self, _key: u64) {}
 
@@ -94,27 +101,64 @@ impl Backend for Blocking {
     }
 }
 
+/// A request the table borrows for one [`execute`] call: a pointer, so that
+/// the table (with its capacity) can be kept per thread between calls.
+pub(crate) struct Borrowed(NonNull<Request>);
+
+impl Held for Borrowed {
+    fn req(&mut self) -> &mut Request {
+        // SAFETY: made in `execute` from a `&mut Request` that stays mutably borrowed,
+        // and touched by nothing else, until it returns; every `Borrowed` is gone by then.
+        unsafe { self.0.as_mut() }
+    }
+}
+
+/// What [`execute`] keeps per thread between calls, so a batch allocates nothing
+/// for its bookkeeping once the thread has served one as large.
+#[derive(Default)]
+struct Scratch {
+    flight: Option<Flight<Borrowed, Blocking>>,
+    new: Vec<Borrowed>,
+    done: Vec<Borrowed>,
+    owed: Vec<usize>,
+    reaped: Vec<(u64, i64)>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+}
+
 /// Performs a batch with blocking calls, through the in-flight table: data
 /// runs, then the other operations, then one data sync for all the FLUSH
-/// requests of the batch and their metadata rounds. Returns the planner.
+/// requests of the batch and their metadata round. Returns the planner.
 pub(crate) fn execute(planner: Planner, reqs: &mut [&mut Request]) -> Planner {
+    // Taken out while in use: a nested call (a sink that submits inline) gets a fresh one.
+    let mut sc = SCRATCH.with(|s| s.borrow_mut().take()).unwrap_or_default();
+    let mut flight = sc.flight.take().unwrap_or_else(|| Flight::new(Blocking::default()));
     let mut lane = Lane::new(planner, None);
-    let mut flight: Flight<&mut Request, Blocking> = Flight::new(Blocking::default());
-    let mut new: Vec<&mut Request> = reqs.iter_mut().map(|r| &mut **r).collect();
+    lane.done = std::mem::take(&mut sc.done);
+    lane.owed = std::mem::take(&mut sc.owed);
+    sc.new.extend(reqs.iter_mut().map(|r| Borrowed(NonNull::from(&mut **r))));
     let run = catch_unwind(AssertUnwindSafe(|| {
-        flight.start(&mut lane, 0, &mut new).expect("blocking calls never fail to start");
-        let mut done = Vec::new();
-        flight.backend.reap(&mut done);
-        for (key, res) in done {
+        flight.start(&mut lane, 0, &mut sc.new).expect("blocking calls never fail to start");
+        flight.backend.reap(&mut sc.reaped);
+        for (key, res) in sc.reaped.drain(..) {
             flight.completed(&mut lane, key, res);
         }
     }));
     if let Err(p) = run {
         // Every blocking call has returned: nothing of the batch is with a backend.
+        // The table and its pointers are dropped here, not kept for the next batch.
         flight.forget_ops(&lane);
         resume_unwind(p);
     }
     debug_assert!(flight.jobs.is_empty() && flight.ops.is_empty(), "every operation was handed back");
     lane.settle();
+    // No pointer into `reqs` outlives this call.
+    lane.done.clear();
+    sc.done = std::mem::take(&mut lane.done);
+    sc.owed = std::mem::take(&mut lane.owed);
+    sc.flight = Some(flight);
+    SCRATCH.with(|s| *s.borrow_mut() = Some(sc));
     lane.planner
 }
