@@ -210,6 +210,7 @@ impl Default for Buf {
 impl Drop for Buf {
     fn drop(&mut self) {
         if self.cap > 0 {
+            crate::faults::freeing(self.ptr.as_ptr(), self.cap);
             give_back(self.ptr, self.cap);
         }
     }

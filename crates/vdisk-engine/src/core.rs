@@ -110,6 +110,26 @@ impl Core {
         Ok((attachment, detached))
     }
 
+    /// Stops every started worker: each fails its devices (their requests
+    /// answer EIO, naming the stop), cancels what is in its ring and reaps it
+    /// (what the kernel has not given back within two seconds is leaked, never
+    /// freed), then answers EIO until its devices are shut down. Returns once
+    /// every worker has. A device started on this core afterwards gets a new worker.
+    pub fn stop(&self) {
+        let workers: Vec<Arc<Shared>> = self.workers.lock().unwrap().clone();
+        let waits: Vec<Arc<Detached>> = workers
+            .iter()
+            .map(|w| {
+                let stopped = Arc::new(Detached::default());
+                w.command(Command::Stop { stopped: stopped.clone() });
+                stopped
+            })
+            .collect();
+        for w in waits {
+            w.wait(None);
+        }
+    }
+
     fn pick(&self) -> std::io::Result<Arc<Shared>> {
         let mut workers = self.workers.lock().unwrap();
         let live = workers.iter().filter(|s| !s.dead.load(Ordering::SeqCst));

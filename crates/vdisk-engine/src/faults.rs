@@ -22,6 +22,10 @@
 //! - `eintr#N`: the Nth `io_uring_enter` returns EINTR instead of entering the
 //!   kernel, as when the process is stopped and continued: it must be retried
 //!   with no visible effect (`enter` and `eintr` share one count);
+//! - `delay=MS`: every read and write of the device stays with the backend
+//!   at least MS milliseconds (io_uring: a timeout linked ahead of it; the
+//!   thread engine: a sleep before the call), so that tests can stop a device
+//!   or the core with requests in flight;
 //! - any rule may end in `=eio` (the default) or `=enospc`;
 //! - any rule may start with `EXPORT:` to apply only to the device of that
 //!   name (`a:panic#3,b:enter#20`); a rule without it applies to every device.
@@ -29,8 +33,15 @@
 //!   again under that name (the export removed and added back) is spared it.
 //!
 //! Example: `VDISK_FAULTS=read@1048576+4096,write#5=enospc,flush#2,disk2:enter#40`.
+//!
+//! Besides the rules, this build watches the in-flight table (`flight`):
+//! every iovec range handed to a backend is registered ([`Faults::lend`])
+//! until its completion is reaped ([`Faults::returned`]); a buffer freed, or
+//! a request handed back to its sink, while a backend holds part of its
+//! memory is logged and aborts the process ([`check_not_lent`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vdisk_image::Error;
@@ -79,6 +90,51 @@ pub struct Faults {
     rules: Vec<Rule>,
     /// How many reads, writes, flushes, deliveries and enters were checked, by [`Kind`].
     counts: [AtomicU64; 5],
+    /// `delay=MS`: how long each read and write stays with the backend.
+    delay: Option<u64>,
+    /// Operations of this device whose memory a backend holds now ([`Faults::lend`]).
+    lent: AtomicUsize,
+}
+
+/// Every iovec range a backend holds now, by start address (end, how many
+/// operations hold it), over every device with faults.
+static LENT: Mutex<BTreeMap<usize, (usize, usize)>> = Mutex::new(BTreeMap::new());
+/// Buffers freed, or requests answered, while a backend still held part of their data (must stay 0).
+static VIOLATIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many buffers were freed while a backend still held them (a bug: must stay 0).
+#[cfg(test)]
+pub fn violations() -> usize {
+    VIOLATIONS.load(Ordering::SeqCst)
+}
+
+/// A buffer of `len` bytes at `ptr` is being freed (or given back to the
+/// pool): if a backend still holds any of it, that is logged and the process
+/// aborts (see [`check_not_lent`]).
+pub fn freeing(ptr: *const u8, len: usize) {
+    check_not_lent(ptr, len, "freed");
+}
+
+/// Memory of `len` bytes at `ptr` is about to be `what` ("freed", "answered":
+/// handed back to a sink, which may free or reuse it): if a backend still
+/// holds any of it, that is counted, logged, and the process aborts (a test
+/// build only: this module is compiled in only with the `faults` feature).
+pub fn check_not_lent(ptr: *const u8, len: usize, what: &str) {
+    let (start, end) = (ptr as usize, ptr as usize + len);
+    let lent = LENT.lock().unwrap();
+    // Ranges are disjoint or equal (no two operations share memory), so the
+    // one starting last before `end` is the only candidate.
+    if let Some((&s, &(e, _))) = lent.range(..end).next_back() {
+        if s < end && start < e {
+            VIOLATIONS.fetch_add(1, Ordering::SeqCst);
+            let msg = format!("a buffer at {ptr:?} ({len} bytes) was {what} while a backend still held {s:#x}..{e:#x}");
+            log::error!("{msg}");
+            // Memory the kernel or librbd may still write: a test build stops here, loudly,
+            // so every test (the binary's too) fails on it, not on what it corrupts later.
+            eprintln!("vdisk: fatal (faults build): {msg}");
+            std::process::abort();
+        }
+    }
 }
 
 impl Faults {
@@ -87,7 +143,7 @@ impl Faults {
     pub fn from_env(device: &str) -> Option<Arc<Faults>> {
         let spec = std::env::var(ENV).ok()?;
         let faults = Faults::parse_for(&spec, device).unwrap_or_else(|e| panic!("{ENV}={spec:?}: {e}"));
-        if faults.rules.is_empty() {
+        if faults.rules.is_empty() && faults.delay.is_none() {
             return None;
         }
         log::warn!("{device}: fault injection on ({ENV}={spec}): requests will fail on purpose");
@@ -104,6 +160,7 @@ impl Faults {
     /// `EXPORT:` prefix and those naming it (all of them when `device` is empty).
     pub fn parse_for(spec: &str, device: &str) -> Result<Faults, String> {
         let mut rules = Vec::new();
+        let mut delay = None;
         for written in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let item = match written.rsplit_once(':') {
                 Some((name, rule)) if name == device || device.is_empty() => rule,
@@ -112,6 +169,10 @@ impl Faults {
             };
             let once = (item != written && item.contains('#')).then(|| written.to_owned());
             if once.as_ref().is_some_and(|w| FIRED.lock().unwrap().contains(w)) {
+                continue;
+            }
+            if let Some(ms) = item.strip_prefix("delay=") {
+                delay = Some(ms.parse::<u64>().map_err(|_| format!("{item:?}: want delay=MILLISECONDS"))?);
                 continue;
             }
             let (rule, errno) = match item.split_once('=') {
@@ -144,7 +205,7 @@ impl Faults {
             };
             rules.push(Rule { kind, target, errno, interrupt: op == "eintr", once });
         }
-        Ok(Faults { rules, counts: Default::default() })
+        Ok(Faults { rules, counts: Default::default(), delay, lent: AtomicUsize::new(0) })
     }
 
     /// The rule, if any, that fails this request of `kind` (counting it).
@@ -185,6 +246,42 @@ impl Faults {
         if self.matching(Kind::Panic, 0, 0).is_some() {
             panic!("a delivery of completions panicked (injected by {ENV})");
         }
+    }
+
+    /// How long each read and write must stay with the backend, in milliseconds.
+    pub fn delay(&self) -> Option<u64> {
+        self.delay
+    }
+
+    /// A backend is about to hold the memory of `iov` (until [`Faults::returned`]).
+    pub fn lend(&self, iov: &[libc::iovec]) {
+        self.lent.fetch_add(1, Ordering::SeqCst);
+        let mut lent = LENT.lock().unwrap();
+        for v in iov.iter().filter(|v| v.iov_len > 0) {
+            let e = lent.entry(v.iov_base as usize).or_insert((v.iov_base as usize + v.iov_len, 0));
+            e.1 += 1;
+        }
+    }
+
+    /// The backend gave back the memory of `iov` (its completion was reaped).
+    pub fn returned(&self, iov: &[libc::iovec]) {
+        self.lent.fetch_sub(1, Ordering::SeqCst);
+        let mut lent = LENT.lock().unwrap();
+        for v in iov.iter().filter(|v| v.iov_len > 0) {
+            let start = v.iov_base as usize;
+            if let Some(e) = lent.get_mut(&start) {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    lent.remove(&start);
+                }
+            }
+        }
+    }
+
+    /// Operations of this device whose memory a backend holds now.
+    #[cfg(test)]
+    pub fn lent(&self) -> usize {
+        self.lent.load(Ordering::SeqCst)
     }
 
     /// What this `io_uring_enter` must do instead of entering the kernel, if anything.

@@ -24,7 +24,8 @@
 //! worker retries EINTR (a stopped and continued process gets it); a worker
 //! that panics or meets an unrecoverable error is caught at its thread's edge,
 //! gives back what it held (cancelled and reaped, or leaked where the kernel
-//! or librbd may still touch it, see `uring` and `rbd`) and fails the device
+//! or librbd may still touch it: the one in-flight table of every backend,
+//! `flight`, and its owners `uring`, `threads` and `rbd`) and fails the device
 //! ([`Device::failure`]): its requests, then and later, complete with EIO,
 //! while every other device goes on. Stopping can be bounded
 //! ([`Device::shutdown_within`]).
@@ -66,7 +67,23 @@ mod faults {
         pub fn check_enter(&self) -> Option<EnterFault> {
             match *self {}
         }
+
+        pub fn delay(&self) -> Option<u64> {
+            match *self {}
+        }
+
+        pub fn lend(&self, _iov: &[libc::iovec]) {
+            match *self {}
+        }
+
+        pub fn returned(&self, _iov: &[libc::iovec]) {
+            match *self {}
+        }
     }
+
+    /// Nothing is lent to a backend under watch in this build.
+    #[inline]
+    pub fn freeing(_ptr: *const u8, _len: usize) {}
 
     /// Never made: only a [`Faults`] (which this build cannot have) makes one.
     #[allow(dead_code)]
@@ -75,6 +92,7 @@ mod faults {
         Interrupt,
     }
 }
+mod flight;
 mod health;
 pub mod inflight;
 mod lent;
@@ -229,7 +247,7 @@ impl Device {
 
     /// [`Device::start`] on the workers of `core` (for the uring engine).
     pub fn start_on(core: &Core, name: &str, image: Arc<dyn Image>, config: &EngineConfig) -> std::io::Result<Device> {
-        if rbd::uses_rbd(&*image) {
+        if rbd::uses_librbd(&*image) {
             return Self::spawn(core, name, &image, config, EngineKind::Rbd);
         }
         // An image that pins its reads until they are performed needs them
@@ -322,9 +340,8 @@ impl Device {
 
     /// Runs `batch` on the current image in the caller's thread (under a quiesce: see `swap`).
     fn execute_now(&self, batch: &mut [Request]) {
-        let mut planner = self.planner();
         let mut reqs: Vec<&mut Request> = batch.iter_mut().collect();
-        threads::execute(&mut planner, &mut reqs);
+        threads::execute(self.planner(), &mut reqs);
     }
 
     /// The dirty maps this device marks with every write, TRIM and
@@ -440,16 +457,15 @@ impl Device {
         }
         // Quiesced: held in the queue like every other request (see `swap`).
         let Some(_turn) = self.queue.enter_inline() else { return submit(batch) };
-        let mut planner = self.planner();
         let inline = self.slot.get().inline;
-        self.run_inline(inline, &mut planner, batch, &submit, done);
+        self.run_inline(inline, self.planner(), batch, &submit, done);
     }
 
     /// What [`Device::submit_inline`] does once it may run inline.
     fn run_inline(
         &self,
         inline: Inline,
-        planner: &mut plan::Planner,
+        mut planner: plan::Planner,
         batch: Vec<Request>,
         submit: &dyn Fn(Vec<Request>),
         done: &mut Vec<Request>,
@@ -538,13 +554,9 @@ impl Device {
         let image = self.image();
         let flushed = bounded(deadline, move || {
             let r = plan::Planner::new(image.clone(), false, false).flush();
-            // An RBD image is closed now, not whenever the last reference goes: closing
-            // releases its exclusive lock, which another client would otherwise wait for.
-            for file in 0..2 {
-                if let Some(rbd) = image.rbd(file) {
-                    rbd.close();
-                }
-            }
+            // Its targets let go now, not whenever the last reference goes: an RBD
+            // image's exclusive lock would otherwise keep another client waiting.
+            (0..).map_while(|i| image.target(i)).for_each(|t| t.release());
             r
         });
         let flushed = flushed.unwrap_or_else(|why| {
@@ -612,7 +624,7 @@ fn flush_image(image: &Arc<dyn Image>) -> Result<()> {
 
 /// The image is on Ceph RBD (served by the RBD engine).
 fn on_rbd(image: &dyn Image) -> bool {
-    rbd::uses_rbd(image)
+    rbd::uses_librbd(image)
 }
 
 /// Runs `f` (which must not panic the caller: a panic is its error), on a

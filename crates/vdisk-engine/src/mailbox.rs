@@ -25,6 +25,9 @@ pub(crate) enum Command {
         detached: Arc<Detached>,
         batch: usize,
     },
+    /// Stop: fail every device, cancel and reap (or leak) what is in the ring,
+    /// then set `stopped` and answer EIO until the devices are shut down.
+    Stop { stopped: Arc<Detached> },
 }
 
 /// What producers and the control path hand a worker, under one lock.

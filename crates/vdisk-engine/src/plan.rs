@@ -432,7 +432,10 @@ impl Planner {
         self.image.map_read(req.offset, req.len, &mut self.extents)?;
         for ext in &self.extents {
             if let Extent::Data { file, offset, len } = *ext {
-                sys::readahead(&self.image.files()[file], offset, len);
+                // A hint: only a file has a page cache to fill.
+                if let Some(vdisk_image::Storage::File(f)) = self.image.target(file) {
+                    sys::readahead(f, offset, len);
+                }
             }
         }
         if self.image.pins_reads() {
@@ -444,19 +447,19 @@ impl Planner {
     /// Syncs file 0, the only one writes reach (the others, such as a COW
     /// overlay's backing file, are read-only).
     fn sync_files(&self) -> Result<()> {
-        if let Some(rbd) = self.image.rbd(0) {
-            return rbd.flush();
-        }
         self.sync_data().map_err(|e| self.flush_error(e))
     }
 
-    /// The fdatasync of file 0, unless a test build was told to break
-    /// durability ([`vdisk_image::breakage`]) or the image has no files (the
-    /// fuzzing image, which holds no data): then nothing.
+    /// The data sync of target 0 (a file's fdatasync, librbd's flush), unless
+    /// a test build was told to break durability ([`vdisk_image::breakage`])
+    /// or the image has no target (the fuzzing image, which holds no data):
+    /// then nothing.
     fn sync_data(&self) -> std::io::Result<()> {
-        match self.image.files().first() {
-            Some(file) if !skips_data_sync() => sys::fdatasync(file),
-            _ => Ok(()),
+        match self.image.target(0) {
+            _ if skips_data_sync() => Ok(()),
+            Some(vdisk_image::Storage::File(file)) => sys::fdatasync(file),
+            Some(target) => target.sync(),
+            None => Ok(()),
         }
     }
 
@@ -466,11 +469,6 @@ impl Planner {
     /// `IORING_OP_FSYNC` of file 0, then [`Planner::flush_end`].
     pub fn flush(&self) -> Result<()> {
         self.flush_begin()?;
-        if let Some(rbd) = self.image.rbd(0) {
-            // An RBD image (shutdown; the RBD engine flushes with AIO): librbd's own flush.
-            rbd.flush()?;
-            return self.image.sync_metadata();
-        }
         self.flush_end(self.sync_data())
     }
 
@@ -489,7 +487,7 @@ impl Planner {
         self.image.sync_metadata()
     }
 
-    fn flush_error(&self, e: std::io::Error) -> Error {
+    pub fn flush_error(&self, e: std::io::Error) -> Error {
         Error::io(e, format!("flush of {}", self.describe(0)))
     }
 }

@@ -247,7 +247,7 @@ impl Pool {
             // The image may have been swapped (a live snapshot) since this planner last ran.
             planner.refresh();
             let mut reqs: Vec<&mut Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
-            crate::threads::execute(&mut planner, &mut reqs);
+            let planner = crate::threads::execute(planner, &mut reqs);
             entry.planners.lock().unwrap().push(planner);
             entry.queue.deliver(jobs);
         }));

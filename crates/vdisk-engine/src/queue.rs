@@ -327,6 +327,14 @@ impl Queue {
             self.stats.completed(jobs[at..end].iter().map(|j| &j.0), started);
             at = end;
         }
+        // Under `faults`: none of it may still be with a backend (the sink may free it).
+        #[cfg(feature = "faults")]
+        for (r, _, _) in jobs.iter_mut() {
+            if let Some(data) = r.cmd.data_mut().filter(|d| !d.is_empty()) {
+                let seg = data.segment(0, data.len());
+                crate::faults::check_not_lent(seg.ptr, seg.len, "answered");
+            }
+        }
         let n = jobs.len();
         self.hand_over(jobs);
         self.taken.fetch_sub(n, Ordering::SeqCst);

@@ -542,6 +542,8 @@ fn stats_count_each_request_once_inline_or_queued() {
     }
 }
 
+#[cfg(feature = "faults")]
+mod drain;
 mod failure;
 mod shared;
 mod swap;

@@ -9,9 +9,10 @@
 //! The operations themselves (reads, writes, fsyncs, their completions) are
 //! in `uring_ops`; this file is the loop, attach/detach and the failure paths.
 //!
-//! The in-flight table (`Flight`: `ops`, `jobs`) owns every request, and with
-//! it every buffer and iovec array the kernel may touch, until that
-//! operation's completion has been reaped. Files are plain fds, not
+//! The worker's in-flight table (the engine's one, `flight`, over the ring as
+//! its backend, `uring_ops`) owns every request, and with it every buffer and
+//! iovec array the kernel may touch, until that operation's completion has
+//! been reaped. Files are plain fds, not
 //! registered: a shared ring would need a sparse table updated on every
 //! attach and detach, for a per-op saving this engine has not needed.
 //!
@@ -49,20 +50,19 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, types, IoUring};
 use vdisk_image::{Error, Result};
 
+use crate::flight::{Backend, Flight, Lane};
 use crate::health::{self, ABANDON_WAIT};
 use crate::mailbox::{Command, Inbox, Shared};
 use crate::queue::Job;
 use crate::ring::Ring;
-use crate::uring_ops::{DevState, Flight};
-
-/// user_data of the eventfd read that wakes an idle ring.
-pub(crate) const WAKE: u64 = u64::MAX;
-/// user_data of cancels.
-pub(crate) const CANCEL: u64 = u64::MAX - 1;
+use crate::uring_ops::{self, DevState, Uring, UringFlight, CANCEL, DELAY, WAKE};
 
 pub(crate) struct CoreWorker {
     shared: Arc<Shared>,
-    pub(crate) f: Flight,
+    pub(crate) f: UringFlight,
+    /// Completions taken from the ring; those before `seen` are handled.
+    cqes: Vec<(u64, i64)>,
+    seen: usize,
     pub(crate) devices: HashMap<u64, DevState>,
     /// Devices whose VDISK_FAULTS rules may inject an enter fault (tests only).
     fault_devs: Vec<u64>,
@@ -78,6 +78,8 @@ pub(crate) struct CoreWorker {
     pub(crate) touched: Vec<u64>,
     wake_buf: Box<u64>,
     wake_armed: bool,
+    /// The core asked this worker to stop (see [`crate::Core::stop`]); set once it has.
+    stop: Option<Arc<crate::mailbox::Detached>>,
 }
 
 impl CoreWorker {
@@ -89,7 +91,9 @@ impl CoreWorker {
             let _ = shared.thread.set(std::thread::current().id());
             let w = CoreWorker {
                 shared,
-                f: Flight::new(Ring::new(ring, None)),
+                f: Flight::new(Uring::new(Ring::new(ring, None))),
+                cqes: Vec::new(),
+                seen: 0,
                 devices: HashMap::new(),
                 fault_devs: Vec::new(),
                 abandoning: Vec::new(),
@@ -100,6 +104,7 @@ impl CoreWorker {
                 touched: Vec::new(),
                 wake_buf: Box::new(0),
                 wake_armed: false,
+                stop: None,
             };
             w.run()
         })
@@ -108,7 +113,15 @@ impl CoreWorker {
     fn run(mut self) {
         loop {
             let cause = match catch_unwind(AssertUnwindSafe(|| self.serve())) {
-                Ok(Ok(())) => unreachable!("a core worker serves for the life of the process"),
+                Ok(Ok(())) => {
+                    // Stopped by its core: nothing may stay in the ring that is not answered.
+                    self.shared.dead.store(true, Ordering::SeqCst);
+                    self.drain_all(format!("its I/O core stopped ({})", self.shared.name));
+                    if let Some(stopped) = self.stop.take() {
+                        stopped.set();
+                    }
+                    return self.serve_dead();
+                }
                 Ok(Err(e)) => format!("its io_uring queue ({}) failed: {e}", self.shared.name),
                 Err(p) => {
                     let cause = format!("its requests on {} hit a {}", self.shared.name, health::panic_message(&*p));
@@ -133,6 +146,9 @@ impl CoreWorker {
         }
         loop {
             self.take_inbox();
+            if self.stop.is_some() {
+                return Ok(());
+            }
             self.serve_round()?;
             // About to sleep in the kernel: say so, then look once more so no
             // push is missed. While we sleep a push wakes us through the eventfd.
@@ -146,9 +162,9 @@ impl CoreWorker {
             }
             self.inject_enter_faults();
             if wait && !self.abandoning.is_empty() {
-                self.f.ring.wait_for(Duration::from_millis(50))?;
+                self.f.backend.ring.wait_for(Duration::from_millis(50))?;
             } else {
-                self.f.ring.enter(wait)?;
+                self.f.backend.ring.enter(wait)?;
             }
             self.shared.idle.store(false, Ordering::SeqCst);
             self.reap()?;
@@ -170,13 +186,10 @@ impl CoreWorker {
                         self.fault_devs.push(id);
                     }
                     let d = DevState {
-                        planner: *planner,
+                        lane: Lane::new(*planner, Some(queue.clone())),
                         queue,
                         attachment,
                         detached,
-                        in_flight: 0,
-                        done: Vec::new(),
-                        owed: Vec::new(),
                         batch,
                         closed: false,
                         failed_at: None,
@@ -184,6 +197,7 @@ impl CoreWorker {
                     };
                     self.devices.insert(id, d);
                 }
+                Command::Stop { stopped } => self.stop = Some(stopped),
             }
         }
         self.ready.extend(self.inbox.ready.drain(..));
@@ -200,10 +214,11 @@ impl CoreWorker {
             self.current = Some(id);
             let open = d.queue.try_take(d.batch, &mut self.new);
             if !self.new.is_empty() {
-                d.planner.refresh();
-                self.f.start(d, id, &mut self.new)?;
+                d.lane.planner.refresh();
+                self.f.start(&mut d.lane, id, &mut self.new)?;
             }
-            d.queue.deliver(&mut d.done);
+            d.lane.settle();
+            d.queue.deliver(&mut d.lane.done);
             if d.queue.has_jobs() && !att.ready.swap(true, Ordering::SeqCst) {
                 self.ready.push_back(id);
             }
@@ -217,7 +232,7 @@ impl CoreWorker {
     /// Lets go of a stopped device once nothing of it is in flight.
     pub(crate) fn maybe_detach(&mut self, id: u64) {
         let Some(d) = self.devices.get(&id) else { return };
-        if d.in_flight > 0 || !d.done.is_empty() || !(d.closed || d.queue.is_drained()) {
+        if d.lane.in_flight > 0 || !d.lane.done.is_empty() || !(d.closed || d.queue.is_drained()) {
             return;
         }
         let d = self.devices.remove(&id).expect("present");
@@ -233,52 +248,45 @@ impl CoreWorker {
             .user_data(WAKE);
         // SAFETY: wake_buf is a heap u64 owned by this worker, which lives as
         // long as the process (or leaks the buffer with the ring).
-        unsafe { self.f.ring.push(&read)? };
+        unsafe { self.f.backend.ring.push(&read)? };
         self.wake_armed = true;
         Ok(())
     }
 
     /// Handles every completion there is, then delivers per device.
     fn reap(&mut self) -> std::io::Result<()> {
-        self.f.ring.completions(&mut self.f.cqes);
-        while self.f.seen < self.f.cqes.len() {
-            let (ud, res) = self.f.cqes[self.f.seen];
-            self.f.seen += 1;
+        self.f.backend.reap(&mut self.cqes);
+        while self.seen < self.cqes.len() {
+            let (ud, res) = self.cqes[self.seen];
+            self.seen += 1;
             match ud {
                 WAKE => {
                     self.wake_armed = false;
                     self.arm_wake()?;
                 }
-                CANCEL => {}
+                CANCEL | DELAY => {}
                 op => {
-                    let kind = self.f.ops.remove(op as usize).expect("a live slab key");
-                    let Some(id) = kind.dev() else { continue };
+                    let Some(id) = self.f.device_of(op) else { continue };
                     let Some(d) = self.devices.get_mut(&id) else { continue };
                     if !d.touched {
                         d.touched = true;
                         self.touched.push(id);
                     }
                     self.current = Some(id);
-                    self.f.completed(d, kind, res);
+                    self.f.completed(&mut d.lane, op, res);
                     self.current = None;
                 }
             }
         }
-        self.f.cqes.clear();
-        self.f.seen = 0;
+        self.cqes.clear();
+        self.seen = 0;
         while let Some(id) = self.touched.pop() {
             let Some(d) = self.devices.get_mut(&id) else { continue };
             d.touched = false;
             self.current = Some(id);
-            if !d.owed.is_empty() {
-                // One metadata sync for every durable write of the device this reap finished.
-                let owed = std::mem::take(&mut d.owed);
-                let done = &mut d.done;
-                d.planner.settle_metadata(
-                    done.iter_mut().enumerate().filter(|(i, _)| owed.contains(i)).map(|(_, j)| &mut j.0),
-                );
-            }
-            d.queue.deliver(&mut d.done);
+            // One metadata sync for every durable write of the device this reap finished.
+            d.lane.settle();
+            d.queue.deliver(&mut d.lane.done);
             self.current = None;
             self.maybe_detach(id);
         }
@@ -290,7 +298,7 @@ impl CoreWorker {
         for i in 0..self.fault_devs.len() {
             let id = self.fault_devs[i];
             let Some(d) = self.devices.get(&id) else { continue };
-            let fault = d.planner.faults.as_ref().and_then(|f| f.check_enter());
+            let fault = d.lane.planner.faults.as_ref().and_then(|f| f.check_enter());
             if let Some(crate::faults::EnterFault::Fail(errno)) = fault {
                 let e = std::io::Error::from_raw_os_error(errno);
                 let cause = format!("its io_uring queue failed: io_uring_enter: {e} (injected by VDISK_FAULTS)");
@@ -306,42 +314,12 @@ impl CoreWorker {
         d.queue.health().fail(cause);
         d.failed_at.get_or_insert_with(Instant::now);
         let mut held: Vec<Job> = self.new.drain(..).collect();
-        held.append(&mut d.done);
-        d.owed.clear();
+        held.append(&mut d.lane.done);
+        d.lane.owed.clear();
         d.queue.fail(&mut held);
-        // Recount what each of its requests waits for: a panic may have come
-        // between an operation's push and its count.
-        let mut refs: HashMap<usize, usize> = HashMap::new();
-        let mut cancel = Vec::new();
-        for (key, op) in self.f.ops.iter() {
-            if op.dev() == Some(id) {
-                cancel.push(key);
-                for &j in op.jobs() {
-                    *refs.entry(j).or_default() += 1;
-                }
-            }
-        }
-        let mut orphans = Vec::new();
-        for (k, slot) in self.f.jobs.iter_mut() {
-            if slot.dev == id {
-                slot.pending = refs.get(&k).copied().unwrap_or(0);
-                if slot.pending == 0 {
-                    orphans.push(k);
-                }
-            }
-        }
-        for k in orphans {
-            self.f.finish(d, k);
-        }
-        d.queue.deliver(&mut d.done);
-        for key in cancel {
-            let c = opcode::AsyncCancel::new(key as u64).build().user_data(CANCEL);
-            // SAFETY: a cancel refers to no memory.
-            if unsafe { self.f.ring.push(&c) }.is_err() {
-                break;
-            }
-        }
-        if d.in_flight > 0 {
+        self.f.cancel_device(&mut d.lane, id);
+        d.queue.deliver(&mut d.lane.done);
+        if d.lane.in_flight > 0 {
             self.abandoning.push(id);
         }
         // A stopping device may now be done.
@@ -353,10 +331,11 @@ impl CoreWorker {
         let now = Instant::now();
         for id in std::mem::take(&mut self.abandoning) {
             let Some(d) = self.devices.get_mut(&id) else { continue };
-            if d.in_flight == 0 {
+            if d.lane.in_flight == 0 {
                 self.maybe_detach(id);
             } else if d.failed_at.is_some_and(|t| now >= t + ABANDON_WAIT) {
-                self.f.leak_device(d, id);
+                let (held, ops) = self.f.leak_device(&mut d.lane, id);
+                uring_ops::leaked(d, held, ops);
                 self.maybe_detach(id);
             } else {
                 self.abandoning.push(id);
@@ -368,6 +347,13 @@ impl CoreWorker {
     /// [`ABANDON_WAIT`] is answered and freed, the rest leaked with the ring.
     fn ring_failed(&mut self, cause: String) {
         self.shared.dead.store(true, Ordering::SeqCst);
+        self.drain_all(cause);
+    }
+
+    /// Every device on the worker fails with `cause`; everything in the ring
+    /// is cancelled and reaped for up to [`ABANDON_WAIT`]; what the kernel
+    /// has not given back by then is leaked, with the ring.
+    fn drain_all(&mut self, cause: String) {
         self.current = None;
         let ids: Vec<u64> = self.devices.keys().copied().collect();
         let _ = catch_unwind(AssertUnwindSafe(|| {
@@ -375,23 +361,23 @@ impl CoreWorker {
                 self.fail_device(id, cause.clone());
             }
             // Completions taken but not handled: their operations are over.
-            let unseen: Vec<(u64, i32)> = self.f.cqes.drain(self.f.seen..).collect();
-            self.f.cqes.clear();
-            self.f.seen = 0;
+            let unseen: Vec<(u64, i64)> = self.cqes.drain(self.seen..).collect();
+            self.cqes.clear();
+            self.seen = 0;
             self.settle_completions(unseen);
             let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any()).build().user_data(CANCEL);
             // SAFETY: a cancel refers to no memory.
-            let _ = unsafe { self.f.ring.push(&cancel) };
+            let _ = unsafe { self.f.backend.ring.push(&cancel) };
             if self.wake_armed {
                 self.shared.efd.wake();
             }
             let deadline = Instant::now() + ABANDON_WAIT;
             while (!self.f.ops.is_empty() || self.wake_armed) && Instant::now() < deadline {
-                if self.f.ring.wait_for(Duration::from_millis(20)).is_err() {
+                if self.f.backend.ring.wait_for(Duration::from_millis(20)).is_err() {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 let mut got = Vec::new();
-                self.f.ring.completions(&mut got);
+                self.f.backend.reap(&mut got);
                 self.settle_completions(got);
             }
         }));
@@ -404,27 +390,27 @@ impl CoreWorker {
             );
             for id in ids {
                 if let Some(d) = self.devices.get_mut(&id) {
-                    self.f.leak_device(d, id);
+                    let (held, ops) = self.f.leak_device(&mut d.lane, id);
+                    uring_ops::leaked(d, held, ops);
                 }
             }
-            self.f.leaked = true;
+            self.f.backend.leaked = true;
             std::mem::forget(std::mem::replace(&mut self.wake_buf, Box::new(0)));
         }
     }
 
     /// After the ring failed: each completion ends its operation; its
     /// requests (of failed devices) are answered once all of theirs are back.
-    fn settle_completions(&mut self, cqes: Vec<(u64, i32)>) {
+    fn settle_completions(&mut self, cqes: Vec<(u64, i64)>) {
         for (ud, res) in cqes {
             match ud {
                 WAKE => self.wake_armed = false,
-                CANCEL => {}
+                CANCEL | DELAY => {}
                 op => {
-                    let Some(kind) = self.f.ops.remove(op as usize) else { continue };
-                    let Some(id) = kind.dev() else { continue };
+                    let Some(id) = self.f.device_of(op) else { continue };
                     if let Some(d) = self.devices.get_mut(&id) {
-                        self.f.completed(d, kind, res);
-                        d.queue.deliver(&mut d.done);
+                        self.f.completed(&mut d.lane, op, res);
+                        d.queue.deliver(&mut d.lane.done);
                     }
                 }
             }
@@ -440,6 +426,10 @@ impl CoreWorker {
         loop {
             let _ = catch_unwind(AssertUnwindSafe(|| {
                 self.take_inbox();
+                if let Some(stopped) = self.stop.take() {
+                    // Dead already: nothing is in its ring.
+                    stopped.set();
+                }
                 let ids: Vec<u64> = self.ready.drain(..).collect();
                 let news: Vec<u64> = self.devices.iter().filter(|(_, d)| !d.failed()).map(|(&id, _)| id).collect();
                 for id in news {

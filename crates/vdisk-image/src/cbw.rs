@@ -47,7 +47,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use crate::{bitmap, Allocation, Error, Extent, Image, ImageBase, RbdImage, Result};
+use crate::{bitmap, Allocation, Error, Extent, Image, ImageBase, Result, Storage};
 
 /// The default copy unit: 64 KiB, qemu's cluster size and bitmap granularity.
 pub const DEFAULT_GRANULE: u64 = 64 << 10;
@@ -121,7 +121,7 @@ impl Cbw {
     /// An image on RBD is refused (the copy reads files).
     pub fn wrap(inner: Arc<dyn Image>, scratch_dir: &Path, granule: u64) -> Result<(Arc<CbwImage>, Arc<ViewImage>)> {
         bitmap::check_granularity(granule)?;
-        if (0..inner.files().len().max(1)).any(|f| inner.rbd(f).is_some()) {
+        if (0..inner.files().len().max(1)).any(|i| matches!(inner.target(i), Some(Storage::Rbd(_)))) {
             return Err(Error::invalid(format!(
                 "{}: an image on RBD cannot be given a copy-before-write backup view",
                 inner.base().path.display()
@@ -395,8 +395,8 @@ impl Image for CbwImage {
         self.cbw.inner.direct_files()
     }
 
-    fn rbd(&self, file: usize) -> Option<&RbdImage> {
-        self.cbw.inner.rbd(file)
+    fn target(&self, i: usize) -> Option<Storage<'_>> {
+        self.cbw.inner.target(i)
     }
 
     fn file_path(&self, file: usize) -> &Path {
@@ -524,10 +524,6 @@ impl Image for ViewImage {
 
     fn base(&self) -> &ImageBase {
         &self.base
-    }
-
-    fn rbd(&self, _file: usize) -> Option<&RbdImage> {
-        None
     }
 
     fn file_path(&self, file: usize) -> &Path {

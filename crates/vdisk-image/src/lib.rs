@@ -32,7 +32,8 @@ pub use rbd::RbdImage;
 /// Where one piece of a request lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Extent {
-    /// `len` bytes at `offset` in the image's file number `file` (see [`Image::files`]).
+    /// `len` bytes at `offset` of the image's target number `file` (see
+    /// [`Image::target`]: a file of [`Image::files`] or an RBD image).
     Data { file: usize, offset: u64, len: u64 },
     /// `len` bytes that read as zeros and are stored nowhere.
     Zero { len: u64 },
@@ -47,6 +48,37 @@ impl Extent {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// What target number `i` of an image's mapping is: where the bytes of an
+/// [`Extent::Data`] naming it live. The engine moves a file's bytes with its
+/// own calls (blocking or io_uring) and an RBD image's with librbd's AIO.
+#[derive(Clone, Copy)]
+pub enum Storage<'a> {
+    /// A file (the same number in [`Image::files`], and in
+    /// [`Image::direct_files`] when the image was opened for direct I/O).
+    File(&'a File),
+    /// An image on Ceph RBD.
+    Rbd(&'a RbdImage),
+}
+
+impl Storage<'_> {
+    /// Makes what was written to it durable (fdatasync; librbd's flush).
+    pub fn sync(&self) -> std::io::Result<()> {
+        match self {
+            Storage::File(f) => f.sync_data(),
+            Storage::Rbd(r) => r.flush().map_err(|e| std::io::Error::from_raw_os_error(e.errno().max(1))),
+        }
+    }
+
+    /// Lets go now of what the target holds against other clients (an RBD
+    /// image's exclusive lock, which another client would wait for), rather
+    /// than when the image is dropped; no I/O may follow. A file holds nothing.
+    pub fn release(&self) {
+        if let Storage::Rbd(r) = self {
+            r.close();
+        }
     }
 }
 
@@ -129,10 +161,11 @@ pub trait Image: Send + Sync {
         &self.base().direct
     }
 
-    /// The RBD image that file number `file` is, when it is one rather than a
-    /// file of [`Image::files`]: the engine then moves its bytes with librbd's AIO.
-    fn rbd(&self, _file: usize) -> Option<&RbdImage> {
-        None
+    /// Target number `i` of the mapping (what an [`Extent::Data`] with
+    /// `file: i` names), or None past the last. By default file `i` of
+    /// [`Image::files`]; an image with targets on RBD says which.
+    fn target(&self, i: usize) -> Option<Storage<'_>> {
+        self.files().get(i).map(Storage::File)
     }
 
     /// The path of file number `file`, for messages. By default the image's

@@ -696,3 +696,49 @@ fn sigterm_with_the_osd_stopped_exits_within_the_stop_timeout() {
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// A panic in an RBD export's delivery (`VDISK_FAULTS=NAME:panic#20`) while
+/// fio keeps 32 requests in flight at librbd: the export fails and answers
+/// EIO; what librbd still held is collected (its AIO cannot be cancelled)
+/// before any of it is answered or freed, which a faults build checks on
+/// every answer and every freed buffer (it aborts otherwise); another RBD
+/// export of the server goes on serving, and SIGTERM ends the server.
+#[test]
+fn a_panic_with_requests_in_flight_at_librbd_frees_nothing_librbd_holds() {
+    use common::nbd::{Client, CMD_READ};
+    use std::os::unix::process::ExitStatusExt;
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-panic");
+    let (bad, good) = (name("panicky"), name("beside"));
+    create(c, &bad, "64M");
+    create(c, &good, "16M");
+    let faults = format!("{bad}:panic#20");
+    let env = [("CEPH_CONF", c.conf.as_str()), ("VDISK_FAULTS", faults.as_str()), ("RUST_BACKTRACE", "0")];
+    let server = Server::start_env(&dir, &[&format!("rbd:rbd/{bad}"), &format!("rbd:rbd/{good}")], &env);
+    let uri = server.uri(&bad);
+    // fio stops at the first EIO; the bound only keeps a hang from passing.
+    let fio = output(
+        "timeout",
+        &[
+            "60",
+            "fio",
+            "--name=inflight",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=32",
+            "--size=32M",
+            "--time_based",
+            "--runtime=10",
+        ],
+    );
+    assert_ne!(fio.status.code(), Some(124), "fio hung on the failing export: {}", text(&fio));
+    assert!(!fio.status.success(), "the injected panic failed fio's export: {}", text(&fio));
+    let (mut client, _) = Client::open(&server.socket, &bad);
+    assert_eq!(client.call(0, CMD_READ, 0, 4096, &[]).error, 5, "the failed export answers EIO");
+    qemu_io(&server.uri(&good), &["write -P 9 0 64k", "flush", "read -P 9 0 64k"]);
+    let status = server.stop_with(libc::SIGTERM);
+    assert_ne!(status.signal(), Some(libc::SIGABRT), "the server aborted: a buffer freed while librbd held it");
+    assert!(status.code().is_some(), "the server exits by itself after SIGTERM: {status}");
+}

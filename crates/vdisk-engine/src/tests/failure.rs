@@ -16,7 +16,7 @@ const ANSWER: Duration = Duration::from_secs(1);
 const RECV: Duration = Duration::from_secs(10);
 
 #[cfg(feature = "faults")]
-fn faults_env() {
+pub(super) fn faults_env() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let rules = [
@@ -26,6 +26,12 @@ fn faults_env() {
             "fail-panic-shared:panic#1",
             "fail-enter-shared:enter#3",
             "fail-eintr:eintr#1,fail-eintr:eintr#2,fail-eintr:eintr#3,fail-eintr:eintr#5,fail-eintr:eintr#9",
+            // `drain`: requests held by the backend, then a way out.
+            "drain-stop-uring:delay=300",
+            "drain-stop-threads:delay=300",
+            "drain-fail-uring:delay=300,drain-fail-uring:panic#1",
+            "drain-fail-threads:delay=300,drain-fail-threads:panic#1",
+            "drain-core:delay=400",
         ];
         std::env::set_var("VDISK_FAULTS", rules.join(","));
     });

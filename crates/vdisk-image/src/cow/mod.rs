@@ -40,7 +40,7 @@ use std::sync::Mutex;
 
 use crate::raw::seek_allocation;
 use crate::rbd::{ConnectOptions, RbdImage};
-use crate::{Allocation, Error, Extent, Image, ImageBase, Result};
+use crate::{Allocation, Error, Extent, Image, ImageBase, Result, Storage};
 
 pub use bitmap::CowMap;
 pub use header::{has_magic, parse_header, Header, Layout, HEADER_LEN, MAGIC, MAX_HEADER_LEN};
@@ -279,11 +279,11 @@ impl Image for CowImage {
         &self.base
     }
 
-    fn rbd(&self, file: usize) -> Option<&RbdImage> {
-        if file == 1 {
-            self.rbd_backing.as_ref()
-        } else {
-            None
+    /// The overlay's file, then its backing: a file, or an RBD snapshot.
+    fn target(&self, i: usize) -> Option<Storage<'_>> {
+        match (i, &self.rbd_backing) {
+            (1, Some(rbd)) => Some(Storage::Rbd(rbd)),
+            _ => self.files().get(i).map(Storage::File),
         }
     }
 

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 pub use spec::{ConnectOptions, Spec};
 
-use crate::{map_one_to_one, Advice, Allocation, Error, ErrorKind, Extent, Image, ImageBase, Result};
+use crate::{map_one_to_one, Advice, Allocation, Error, ErrorKind, Extent, Image, ImageBase, Result, Storage};
 use ffi::{lib, CompletionT, ImageT, IoctxT, Lib, RadosT};
 
 /// How long opening an image (connect, pool, image) may take before it is
@@ -216,7 +216,7 @@ pub struct RbdInfo {
 pub struct RbdImage {
     spec: Spec,
     /// Path `rbd:pool/image[@snap]`, for messages and [`Image::file_path`]; no
-    /// files (the engine reaches the image through [`Image::rbd`]).
+    /// files: its one target is itself ([`Image::target`] 0, `Storage::Rbd`).
     base: ImageBase,
     conn: Conn,
     /// The open image; null once [`RbdImage::close`]d.
@@ -558,8 +558,9 @@ impl Image for RbdImage {
         &self.base
     }
 
-    fn rbd(&self, file: usize) -> Option<&RbdImage> {
-        (file == 0).then_some(self)
+    /// One target, the image itself.
+    fn target(&self, i: usize) -> Option<Storage<'_>> {
+        (i == 0).then_some(Storage::Rbd(self))
     }
 
     fn map_read(&self, offset: u64, len: u64, out: &mut Vec<Extent>) -> Result<()> {
