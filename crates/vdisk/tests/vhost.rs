@@ -10,6 +10,8 @@
 //! And a power cut under a guest, with the image on the power-loss storage
 //! (crates/vdisk-powercut): every write the guest saw fsynced survives, and a
 //! vdisk built to skip its data fdatasync is caught.
+//! And live disk operations under a guest's loop: a snapshot, then a mirror
+//! to a new file with pivot.
 //!
 //! The rig is set up by scripts/vmrig/vm-setup.sh (idempotent; downloads .debs
 //! into /tmp/vmrig the first time). If it cannot be set up the tests fail.
@@ -413,4 +415,67 @@ fn a_power_cut_under_a_guest_keeps_every_fsynced_write() {
     // The harness bites: a vdisk that skips its data fdatasync loses some.
     let (reported, lost) = power_cut_under_a_guest("vhostpowerbroken", &[("VDISK_BREAK", "skip-data-sync")]);
     assert!(reported >= 12 && !lost.is_empty(), "a vdisk without data fdatasync lost nothing ({reported} reported)");
+}
+
+/// Live disk operations under a running guest (issue 25): the guest's
+/// write-and-verify loop runs over vhost-user-blk while the export is
+/// snapshotted (a qcow2 overlay over the raw disk) and then mirrored to a new
+/// raw file with pivot. The guest notices nothing: every round verifies, its
+/// kernel log has no I/O error, and afterwards the export is served from the
+/// mirror, which holds what the guest wrote.
+#[test]
+fn a_guest_goes_on_across_a_live_snapshot_and_a_mirror_with_pivot() {
+    let mut ready = RIG.lock().unwrap_or_else(|e| e.into_inner());
+    setup(&mut ready);
+    let dir = TempDir::new("vhost-jobs");
+    let image = dir.path("disk.img");
+    create_image(&image, "256M");
+    let (socket, control, serial) = (dir.path("vub.sock"), dir.path("ctl.sock"), dir.path("serial.log"));
+    let server = Server::start(&dir, &[s(&image), "--vhost-user-blk", s(&socket), "--control", s(&control)]);
+    let ctl = |args: &[&str]| {
+        let mut all = vec!["ctl", "--control", s(&control)];
+        all.extend_from_slice(args);
+        let out = vdisk(&all);
+        assert!(out.status.success(), "vdisk ctl {args:?}:\n{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let rig = Command::new("bash")
+        .arg(rig_dir().join("vm-vhost-user-blk.sh"))
+        .args(["--timeout", "400", "--loop", "--log", s(&serial), s(&socket)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run vm-vhost-user-blk.sh");
+    let mut rig = Proc(rig);
+    let rounds = || count(&serial, "VMRIG: loop round=");
+    wait_for(&serial, "VMRIG: loop round=", 2, 200, "the guest's loop did not start");
+    let (top, mirror) = (dir.path("top.qcow2"), dir.path("mirror.raw"));
+    ctl(&["snapshot", "disk", "--overlay", s(&top)]);
+    wait_for(&serial, "VMRIG: loop round=", rounds() + 2, 150, "the guest's loop stalled after the snapshot");
+    let said = ctl(&["mirror", "disk", "--to", s(&mirror), "--pivot", "--wait"]);
+    assert!(said.contains("done"), "{said}");
+    wait_for(&serial, "VMRIG: loop round=", rounds() + 2, 150, "the guest's loop stalled after the mirror's pivot");
+    let list = json(&ctl(&["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), Some(s(&mirror)), "{list}");
+    // The rig's stop mark, written through the export (it serves the mirror now).
+    let mark = format!("h.pwrite(b'VMRIG-STOP', {})", 192 << 20);
+    run("nbdsh", &["-u", &server.uri("disk"), "-c", &mark, "-c", "h.flush()"]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while rig.0.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the guest did not finish after VMRIG-STOP");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = std::mem::replace(&mut rig.0, Command::new("true").spawn().unwrap()).wait_with_output().unwrap();
+    let all = text(&out);
+    assert!(out.status.success(), "the guest's loop failed:\n{all}");
+    assert!(all.contains("VMRIG: loop_verify ok"), "{all}");
+    assert!(all.contains("VMRIG: dmesg_io_errors=0"), "the guest's kernel log shows I/O errors:\n{all}");
+    let seen = read_export(&dir, &server.uri("disk"), "seen.raw");
+    server.stop();
+    assert_same("the mirror against what the export served last", &std::fs::read(&mirror).unwrap(), &seen);
+    run("qemu-img", &["check", s(&top)]);
+    eprintln!(
+        "guest across a snapshot and a mirror with pivot: {}",
+        all.lines().find(|l| l.contains("loop_verify")).unwrap_or("")
+    );
 }
