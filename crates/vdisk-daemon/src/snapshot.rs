@@ -14,6 +14,7 @@ use std::time::Duration;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use vdisk_image::{CowImage, Format, Qcow2Image};
 
+use crate::chain;
 use crate::daemon::Live;
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
@@ -125,6 +126,12 @@ impl Daemon {
                 info.state.name()
             )));
         }
+        if let Some(why) = job.pivot_refused() {
+            return Err(Error::invalid(format!(
+                "job {id} ({} of export {:?}) cannot pivot: {why}",
+                job.kind, job.export
+            )));
+        }
         job.request_pivot();
         log::info!(export:% = job.export; "job {id} ({} of export {:?}): pivot asked", job.kind, job.export);
         Ok(job.info())
@@ -230,7 +237,7 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
     // lock; beneath the overlay it is opened again read-only, which takes a
     // shared one: the old lock becomes shared first (it is written no more).
     let old = device.image();
-    let relock = |op: i32| lock_top(&*old, &top, op);
+    let relock = |op: i32| chain::relock(&*old, &top, op);
     relock(libc::LOCK_SH);
     let options = vdisk_image::OpenOptions { format: Some(forced), direct: live.direct, ..Default::default() };
     let swapped = vdisk_image::open(overlay, &options)
@@ -263,22 +270,4 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
         backing: top,
         backing_format: top_format,
     })
-}
-
-/// Turns the BSD lock the old top's own file holds (qcow2 and COW overlays
-/// lock theirs; a raw file has none) into `op` (`LOCK_SH`, `LOCK_EX`,
-/// `LOCK_UN`). Only the file that is `top` itself is touched.
-pub(crate) fn lock_top(old: &dyn vdisk_image::Image, top: &Path, op: i32) {
-    use std::os::unix::fs::MetadataExt;
-    use std::os::unix::io::AsRawFd;
-    let Some(file) = old.files().first() else { return };
-    let (Ok(a), Ok(b)) = (file.metadata(), std::fs::metadata(top)) else { return };
-    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
-        return;
-    }
-    let op = op | libc::LOCK_NB;
-    // SAFETY: flock only reads its integer arguments; the fd is open (`old` holds it).
-    if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
-        log::warn!("{}: cannot change its lock: {}", top.display(), std::io::Error::last_os_error());
-    }
 }

@@ -25,9 +25,10 @@ use std::sync::{Arc, Weak};
 use vdisk_engine::{Buf, Command, Device, Op, Request};
 use vdisk_image::Format;
 
+use crate::chain;
 use crate::daemon::Live;
 use crate::jobs::Job;
-use crate::snapshot::{lock_top, QUIESCE_LIMIT};
+use crate::snapshot::QUIESCE_LIMIT;
 use crate::{Daemon, Error, ErrorKind};
 
 /// How much of the disk one quiesce covers.
@@ -57,16 +58,13 @@ impl Daemon {
         self.live_change(name, |live| {
             let plan = check(live, name)?;
             let export = name.to_owned();
-            let job = self
-                .jobs
-                .spawn("stream", name, bps, move |job: &Job| {
-                    let r = run(&daemon, &export, plan, job);
-                    if let Err(e) = &r {
-                        log::warn!(export:% = export; "export {export:?}: stream failed: {}", e.report());
-                    }
-                    r.map_err(|e| e.report().to_string())
-                })
-                .map_err(|e| Error::new(ErrorKind::Busy, format!("stream of export {name:?}: {e}")))?;
+            let job = self.jobs.spawn("stream", name, bps, move |job: &Job| {
+                let r = run(&daemon, &export, plan, job);
+                if let Err(e) = &r {
+                    log::warn!(export:% = export; "export {export:?}: stream failed: {}", e.report());
+                }
+                r.map_err(|e| e.report().to_string())
+            })?;
             Ok(Started { job: job.id, export: name.to_owned() })
         })
     }
@@ -183,13 +181,13 @@ fn finish(device: &Device, top: &Path, direct: bool, name: &str) -> Result<(), E
     guard.flush().map_err(|e| failed(format!("flushing {}: {}; the chain is as it was", top.display(), e.report())))?;
     clear_backing_link(top).map_err(|e| failed(format!("{e}; the chain is as it was, stream again")))?;
     let old = device.image();
-    lock_top(&*old, top, libc::LOCK_UN);
+    chain::relock(&*old, top, libc::LOCK_UN);
     let options = vdisk_image::OpenOptions { format: Some(Format::Qcow2), direct, ..Default::default() };
     let swapped = vdisk_image::open(top, &options)
         .map_err(|e| e.report().to_string())
         .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
     if let Err(e) = swapped {
-        lock_top(&*old, top, libc::LOCK_EX);
+        chain::relock(&*old, top, libc::LOCK_EX);
         return Err(failed(format!(
             "{} holds all its data and no longer names a backing file, but could not be reopened ({e}): the export \
              serves on from the old chain (same data); remove and add it again",
