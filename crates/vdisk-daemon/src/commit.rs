@@ -31,9 +31,9 @@ use vdisk_image::{Format, Image, OpenOptions};
 use crate::chain::{self, chain_of, same_file, Layer};
 use crate::daemon::Live;
 use crate::jobs::Job;
-use crate::snapshot::QUIESCE_LIMIT;
-use crate::stream::{Started, CHUNK};
-use crate::{Daemon, Error, ErrorKind};
+use crate::snapshot::{check_source, QUIESCE_LIMIT};
+use crate::stream::{swap_at_end, Started, CHUNK};
+use crate::{Daemon, Error};
 
 /// What `commit` was asked.
 #[derive(Clone, Debug, Default)]
@@ -67,8 +67,8 @@ struct Plan {
 /// What the check decided.
 enum Decided {
     Below(Plan),
-    /// `--top` is the live top: an active commit into this base.
-    Active(PathBuf),
+    /// `--top` is the live top: an active commit, into `--base` if given.
+    Active(Option<PathBuf>),
 }
 
 impl Daemon {
@@ -95,7 +95,7 @@ impl Daemon {
         match decided {
             Ok(started) => Ok(started),
             Err(base) => {
-                let job = self.active_commit(name, Some(base), req.delete, req.bps)?;
+                let job = self.active_commit(name, base, req.delete, req.bps)?;
                 Ok(Started { job, export: name.to_owned() })
             }
         }
@@ -104,26 +104,13 @@ impl Daemon {
 
 fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error> {
     let refuse = |why: String| Error::invalid(format!("commit of export {name:?}: {why}"));
-    let device = live.device.clone();
-    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
-        return Err(refuse(
-            "it is an RBD image: RBD images have no chain of overlays to merge (flatten a clone with `rbd flatten`)"
-                .into(),
-        ));
-    }
-    if device.read_only() {
-        return Err(refuse("it is served read-only: its chain is not to be changed".into()));
-    }
-    if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
-        return Err(refuse(
-            "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its headers \
-             hold, which would not be the chain it serves now"
-                .into(),
-        ));
-    }
-    if let Some(why) = device.failure() {
-        return Err(Error::failed(format!("commit of export {name:?}: its device failed ({why})")));
-    }
+    let device = check_source(
+        live,
+        "commit",
+        name,
+        "it is an RBD image: RBD images have no chain of overlays to merge (flatten a clone with `rbd flatten`)",
+        Some("it is served read-only: its chain is not to be changed"),
+    )?;
     let format = match live.format {
         "qcow2" => Format::Qcow2,
         "cow" => Format::Cow,
@@ -143,15 +130,18 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
             refuse(format!("{what} {} is not a layer of its chain ({}, the live top first)", p.display(), names()))
         })
     };
+    if req.active && req.top.is_some() {
+        return Err(refuse("give --top or --active, not both (--active commits the live top)".into()));
+    }
+    if req.active || req.top.as_deref().is_some_and(|p| same_file(p, &live_top)) {
+        // The live top: an active commit, which checks its base itself.
+        return Ok(Decided::Active(req.base.clone()));
+    }
     let base = match &req.base {
         Some(p) => find(p, "--base")?,
         None => chain.len() - 1,
     };
     let top = match &req.top {
-        Some(_) if req.active => {
-            return Err(refuse("give --top or --active, not both (--active commits the live top)".into()))
-        }
-        None if req.active => 0,
         Some(p) => find(p, "--top")?,
         None if chain.len() < 3 => {
             return Err(refuse(format!(
@@ -176,9 +166,6 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
             "the base {} is an RBD image: vdisk does not write into an RBD base",
             chain[base].path.display()
         )));
-    }
-    if top == 0 {
-        return Ok(Decided::Active(chain[base].path.clone()));
     }
     let above = &chain[top - 1];
     if above.format == Format::Cow && chain[base].format != Format::Raw {
@@ -254,22 +241,8 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         Ok(None) => return Err(gone()),
         Err(e) => return Err(failed(format!("{e}; the chain is as it was, commit again"))),
     };
-    let daemon = daemon.upgrade().ok_or_else(gone)?;
-    let swapped = daemon.live_change(name, |live| {
-        if !Arc::ptr_eq(&live.device, &device) {
-            return Err(gone());
-        }
-        if job.cancelled() {
-            return Ok(false);
-        }
-        swap(&device, &chain, top, base, direct, name)?;
-        Ok(true)
-    });
-    match swapped {
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(gone()),
-        Err(e) => return Err(e),
-        Ok(false) => return Ok(()),
-        Ok(true) => {}
+    if !swap_at_end(daemon, name, &device, job, gone, || swap(&device, &chain, top, base, direct, name))? {
+        return Ok(());
     }
     log::info!(export:% = name; "export {name:?}: commit: {copied} bytes of {} merged into {}; {} now backs onto it",
         chain[top..base].iter().map(|l| l.path.display().to_string()).collect::<Vec<_>>().join(", "),

@@ -35,7 +35,7 @@ use vdisk_nbd::remote::{Remote, Uri};
 use crate::chain;
 use crate::daemon::{Changer, Live};
 use crate::jobs::{Job, Jobs};
-use crate::snapshot::QUIESCE_LIMIT;
+use crate::snapshot::{check_source, QUIESCE_LIMIT};
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
 use target::{ImageTarget, NbdTarget, Target};
@@ -49,6 +49,10 @@ pub const READY_BELOW: u64 = 1 << 20;
 /// ...or once passes stop shrinking what is dirty (a guest writing as fast as
 /// the copy) and it is no more than this: the pivot copies it under its quiesce.
 pub const READY_STALLED: u64 = 64 << 20;
+
+/// Why a copy job refuses an RBD export.
+const RBD_COPY: &str =
+    "it is an RBD image: its device cannot be swapped, and the copy reads files (use `rbd migration`)";
 
 /// Where a mirror writes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -181,7 +185,7 @@ impl Daemon {
             MirrorTarget::File(_) => None,
         };
         let (device, made, pivot, fresh) = self.live_change(name, |live| {
-            let device = check_source(live, name, "mirror")?;
+            let device = check_source(live, "mirror", name, RBD_COPY, None)?;
             match &target {
                 MirrorTarget::Nbd(uri) => {
                     let remote = remote.take().expect("connected before");
@@ -214,7 +218,8 @@ impl Daemon {
         let refuse = |why: String| Error::invalid(format!("commit of export {name:?}: {why}"));
         self.jobs.check_free("commit", name)?;
         let (device, made, pivot, below, relock) = self.live_change(name, |live| {
-            let device = check_source(live, name, "commit")?;
+            let chain_kept = Some("it is served read-only: its chain never changes");
+            let device = check_source(live, "commit", name, RBD_COPY, chain_kept)?;
             let top = std::path::absolute(&live.spec.image)
                 .map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
             let format = Format::from_name(live.format).unwrap_or(Format::Raw);
@@ -306,30 +311,6 @@ fn connect(name: &str, uri: &str, pivot: bool) -> Result<Remote, Error> {
         return Err(refuse(format!("the NBD target {uri} is read-only")));
     }
     Ok(remote)
-}
-
-/// The checks every copy job makes of its source; its device.
-fn check_source(live: &Live, name: &str, what: &str) -> Result<Arc<Device>, Error> {
-    let refuse = |why: &str| Error::invalid(format!("{what} of export {name:?}: {why}"));
-    let device = live.device.clone();
-    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
-        return Err(refuse(
-            "it is an RBD image: its device cannot be swapped, and the copy reads files (use `rbd migration`)",
-        ));
-    }
-    if what == "commit" && device.read_only() {
-        return Err(refuse("it is served read-only: its chain never changes"));
-    }
-    if what == "commit" && (live.spec.backing.is_some() || live.spec.ignore_backing_mtime) {
-        return Err(refuse(
-            "it was added with --backing or --ignore-backing-mtime: the chain after the commit is opened by the \
-             names its headers hold, which would not be the chain it serves now",
-        ));
-    }
-    if let Some(why) = device.failure() {
-        return Err(Error::failed(format!("{what} of export {name:?}: its device failed ({why})")));
-    }
-    Ok(device)
 }
 
 /// Makes (or, with `existing`, opens) a mirror's target file; true when it is new (reads as zeros).

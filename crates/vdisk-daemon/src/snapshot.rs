@@ -9,8 +9,9 @@
 //! holds no copy).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
 
+use vdisk_engine::Device;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use vdisk_image::{CowImage, Format, Qcow2Image};
 
@@ -19,8 +20,7 @@ use crate::daemon::Live;
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
 
-/// How long a snapshot waits for the requests in flight to finish.
-pub const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
+pub use crate::views::QUIESCE_LIMIT;
 
 /// The format of a snapshot's new overlay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -147,6 +147,40 @@ impl Daemon {
     }
 }
 
+/// What a live operation `what` on export `name` refuses of its source before
+/// anything changes, `rbd` saying why for an RBD image: a device that failed
+/// and, for one that changes the chain (`changes`: why a read-only export is
+/// refused), a read-only export or one added with `--backing` or
+/// `--ignore-backing-mtime`. Its device.
+pub(crate) fn check_source(
+    live: &Live,
+    what: &str,
+    name: &str,
+    rbd: &str,
+    changes: Option<&str>,
+) -> Result<Arc<Device>, Error> {
+    let refuse = |why: &str| Error::invalid(format!("{what} of export {name:?}: {why}"));
+    let device = live.device.clone();
+    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
+        return Err(refuse(rbd));
+    }
+    if let Some(read_only) = changes {
+        if device.read_only() {
+            return Err(refuse(read_only));
+        }
+        if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
+            return Err(refuse(
+                "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its \
+                 headers hold, which would not be the chain it serves now",
+            ));
+        }
+    }
+    if let Some(why) = device.failure() {
+        return Err(Error::failed(format!("{what} of export {name:?}: its device failed ({why})")));
+    }
+    Ok(device)
+}
+
 fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, job: u64) -> Result<Snapshot, Error> {
     let refuse = |why: String| Error::invalid(format!("snapshot of export {name:?}: {why}"));
     if !overlay.is_absolute() {
@@ -168,29 +202,14 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
             ))
         })?;
     }
-    let device = live.device.clone();
-    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
-        return Err(refuse(
-            "it is an RBD image: its snapshots are RBD snapshots (`--rbd-snap NAME`), which vdisk does not make yet \
-             (use `rbd snap create`)"
-                .into(),
-        ));
-    }
-    if device.read_only() {
-        return Err(refuse(
-            "it is served read-only: its image never changes, so there is nothing to snapshot (copy the file)".into(),
-        ));
-    }
-    if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
-        return Err(refuse(
-            "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its headers \
-             hold, which would not be the chain it serves now"
-                .into(),
-        ));
-    }
-    if let Some(why) = device.failure() {
-        return Err(Error::failed(format!("snapshot of export {name:?}: its device failed ({why})")));
-    }
+    let device = check_source(
+        live,
+        "snapshot",
+        name,
+        "it is an RBD image: its snapshots are RBD snapshots (`--rbd-snap NAME`), which vdisk does not make yet (use \
+         `rbd snap create`)",
+        Some("it is served read-only: its image never changes, so there is nothing to snapshot (copy the file)"),
+    )?;
     let top =
         std::path::absolute(&live.spec.image).map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
     let top_format = live.format;

@@ -151,26 +151,39 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         // Outside the quiesce: the guest is never held for the pace.
         job.pace(here);
     }
-    let daemon = daemon.upgrade().ok_or_else(gone)?;
+    if swap_at_end(daemon, name, &device, job, gone, || finish(&device, &top, direct, name))? {
+        log::info!(export:% = name;
+            "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
+    }
+    Ok(())
+}
+
+/// The end of a job that changes export `name`'s chain once its copy is
+/// done (stream, commit): under the change lock, `swap`, unless the job was
+/// cancelled meanwhile (Ok(false)); `gone()` when the server or the export
+/// went away, or the export no longer serves `device`.
+pub(crate) fn swap_at_end(
+    daemon: &Weak<Daemon>,
+    name: &str,
+    device: &Arc<Device>,
+    job: &Job,
+    gone: impl Fn() -> Error,
+    swap: impl FnOnce() -> Result<(), Error>,
+) -> Result<bool, Error> {
+    let daemon = daemon.upgrade().ok_or_else(&gone)?;
     let swapped = daemon.live_change(name, |live| {
-        if !Arc::ptr_eq(&live.device, &device) {
+        if !Arc::ptr_eq(&live.device, device) {
             return Err(gone());
         }
         if job.cancelled() {
             return Ok(false);
         }
-        finish(&device, &top, direct, name)?;
+        swap()?;
         Ok(true)
     });
     match swapped {
         Err(e) if e.kind() == ErrorKind::NotFound => Err(gone()),
-        Err(e) => Err(e),
-        Ok(false) => Ok(()),
-        Ok(true) => {
-            log::info!(export:% = name;
-                "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
-            Ok(())
-        }
+        r => r,
     }
 }
 
