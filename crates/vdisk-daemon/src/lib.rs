@@ -9,7 +9,8 @@
 //!
 //! Modules, each depending only on those listed after it:
 //! `metrics`, `reload` → `config` → `security` → `commit` → `mirror`, `stream` →
-//! `snapshot` → `backup` → `daemon` → `jobs`, `chain`;
+//! `snapshot` → `backup` → `daemon` → `jobs`, `chain` (the job table and
+//! what a live operation knows of an image chain on disk, below them all);
 //! `daemon` → `views`, `bitmaps`, `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.

@@ -8,7 +8,7 @@
 //! swap, and the export's spec names it) or is cancelled (detach; the export
 //! serves as before, the target is left as it is).
 //!
-//! The copy reads the image without quiescing ([`target::read_live`]): the
+//! The copy reads the image without quiescing ([`crate::chain::read`]): the
 //! device marks a write after its data has reached the image, so a take that
 //! comes first leaves the granule dirty again for the next pass, and a take
 //! that comes after reads the new data. Only the last pass, under the quiesce
