@@ -218,3 +218,76 @@ fn punch(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vdisk_image::OpenOptions;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vdisk-chain-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_qcow2_over_raw_chain_is_read_from_its_headers_and_written_read_and_zeroed_through_its_mapping() {
+        let d = dir("rw");
+        let (base, top) = (d.join("base.raw"), d.join("top.qcow2"));
+        std::fs::write(&base, vec![7u8; 1 << 20]).unwrap();
+        let o = vdisk_image::qcow2::CreateOptions {
+            size: 1 << 20,
+            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
+            backing: Some((&base, "raw")),
+        };
+        vdisk_image::Qcow2Image::create(&top, &o).unwrap();
+        let chain = chain_of(&top, Format::Qcow2).unwrap();
+        assert_eq!(chain.len(), 2);
+        assert!(same_file(&chain[0].path, &top) && same_file(&chain[1].path, &base));
+        assert_eq!((chain[0].format, chain[1].format), (Format::Qcow2, Format::Raw));
+        assert!(!same_file(&top, &base));
+
+        let image =
+            vdisk_image::open(&top, &OpenOptions { format: Some(Format::Qcow2), ..Default::default() }).unwrap().image;
+        let mut extents = Vec::new();
+        let mut buf = vec![0u8; 8192];
+        read(&*image, 4096, &mut buf, &mut extents).unwrap();
+        assert!(buf.iter().all(|&b| b == 7), "the backing's bytes show through");
+        write(&*image, 4096, &[9u8; 8192], &mut extents).unwrap();
+        zero(&*image, 65536, 65536, &mut extents).unwrap();
+        flush(&*image).unwrap();
+        read(&*image, 0, &mut buf, &mut extents).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 7) && buf[4096..].iter().all(|&b| b == 9));
+        let mut z = vec![1u8; 65536];
+        read(&*image, 65536, &mut z, &mut extents).unwrap();
+        assert!(z.iter().all(|&b| b == 0), "zeroed over the backing's bytes");
+        drop(image);
+        assert!(std::fs::read(&base).unwrap().iter().all(|&b| b == 7), "the backing is never written");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn relock_changes_the_lock_an_image_holds_on_its_file() {
+        let d = dir("lock");
+        let top = d.join("top.qcow2");
+        let o = vdisk_image::qcow2::CreateOptions {
+            size: 1 << 20,
+            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
+            backing: None,
+        };
+        vdisk_image::Qcow2Image::create(&top, &o).unwrap();
+        let image =
+            vdisk_image::open(&top, &OpenOptions { format: Some(Format::Qcow2), ..Default::default() }).unwrap().image;
+        let other = File::open(&top).unwrap();
+        // SAFETY: flock only reads its integer arguments; `other` holds the fd open.
+        let try_lock = |op: i32| unsafe { libc::flock(other.as_raw_fd(), op | libc::LOCK_NB) } == 0;
+        assert!(!try_lock(libc::LOCK_SH), "the image holds its file exclusively");
+        relock(&*image, &top, libc::LOCK_SH);
+        assert!(try_lock(libc::LOCK_SH) && !try_lock(libc::LOCK_EX));
+        try_lock(libc::LOCK_UN);
+        relock(&*image, &top, libc::LOCK_UN);
+        assert!(try_lock(libc::LOCK_EX));
+        drop(image);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

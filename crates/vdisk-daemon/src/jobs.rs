@@ -353,7 +353,11 @@ mod tests {
             })
             .unwrap();
         let second = jobs.spawn("stream", "d0", 0, |_: &Job| Ok::<(), String>(()));
-        assert!(second.err().unwrap().to_string().contains("has a running job"));
+        let refused = second.err().unwrap();
+        assert_eq!(refused.kind(), ErrorKind::Busy);
+        assert_eq!(refused.to_string(), jobs.check_free("stream", "d0").unwrap_err().to_string());
+        assert!(refused.to_string().starts_with("stream of export \"d0\": it has a running job (mirror "));
+        assert!(jobs.check_free("stream", "d1").is_ok());
         while jobs.get(job.id).unwrap().info().state != JobState::Ready {
             std::thread::sleep(Duration::from_millis(5));
         }
