@@ -220,9 +220,19 @@ fn punch(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use vdisk_image::OpenOptions;
+
+    /// A new 1 MiB qcow2 file at `path`, over a raw `backing` if given.
+    pub(crate) fn new_qcow2(path: &Path, backing: Option<&Path>) {
+        let o = vdisk_image::qcow2::CreateOptions {
+            size: 1 << 20,
+            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
+            backing: backing.map(|b| (b, "raw")),
+        };
+        vdisk_image::Qcow2Image::create(path, &o).unwrap();
+    }
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("vdisk-chain-{name}-{}", std::process::id()));
@@ -235,12 +245,7 @@ mod tests {
         let d = dir("rw");
         let (base, top) = (d.join("base.raw"), d.join("top.qcow2"));
         std::fs::write(&base, vec![7u8; 1 << 20]).unwrap();
-        let o = vdisk_image::qcow2::CreateOptions {
-            size: 1 << 20,
-            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
-            backing: Some((&base, "raw")),
-        };
-        vdisk_image::Qcow2Image::create(&top, &o).unwrap();
+        new_qcow2(&top, Some(&base));
         let chain = chain_of(&top, Format::Qcow2).unwrap();
         assert_eq!(chain.len(), 2);
         assert!(same_file(&chain[0].path, &top) && same_file(&chain[1].path, &base));
@@ -270,12 +275,7 @@ mod tests {
     fn relock_changes_the_lock_an_image_holds_on_its_file() {
         let d = dir("lock");
         let top = d.join("top.qcow2");
-        let o = vdisk_image::qcow2::CreateOptions {
-            size: 1 << 20,
-            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
-            backing: None,
-        };
-        vdisk_image::Qcow2Image::create(&top, &o).unwrap();
+        new_qcow2(&top, None);
         let image =
             vdisk_image::open(&top, &OpenOptions { format: Some(Format::Qcow2), ..Default::default() }).unwrap().image;
         let other = File::open(&top).unwrap();

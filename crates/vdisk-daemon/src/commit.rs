@@ -481,12 +481,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let (old_base, new_base, layer) = (dir.join("a.raw"), dir.join("new-base.qcow2"), dir.join("l.qcow2"));
         std::fs::write(&old_base, vec![0u8; 1 << 20]).unwrap();
-        let o = vdisk_image::qcow2::CreateOptions {
-            size: 1 << 20,
-            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
-            backing: Some((&old_base, "raw")),
-        };
-        vdisk_image::Qcow2Image::create(&layer, &o).unwrap();
+        crate::chain::tests::new_qcow2(&layer, Some(&old_base));
         let header = |p: &Path| {
             let mut b = vec![0u8; 1 << 16];
             let n = std::fs::File::open(p).unwrap().read_at(&mut b, 0).unwrap();
