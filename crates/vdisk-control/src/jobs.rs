@@ -6,10 +6,26 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
+use vdisk_daemon::daemon::Committing;
 use vdisk_daemon::jobs::JobInfo;
 use vdisk_daemon::mirror::{MirrorOptions, MirrorTarget, TargetFormat};
 use vdisk_daemon::snapshot::OverlayFormat;
 use vdisk_daemon::{Daemon, Error, Ticket};
+
+/// The request may change things: not given up at its deadline (the guard says so while it lives).
+fn go_ahead(ticket: &Ticket) -> Result<Committing<'_>, Error> {
+    ticket
+        .commit()
+        .ok_or_else(|| Error::failed("the request ran past its deadline and was given up; nothing was changed"))
+}
+
+/// The format named `format` (one of `names`), or the default.
+fn named<T: Default>(format: Option<String>, parse: fn(&str) -> Option<T>, names: &str) -> Result<T, Error> {
+    match format.as_deref() {
+        None => Ok(T::default()),
+        Some(f) => parse(f).ok_or_else(|| Error::invalid(format!("format {f:?} is not one of {names}"))),
+    }
+}
 
 /// `export_snapshot`: made unless the request was given up before it started.
 pub fn snapshot(
@@ -19,14 +35,8 @@ pub fn snapshot(
     format: Option<String>,
     ticket: &Ticket,
 ) -> Result<Value, Error> {
-    let format = match format.as_deref() {
-        None => OverlayFormat::default(),
-        Some(f) => OverlayFormat::from_name(f)
-            .ok_or_else(|| Error::invalid(format!("format {f:?} is not one of qcow2, cow")))?,
-    };
-    let Some(_committing) = ticket.commit() else {
-        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-    };
+    let format = named(format, OverlayFormat::from_name, "qcow2, cow")?;
+    let _committing = go_ahead(ticket)?;
     let s = daemon.snapshot(name, Path::new(overlay), format)?;
     Ok(json!({
         "job": s.job,
@@ -40,18 +50,14 @@ pub fn snapshot(
 
 /// `export_stream`: started as a job; the answer (its id) comes at once.
 pub fn stream(daemon: &Arc<Daemon>, name: &str, bps: Option<u64>, ticket: &Ticket) -> Result<Value, Error> {
-    let Some(_committing) = ticket.commit() else {
-        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-    };
+    let _committing = go_ahead(ticket)?;
     let s = daemon.stream(name, bps.unwrap_or(0))?;
     Ok(json!({"job": s.job, "name": s.export, "type": "stream"}))
 }
 
 /// `export_commit`: started as a job; the answer (its id) comes at once.
 pub fn commit(daemon: &Arc<Daemon>, c: crate::rpc::CommitParams, ticket: &Ticket) -> Result<Value, Error> {
-    let Some(_committing) = ticket.commit() else {
-        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-    };
+    let _committing = go_ahead(ticket)?;
     let request = vdisk_daemon::commit::CommitRequest {
         top: c.top.map(Into::into),
         base: c.base.map(Into::into),
@@ -75,14 +81,8 @@ pub fn mirror(
     bps: u64,
     ticket: &Ticket,
 ) -> Result<Value, Error> {
-    let format = match format.as_deref() {
-        None => TargetFormat::default(),
-        Some(f) => TargetFormat::from_name(f)
-            .ok_or_else(|| Error::invalid(format!("format {f:?} is not one of raw, qcow2")))?,
-    };
-    let Some(_committing) = ticket.commit() else {
-        return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-    };
+    let format = named(format, TargetFormat::from_name, "raw, qcow2")?;
+    let _committing = go_ahead(ticket)?;
     let o = MirrorOptions { format, pivot, bps, existing };
     let job = daemon.mirror(name, MirrorTarget::parse(to), o)?;
     Ok(json!({"job": job, "name": name, "to": to, "format": format.name(), "pivot": pivot}))

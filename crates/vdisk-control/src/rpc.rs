@@ -333,12 +333,7 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
 
 fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
     let image = p.str("image")?.ok_or_else(|| bad("\"image\" (the image's path) is required"))?;
-    let format = p.str("format")?;
-    if let Some(f) = &format {
-        if !FORMATS.contains(&f.as_str()) {
-            return Err(bad(format!("format {f:?} is not one of {}", FORMATS.join(", "))));
-        }
-    }
+    let format = p.one_of("format", &FORMATS)?;
     let num_queues = match p.u64("num_queues")? {
         None => None,
         Some(n @ 1..=64) => Some(n as u16),
@@ -364,24 +359,14 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
 fn snapshot_params(p: &mut Params) -> Result<Method, Fault> {
     let name = p.name()?;
     let overlay = p.str("overlay")?.ok_or_else(|| bad("\"overlay\" (the new top's path) is required"))?;
-    let format = p.str("format")?;
-    if let Some(f) = &format {
-        if !["qcow2", "cow"].contains(&f.as_str()) {
-            return Err(bad(format!("format {f:?} is not one of qcow2, cow")));
-        }
-    }
+    let format = p.one_of("format", &["qcow2", "cow"])?;
     Ok(Method::ExportSnapshot { name, overlay, format })
 }
 
 fn mirror_params(p: &mut Params) -> Result<Method, Fault> {
     let name = p.name()?;
     let to = p.str("to")?.ok_or_else(|| bad("\"to\" (the target: a new file's path or an NBD URI) is required"))?;
-    let format = p.str("format")?;
-    if let Some(f) = &format {
-        if !["raw", "qcow2"].contains(&f.as_str()) {
-            return Err(bad(format!("format {f:?} is not one of raw, qcow2")));
-        }
-    }
+    let format = p.one_of("format", &["raw", "qcow2"])?;
     let pivot = p.bool("pivot")?.unwrap_or(false);
     let existing = p.bool("existing")?.unwrap_or(false);
     Ok(Method::ExportMirror { name, to, format, pivot, existing, bps: p.u64("bps")?.unwrap_or(0) })
@@ -400,6 +385,17 @@ impl Params {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
             Some(v) => Err(bad(format!("{key} must be a string, not {}", short(&v)))),
+        }
+    }
+
+    /// A string that must be one of `names`, if given.
+    fn one_of(&mut self, key: &str, names: &[&str]) -> Result<Option<String>, Fault> {
+        let s = self.str(key)?;
+        match &s {
+            Some(v) if !names.contains(&v.as_str()) => {
+                Err(bad(format!("{key} {v:?} is not one of {}", names.join(", "))))
+            }
+            _ => Ok(s),
         }
     }
 

@@ -94,16 +94,13 @@ impl Daemon {
                 ),
             ));
         }
-        if let Some(j) = self.jobs.running_on(export) {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!(
-                    "backup of export {export:?}: it has a running job ({} {}), which would swap the image out from \
-                     under the view: wait for it or cancel it first; nothing was changed",
-                    j.kind, j.id
-                ),
-            ));
-        }
+        // A job would swap the image out from under the view.
+        self.jobs.check_free("backup", export).map_err(|e| {
+            Error::new(
+                e.kind(),
+                format!("{} (it would swap the image out from under the view); nothing was changed", e.message()),
+            )
+        })?;
         if let Some(other) = self.views.view_of(export) {
             return Err(Error::new(
                 ErrorKind::Busy,

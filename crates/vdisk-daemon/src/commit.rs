@@ -28,14 +28,12 @@ use std::time::SystemTime;
 use vdisk_engine::Device;
 use vdisk_image::{Format, Image, OpenOptions};
 
+use crate::chain::{self, chain_of, same_file, Layer};
 use crate::daemon::Live;
 use crate::jobs::Job;
-use crate::snapshot::{lock_top, QUIESCE_LIMIT};
-use crate::stream::{Started, CHUNK};
-use crate::{Daemon, Error, ErrorKind};
-
-/// The most layers a chain may have here (as the image opens count them).
-const MAX_LAYERS: usize = 64;
+use crate::snapshot::{check_source, QUIESCE_LIMIT};
+use crate::stream::{swap_at_end, Started, CHUNK};
+use crate::{Daemon, Error};
 
 /// What `commit` was asked.
 #[derive(Clone, Debug, Default)]
@@ -50,13 +48,6 @@ pub struct CommitRequest {
     pub bps: u64,
     /// Commit the live top itself (`--top` may not be given then): an active commit.
     pub active: bool,
-}
-
-/// One layer of a chain: its file (as its overlay's header resolves it) and format.
-#[derive(Clone, Debug)]
-pub struct Layer {
-    pub path: PathBuf,
-    pub format: Format,
 }
 
 /// What a commit of layers below the live top works on, checked.
@@ -76,8 +67,8 @@ struct Plan {
 /// What the check decided.
 enum Decided {
     Below(Plan),
-    /// `--top` is the live top: an active commit into this base.
-    Active(PathBuf),
+    /// `--top` is the live top: an active commit, into `--base` if given.
+    Active(Option<PathBuf>),
 }
 
 impl Daemon {
@@ -92,95 +83,34 @@ impl Daemon {
                 Decided::Active(base) => return Ok(Err(base)),
             };
             let export = name.to_owned();
-            let job = self
-                .jobs
-                .spawn("commit", name, req.bps, move |job: &Job| {
-                    let r = run(&daemon, &export, plan, job);
-                    if let Err(e) = &r {
-                        log::warn!(export:% = export; "export {export:?}: commit failed: {}", e.report());
-                    }
-                    r.map_err(|e| e.report().to_string())
-                })
-                .map_err(|e| Error::new(ErrorKind::Busy, format!("commit of export {name:?}: {e}")))?;
+            let job = self.jobs.spawn("commit", name, req.bps, move |job: &Job| {
+                let r = run(&daemon, &export, plan, job);
+                if let Err(e) = &r {
+                    log::warn!(export:% = export; "export {export:?}: commit failed: {}", e.report());
+                }
+                r.map_err(|e| e.report().to_string())
+            })?;
             Ok(Ok(Started { job: job.id, export: name.to_owned() }))
         })?;
         match decided {
             Ok(started) => Ok(started),
             Err(base) => {
-                let job = self.active_commit(name, Some(base), req.delete, req.bps)?;
+                let job = self.active_commit(name, base, req.delete, req.bps)?;
                 Ok(Started { job, export: name.to_owned() })
             }
         }
     }
 }
 
-/// The chain whose live top is `top` (in `format`): each layer's backing as its header names it.
-pub fn chain_of(top: &Path, format: Format) -> Result<Vec<Layer>, String> {
-    let mut chain = vec![Layer { path: top.to_owned(), format }];
-    loop {
-        let last = chain.last().expect("not empty");
-        let next = match last.format {
-            Format::Qcow2 => {
-                let i = vdisk_image::qcow2::inspect(&last.path).map_err(|e| e.report().to_string())?;
-                match i.backing_resolved {
-                    None => None,
-                    Some(p) => {
-                        let named = i.header.backing_format.as_deref().and_then(Format::from_name);
-                        let f = match named {
-                            Some(f) => f,
-                            None => vdisk_image::detect(&p).map_err(|e| e.report().to_string())?,
-                        };
-                        Some(Layer { path: p, format: f })
-                    }
-                }
-            }
-            Format::Cow => {
-                let i = vdisk_image::cow::inspect(&last.path).map_err(|e| e.report().to_string())?;
-                let f = if vdisk_image::rbd::is_rbd(&i.backing_resolved) { Format::Rbd } else { Format::Raw };
-                Some(Layer { path: i.backing_resolved, format: f })
-            }
-            Format::Raw | Format::Rbd => None,
-        };
-        match next {
-            None => return Ok(chain),
-            Some(_) if chain.len() >= MAX_LAYERS => {
-                return Err(format!("the chain of {} is deeper than {MAX_LAYERS} layers", top.display()))
-            }
-            Some(l) => chain.push(l),
-        }
-    }
-}
-
-/// The same file (symlinks and relative names resolved).
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(x), Ok(y)) => (x.dev(), x.ino()) == (y.dev(), y.ino()),
-        _ => false,
-    }
-}
-
 fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error> {
     let refuse = |why: String| Error::invalid(format!("commit of export {name:?}: {why}"));
-    let device = live.device.clone();
-    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
-        return Err(refuse(
-            "it is an RBD image: RBD images have no chain of overlays to merge (flatten a clone with `rbd flatten`)"
-                .into(),
-        ));
-    }
-    if device.read_only() {
-        return Err(refuse("it is served read-only: its chain is not to be changed".into()));
-    }
-    if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
-        return Err(refuse(
-            "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its headers \
-             hold, which would not be the chain it serves now"
-                .into(),
-        ));
-    }
-    if let Some(why) = device.failure() {
-        return Err(Error::failed(format!("commit of export {name:?}: its device failed ({why})")));
-    }
+    let device = check_source(
+        live,
+        "commit",
+        name,
+        "it is an RBD image: RBD images have no chain of overlays to merge (flatten a clone with `rbd flatten`)",
+        Some("it is served read-only: its chain is not to be changed"),
+    )?;
     let format = match live.format {
         "qcow2" => Format::Qcow2,
         "cow" => Format::Cow,
@@ -200,15 +130,18 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
             refuse(format!("{what} {} is not a layer of its chain ({}, the live top first)", p.display(), names()))
         })
     };
+    if req.active && req.top.is_some() {
+        return Err(refuse("give --top or --active, not both (--active commits the live top)".into()));
+    }
+    if req.active || req.top.as_deref().is_some_and(|p| same_file(p, &live_top)) {
+        // The live top: an active commit, which checks its base itself.
+        return Ok(Decided::Active(req.base.clone()));
+    }
     let base = match &req.base {
         Some(p) => find(p, "--base")?,
         None => chain.len() - 1,
     };
     let top = match &req.top {
-        Some(_) if req.active => {
-            return Err(refuse("give --top or --active, not both (--active commits the live top)".into()))
-        }
-        None if req.active => 0,
         Some(p) => find(p, "--top")?,
         None if chain.len() < 3 => {
             return Err(refuse(format!(
@@ -234,9 +167,6 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
             chain[base].path.display()
         )));
     }
-    if top == 0 {
-        return Ok(Decided::Active(chain[base].path.clone()));
-    }
     let above = &chain[top - 1];
     if above.format == Format::Cow && chain[base].format != Format::Raw {
         return Err(refuse(format!(
@@ -254,78 +184,6 @@ fn check(live: &Live, name: &str, req: &CommitRequest) -> Result<Decided, Error>
     }
     let (delete, direct, roots) = (req.delete, live.direct, live.roots.clone());
     Ok(Decided::Below(Plan { device, chain, top, base, delete, direct, roots }))
-}
-
-/// Turns the BSD lock of every file of `images` that is `path` into `op`
-/// (the base is locked shared by the chains that read it; its writable open
-/// needs them let go meanwhile).
-fn relock(images: &[&dyn Image], path: &Path, op: i32) {
-    use std::os::unix::io::AsRawFd;
-    let Ok(want) = std::fs::metadata(path) else { return };
-    for image in images {
-        for f in image.files() {
-            if f.metadata().is_ok_and(|m| (m.dev(), m.ino()) == (want.dev(), want.ino())) {
-                // SAFETY: flock only reads its integer arguments; the fd is open (`image` holds it).
-                unsafe { libc::flock(f.as_raw_fd(), op | libc::LOCK_NB) };
-            }
-        }
-    }
-}
-
-/// Reads `buf.len()` bytes of `image`'s disk at `pos`.
-fn read_disk(image: &dyn Image, pos: u64, buf: &mut [u8]) -> Result<(), String> {
-    let mut extents = Vec::new();
-    image.map_read(pos, buf.len() as u64, &mut extents).map_err(|e| e.report().to_string())?;
-    let mut k = 0usize;
-    for ext in extents {
-        let n = ext.len() as usize;
-        match ext {
-            vdisk_image::Extent::Data { file, offset, .. } => {
-                image.files()[file].read_exact_at(&mut buf[k..k + n], offset).map_err(|e| {
-                    format!("cannot read {n} bytes at {offset} of {}: {e}", image.file_path(file).display())
-                })?
-            }
-            vdisk_image::Extent::Zero { .. } => buf[k..k + n].fill(0),
-        }
-        k += n;
-    }
-    Ok(())
-}
-
-/// Writes `data` to `image`'s disk at `pos`, as the engine's planner does.
-fn write_disk(image: &dyn Image, pos: u64, data: &[u8]) -> Result<(), String> {
-    let len = data.len() as u64;
-    let r = (|| {
-        image.prepare_write(pos, len).map_err(|e| e.report().to_string())?;
-        let mut extents = Vec::new();
-        image.map_write(pos, len, &mut extents).map_err(|e| e.report().to_string())?;
-        let mut k = 0usize;
-        for ext in extents {
-            let n = ext.len() as usize;
-            if let vdisk_image::Extent::Data { file, offset, .. } = ext {
-                image.files()[file].write_all_at(&data[k..k + n], offset).map_err(|e| {
-                    format!("cannot write {n} bytes at {offset} of {}: {e}", image.file_path(file).display())
-                })?;
-            }
-            k += n;
-        }
-        Ok(())
-    })();
-    match r {
-        Ok(()) => image.write_done(pos, len, false).map_err(|e| e.report().to_string()),
-        Err(e) => {
-            image.write_failed(pos, len);
-            Err(e)
-        }
-    }
-}
-
-/// Syncs `image`'s own file, then its metadata.
-fn flush_disk(image: &dyn Image) -> Result<(), String> {
-    if let Some(f) = image.files().first() {
-        f.sync_all().map_err(|e| format!("cannot sync {}: {e}", image.file_path(0).display()))?;
-    }
-    image.sync_metadata().map_err(|e| e.report().to_string())
 }
 
 /// The commit job: the copy without the change lock, then the swap under it.
@@ -350,13 +208,14 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
     // `reader`); they let go while it is open for writing.
     let served = device.image();
     let readers: [&dyn Image; 2] = [&*served, &*reader];
-    relock(&readers, &base_layer.path, libc::LOCK_UN);
+    let relock = |op: i32| readers.iter().for_each(|image| chain::relock(*image, &base_layer.path, op));
+    relock(libc::LOCK_UN);
     let write_options = OpenOptions { format: Some(base_layer.format), roots, ..Default::default() };
     let writer = vdisk_image::open(&base_layer.path, &write_options);
     let writer = match writer {
         Ok(o) => o.image,
         Err(e) => {
-            relock(&readers, &base_layer.path, libc::LOCK_SH);
+            relock(libc::LOCK_SH);
             return Err(failed(format!(
                 "cannot open the base {} for writing: {}",
                 base_layer.path.display(),
@@ -367,11 +226,11 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
     let copied = copy(&*reader, &*writer, base - top, size, job, &base_layer.path, || {
         daemon.upgrade().is_some_and(|d| d.serves(name, &device))
     });
-    let flushed = copied.and_then(|n| flush_disk(&*writer).map(|()| n));
+    let flushed = copied.and_then(|n| chain::flush(&*writer).map(|()| n));
     let mtime_back = keep_mtime(&base_layer.path, base_layer.format);
     drop(writer);
     mtime_back();
-    relock(&readers, &base_layer.path, libc::LOCK_SH);
+    relock(libc::LOCK_SH);
     drop(reader);
     let copied = match flushed {
         Ok(Some(n)) => n,
@@ -382,22 +241,8 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         Ok(None) => return Err(gone()),
         Err(e) => return Err(failed(format!("{e}; the chain is as it was, commit again"))),
     };
-    let daemon = daemon.upgrade().ok_or_else(gone)?;
-    let swapped = daemon.live_change(name, |live| {
-        if !Arc::ptr_eq(&live.device, &device) {
-            return Err(gone());
-        }
-        if job.cancelled() {
-            return Ok(false);
-        }
-        swap(&device, &chain, top, base, direct, name)?;
-        Ok(true)
-    });
-    match swapped {
-        Err(e) if e.kind() == ErrorKind::NotFound => return Err(gone()),
-        Err(e) => return Err(e),
-        Ok(false) => return Ok(()),
-        Ok(true) => {}
+    if !swap_at_end(daemon, name, &device, job, gone, || swap(&device, &chain, top, base, direct, name))? {
+        return Ok(());
     }
     log::info!(export:% = name; "export {name:?}: commit: {copied} bytes of {} merged into {}; {} now backs onto it",
         chain[top..base].iter().map(|l| l.path.display().to_string()).collect::<Vec<_>>().join(", "),
@@ -449,6 +294,7 @@ fn copy(
 ) -> Result<Option<u64>, String> {
     let mut runs = Vec::new();
     let mut buf = Vec::new();
+    let mut extents = Vec::new();
     let zeros = vec![0u8; CHUNK as usize];
     let (mut off, mut copied) = (0u64, 0u64);
     while off < size {
@@ -467,11 +313,11 @@ fn copy(
             let n = run.len.min(off + len - at);
             if run.depth >= 1 && (run.depth as usize) <= above {
                 if run.zero {
-                    write_disk(writer, at, &zeros[..n as usize])?;
+                    chain::write(writer, at, &zeros[..n as usize], &mut extents)?;
                 } else {
                     buf.resize(n as usize, 0);
-                    read_disk(reader, at, &mut buf)?;
-                    write_disk(writer, at, &buf)?;
+                    chain::read(reader, at, &mut buf, &mut extents)?;
+                    chain::write(writer, at, &buf, &mut extents)?;
                 }
                 here += n;
             }
@@ -500,14 +346,14 @@ fn swap(device: &Device, chain: &[Layer], top: usize, base: usize, direct: bool,
         .map_err(|e| failed(format!("flushing {}: {}; the chain is as it was", live.path.display(), e.report())))?;
     let old = relink(above, base_layer).map_err(|e| failed(format!("{e}; the chain is as it was, commit again")))?;
     let served = device.image();
-    lock_top(&*served, &live.path, libc::LOCK_UN);
+    chain::relock(&*served, &live.path, libc::LOCK_UN);
     let options = OpenOptions { format: Some(live.format), direct, ..Default::default() };
     let swapped = vdisk_image::open(&live.path, &options)
         .map_err(|e| e.report().to_string())
         .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
     if let Err(e) = swapped {
         let back = restore(&above.path, &old);
-        lock_top(&*served, &live.path, libc::LOCK_EX);
+        chain::relock(&*served, &live.path, libc::LOCK_EX);
         let back = match back {
             Ok(()) => "its link was put back: the chain is as it was (the base holds the merged data too)".to_owned(),
             Err(b) => format!(
@@ -635,12 +481,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let (old_base, new_base, layer) = (dir.join("a.raw"), dir.join("new-base.qcow2"), dir.join("l.qcow2"));
         std::fs::write(&old_base, vec![0u8; 1 << 20]).unwrap();
-        let o = vdisk_image::qcow2::CreateOptions {
-            size: 1 << 20,
-            cluster_bits: vdisk_image::qcow2::DEFAULT_CLUSTER_BITS,
-            backing: Some((&old_base, "raw")),
-        };
-        vdisk_image::Qcow2Image::create(&layer, &o).unwrap();
+        crate::chain::tests::new_qcow2(&layer, Some(&old_base));
         let header = |p: &Path| {
             let mut b = vec![0u8; 1 << 16];
             let n = std::fs::File::open(p).unwrap().read_at(&mut b, 0).unwrap();

@@ -321,7 +321,7 @@ impl Daemon {
 
     /// Export `name` is served, by `device` still (not removed, nor removed and added again).
     pub(crate) fn serves(&self, name: &str, device: &Arc<Device>) -> bool {
-        self.exports.lock().unwrap().iter().any(|e| e.name == name && Arc::ptr_eq(&e.device, device))
+        self.changer().serves(name, device)
     }
 
     /// The change lock, unless the server is shutting down.

@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::{Error, ErrorKind};
+
 /// How many ended jobs the table keeps.
 pub const KEPT: usize = 64;
 
@@ -71,6 +73,8 @@ pub struct Job {
     ready: AtomicBool,
     cancel: AtomicBool,
     pivot: AtomicBool,
+    /// Why `pivot` is refused, for a job that cannot pivot (set before it is ready).
+    no_pivot: Mutex<Option<String>>,
     /// The job's own I/O limit in bytes per second (0: none) and its pacing.
     bps: AtomicU64,
     paced: Mutex<Pacer>,
@@ -113,6 +117,17 @@ impl Job {
 
     pub fn pivot_requested(&self) -> bool {
         self.pivot.load(Ordering::Acquire)
+    }
+
+    /// Says, before the job is ready, that it cannot pivot, and `why` (what
+    /// a `pivot` of it is answered).
+    pub fn refuse_pivot(&self, why: String) {
+        *self.no_pivot.lock().unwrap() = Some(why);
+    }
+
+    /// Why the job cannot pivot, if it cannot.
+    pub fn pivot_refused(&self) -> Option<String> {
+        self.no_pivot.lock().unwrap().clone()
     }
 
     /// Sets the job's own I/O limit (bytes per second, 0 for none).
@@ -205,6 +220,7 @@ impl Jobs {
             ready: AtomicBool::new(false),
             cancel: AtomicBool::new(false),
             pivot: AtomicBool::new(false),
+            no_pivot: Mutex::new(None),
             bps: AtomicU64::new(0),
             paced: Mutex::new(Pacer::default()),
         });
@@ -242,25 +258,27 @@ impl Jobs {
         self.list.lock().unwrap().iter().find(|j| j.export == export && j.id != id && !j.ended()).cloned()
     }
 
+    /// Refuses while `export` has a running job (one export has one at a
+    /// time): the refusal a `kind` job gets when it would start.
+    pub fn check_free(&self, kind: &str, export: &str) -> Result<(), Error> {
+        free(&self.list.lock().unwrap(), kind, export)
+    }
+
     /// Starts `work` as a job of `kind` on `export`, on a thread of its own
     /// (`job-ID`), limited to `bps` bytes per second of its own I/O (0: none);
-    /// its result ends the job. Refused while `export` has a running job.
+    /// its result ends the job. Refused while `export` has a running job
+    /// ([`Jobs::check_free`]).
     pub fn spawn<E: std::fmt::Display>(
         &self,
         kind: &'static str,
         export: &str,
         bps: u64,
         work: impl FnOnce(&Job) -> Result<(), E> + Send + 'static,
-    ) -> Result<Arc<Job>, String> {
+    ) -> Result<Arc<Job>, Error> {
         // Checked and recorded under one lock, so two starts cannot both pass.
         let job = {
             let list = self.list.lock().unwrap();
-            if let Some(j) = list.iter().find(|j| j.export == export && !j.ended()) {
-                return Err(format!(
-                    "export {export:?} has a running job ({} {}): wait for it or cancel it first",
-                    j.kind, j.id
-                ));
-            }
+            free(&list, kind, export)?;
             drop(list);
             self.start(kind, export)
         };
@@ -277,9 +295,23 @@ impl Jobs {
             })
             .map_err(|e| {
                 job.finish::<(), _>(&Err(format!("cannot start a thread: {e}")));
-                format!("cannot start a thread for the job: {e}")
+                Error::failed(format!("{kind} of export {export:?}: cannot start a thread for the job: {e}"))
             })?;
         Ok(job)
+    }
+}
+
+/// Refuses a `kind` job on `export` if `list` has a running job on it.
+fn free(list: &[Arc<Job>], kind: &str, export: &str) -> Result<(), Error> {
+    match list.iter().find(|j| j.export == export && !j.ended()) {
+        Some(j) => Err(Error::new(
+            ErrorKind::Busy,
+            format!(
+                "{kind} of export {export:?}: it has a running job ({} {}): wait for it or cancel it first",
+                j.kind, j.id
+            ),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -321,7 +353,11 @@ mod tests {
             })
             .unwrap();
         let second = jobs.spawn("stream", "d0", 0, |_: &Job| Ok::<(), String>(()));
-        assert!(second.err().unwrap().contains("has a running job"));
+        let refused = second.err().unwrap();
+        assert_eq!(refused.kind(), ErrorKind::Busy);
+        assert_eq!(refused.to_string(), jobs.check_free("stream", "d0").unwrap_err().to_string());
+        assert!(refused.to_string().starts_with("stream of export \"d0\": it has a running job (mirror "));
+        assert!(jobs.check_free("stream", "d1").is_ok());
         while jobs.get(job.id).unwrap().info().state != JobState::Ready {
             std::thread::sleep(Duration::from_millis(5));
         }

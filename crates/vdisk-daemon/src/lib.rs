@@ -9,13 +9,15 @@
 //!
 //! Modules, each depending only on those listed after it:
 //! `metrics`, `reload` → `config` → `security` → `commit` → `mirror`, `stream` →
-//! `snapshot` → `backup` → `daemon` → `jobs`;
+//! `snapshot` → `backup` → `daemon` → `jobs`, `chain` (the job table and
+//! what a live operation knows of an image chain on disk, below them all);
 //! `daemon` → `views`, `bitmaps`, `fuse`, `vhost`
 //! → `frontend`, `listen`, `stopping` → `systemd`; `spec` → `formats` →
 //! `size`; `error` below all.
 
 pub mod backup;
 pub mod bitmaps;
+pub mod chain;
 pub mod commit;
 pub mod config;
 pub mod daemon;

@@ -8,7 +8,7 @@
 //! swap, and the export's spec names it) or is cancelled (detach; the export
 //! serves as before, the target is left as it is).
 //!
-//! The copy reads the image without quiescing ([`target::read_live`]): the
+//! The copy reads the image without quiescing ([`crate::chain::read`]): the
 //! device marks a write after its data has reached the image, so a take that
 //! comes first leaves the granule dirty again for the next pass, and a take
 //! that comes after reads the new data. Only the last pass, under the quiesce
@@ -22,7 +22,6 @@
 
 pub mod target;
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,15 +29,16 @@ use std::time::Duration;
 use vdisk_engine::{Device, Observers};
 use vdisk_image::bitmap::DirtyBitmap;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
-use vdisk_image::{Format, Image, Qcow2Image};
+use vdisk_image::{Format, Qcow2Image};
 use vdisk_nbd::remote::{Remote, Uri};
 
+use crate::chain;
 use crate::daemon::{Changer, Live};
-use crate::jobs::Job;
-use crate::snapshot::QUIESCE_LIMIT;
+use crate::jobs::{Job, Jobs};
+use crate::snapshot::{check_source, QUIESCE_LIMIT};
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
-use target::{read_live, ImageTarget, NbdTarget, Target};
+use target::{ImageTarget, NbdTarget, Target};
 
 /// The most one copy takes at a time.
 pub const CHUNK: u64 = 1 << 20;
@@ -49,6 +49,10 @@ pub const READY_BELOW: u64 = 1 << 20;
 /// ...or once passes stop shrinking what is dirty (a guest writing as fast as
 /// the copy) and it is no more than this: the pivot copies it under its quiesce.
 pub const READY_STALLED: u64 = 64 << 20;
+
+/// Why a copy job refuses an RBD export.
+const RBD_COPY: &str =
+    "it is an RBD image: its device cannot be swapped, and the copy reads files (use `rbd migration`)";
 
 /// Where a mirror writes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -167,7 +171,7 @@ impl Daemon {
     /// what is refused changes nothing.
     pub fn mirror(&self, name: &str, target: MirrorTarget, o: MirrorOptions) -> Result<u64, Error> {
         let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
-        self.no_running_job(name, "mirror")?;
+        self.jobs.check_free("mirror", name)?;
         // An NBD target is reached before the change lock is taken: a slow
         // server holds up this request only.
         let mut remote = match &target {
@@ -181,7 +185,7 @@ impl Daemon {
             MirrorTarget::File(_) => None,
         };
         let (device, made, pivot, fresh) = self.live_change(name, |live| {
-            let device = check_source(live, name, "mirror")?;
+            let device = check_source(live, "mirror", name, RBD_COPY, None)?;
             match &target {
                 MirrorTarget::Nbd(uri) => {
                     let remote = remote.take().expect("connected before");
@@ -201,30 +205,9 @@ impl Daemon {
                 }
             }
         })?;
-        let described = made.describe();
-        let copy = Copy {
-            name: name.to_owned(),
-            attached: Attached::new(&device)?,
-            device,
-            changer: self.changer(),
-            target: Some(made),
-            fresh,
-            below_depth: 0,
-            pivot,
-            auto_pivot: o.pivot,
-            relock: None,
-            buf: Vec::new(),
-            extents: Vec::new(),
-            what: "mirror",
-            done: 0,
-            total: 0,
-        };
-        let job = self
-            .jobs
-            .spawn("mirror", name, o.bps, move |job: &Job| copy.run(job).map_err(|e| e.report().to_string()))
-            .map_err(|e| refuse(format!("{e}; the target {described} was left as it is")))?;
-        log::info!(export:% = name; "export {name:?}: mirror job {} to {described} started", job.id);
-        Ok(job.id)
+        let copy =
+            Copy { fresh, auto_pivot: o.pivot, ..Copy::new(name, "mirror", device, self.changer(), made, pivot)? };
+        copy.start(&self.jobs, o.bps)
     }
 
     /// Starts an active commit of export `name`'s live top (and every layer
@@ -233,17 +216,25 @@ impl Daemon {
     /// Returns the job's id.
     pub fn active_commit(&self, name: &str, base: Option<PathBuf>, delete: bool, bps: u64) -> Result<u64, Error> {
         let refuse = |why: String| Error::invalid(format!("commit of export {name:?}: {why}"));
-        self.no_running_job(name, "commit")?;
+        self.jobs.check_free("commit", name)?;
         let (device, made, pivot, below, relock) = self.live_change(name, |live| {
-            let device = check_source(live, name, "commit")?;
+            let chain_kept = Some("it is served read-only: its chain never changes");
+            let device = check_source(live, "commit", name, RBD_COPY, chain_kept)?;
             let top = std::path::absolute(&live.spec.image)
                 .map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
-            let chain = chain_of(&top).map_err(refuse)?;
+            let format = Format::from_name(live.format).unwrap_or(Format::Raw);
+            let chain = chain::chain_of(&top, format).map_err(refuse)?;
+            if let Some(l) = chain.iter().find(|l| l.format == Format::Rbd) {
+                return Err(refuse(format!(
+                    "{} is an RBD backing image: a commit into RBD is not supported",
+                    l.path.display()
+                )));
+            }
             if chain.len() < 2 {
                 return Err(refuse(format!(
                     "{} is {}, with no backing file: there is nothing to commit",
                     top.display(),
-                    chain[0].1.name()
+                    chain[0].format.name()
                 )));
             }
             let at = match &base {
@@ -251,14 +242,14 @@ impl Daemon {
                 Some(b) => {
                     let want =
                         std::fs::canonicalize(b).map_err(|e| refuse(format!("the base {}: {e}", b.display())))?;
-                    let found = chain.iter().position(|(p, _)| std::fs::canonicalize(p).is_ok_and(|c| c == want));
+                    let found = chain.iter().position(|l| std::fs::canonicalize(&l.path).is_ok_and(|c| c == want));
                     match found {
                         Some(0) => {
                             return Err(refuse(format!("{} is the top itself: name a layer below it", b.display())))
                         }
                         Some(i) => i,
                         None => {
-                            let names: Vec<String> = chain.iter().map(|(p, _)| p.display().to_string()).collect();
+                            let names: Vec<String> = chain.iter().map(|l| l.path.display().to_string()).collect();
                             return Err(refuse(format!(
                                 "{} is not in the export's chain ({})",
                                 b.display(),
@@ -268,7 +259,7 @@ impl Daemon {
                     }
                 }
             };
-            let (base_path, base_format) = chain[at].clone();
+            let chain::Layer { path: base_path, format: base_format } = chain[at].clone();
             if !matches!(base_format, Format::Raw | Format::Qcow2) {
                 return Err(refuse(format!(
                     "the base {} is {}: only a raw or qcow2 base can take the layers above it",
@@ -278,10 +269,10 @@ impl Daemon {
             }
             // The chain holds the base open read-only (a shared lock for
             // qcow2); the job opens it read-write on its own, so it unlocks it.
-            relock_in(&*device.image(), &base_path, libc::LOCK_UN);
+            chain::relock(&*device.image(), &base_path, libc::LOCK_UN);
             let options = vdisk_image::OpenOptions { format: Some(base_format), ..Default::default() };
             let opened = vdisk_image::open(&base_path, &options).map_err(|e| {
-                relock_in(&*device.image(), &base_path, libc::LOCK_SH);
+                chain::relock(&*device.image(), &base_path, libc::LOCK_SH);
                 Error::failed(format!(
                     "commit of export {name:?}: cannot open the base {} read-write",
                     base_path.display()
@@ -289,44 +280,17 @@ impl Daemon {
                 .because(e)
             })?;
             let t: Box<dyn Target> = Box::new(ImageTarget::new(opened.image, &base_path));
-            let above = chain[..at].iter().map(|(p, _)| p.clone()).collect();
+            let above = chain[..at].iter().map(|l| l.path.clone()).collect();
             let pivot = Pivot::Commit { base: base_path.clone(), base_format, above, delete };
             Ok((device, t, pivot, at as u32 + 1, base_path))
         })?;
-        let described = made.describe();
         let copy = Copy {
-            name: name.to_owned(),
-            attached: Attached::new(&device)?,
-            device,
-            changer: self.changer(),
-            target: Some(made),
-            fresh: false,
             below_depth: below,
-            pivot,
             auto_pivot: true,
             relock: Some(relock),
-            buf: Vec::new(),
-            extents: Vec::new(),
-            what: "commit",
-            done: 0,
-            total: 0,
+            ..Copy::new(name, "commit", device, self.changer(), made, pivot)?
         };
-        let job = self
-            .jobs
-            .spawn("commit", name, bps, move |job: &Job| copy.run(job).map_err(|e| e.report().to_string()))
-            .map_err(refuse)?;
-        log::info!(export:% = name; "export {name:?}: active commit job {} into {described} started", job.id);
-        Ok(job.id)
-    }
-
-    fn no_running_job(&self, name: &str, what: &str) -> Result<(), Error> {
-        match self.jobs.running_on(name) {
-            Some(j) => Err(Error::invalid(format!(
-                "{what} of export {name:?}: it has a running job ({} {}): wait for it or cancel it first",
-                j.kind, j.id
-            ))),
-            None => Ok(()),
-        }
+        copy.start(&self.jobs, bps)
     }
 }
 
@@ -347,30 +311,6 @@ fn connect(name: &str, uri: &str, pivot: bool) -> Result<Remote, Error> {
         return Err(refuse(format!("the NBD target {uri} is read-only")));
     }
     Ok(remote)
-}
-
-/// The checks every copy job makes of its source; its device.
-fn check_source(live: &Live, name: &str, what: &str) -> Result<Arc<Device>, Error> {
-    let refuse = |why: &str| Error::invalid(format!("{what} of export {name:?}: {why}"));
-    let device = live.device.clone();
-    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
-        return Err(refuse(
-            "it is an RBD image: its device cannot be swapped, and the copy reads files (use `rbd migration`)",
-        ));
-    }
-    if what == "commit" && device.read_only() {
-        return Err(refuse("it is served read-only: its chain never changes"));
-    }
-    if what == "commit" && (live.spec.backing.is_some() || live.spec.ignore_backing_mtime) {
-        return Err(refuse(
-            "it was added with --backing or --ignore-backing-mtime: the chain after the commit is opened by the \
-             names its headers hold, which would not be the chain it serves now",
-        ));
-    }
-    if let Some(why) = device.failure() {
-        return Err(Error::failed(format!("{what} of export {name:?}: its device failed ({why})")));
-    }
-    Ok(device)
 }
 
 /// Makes (or, with `existing`, opens) a mirror's target file; true when it is new (reads as zeros).
@@ -394,7 +334,7 @@ fn open_file_target(
     // Not a file the export reads: its top or any layer beneath it.
     if let Ok(t) = std::fs::metadata(path) {
         let image = live.device.image();
-        let mine = image.files().iter().any(|f| f.metadata().is_ok_and(|m| (m.dev(), m.ino()) == (t.dev(), t.ino())));
+        let mine = image.files().iter().any(|f| chain::is_file(f, &t));
         if mine {
             return Err(refuse(format!("the target {} is a file of the image the export serves", path.display())));
         }
@@ -452,47 +392,58 @@ fn open_file_target(
     Ok((Box::new(ImageTarget::new(image, path)), !exists))
 }
 
-/// The chain from `top` down: each layer's path and format, read from the
-/// headers (no lock taken, no backing opened).
-fn chain_of(top: &Path) -> Result<Vec<(PathBuf, Format)>, String> {
-    let mut chain = Vec::new();
-    let mut at = Some(top.to_owned());
-    while let Some(path) = at.take() {
-        if chain.len() > 64 {
-            return Err(format!("the chain under {} is longer than 64 layers", top.display()));
-        }
-        let format = vdisk_image::detect(&path).map_err(|e| e.report().to_string())?;
-        at = match format {
-            Format::Qcow2 => vdisk_image::qcow2::inspect(&path).map_err(|e| e.report().to_string())?.backing_resolved,
-            Format::Cow => Some(vdisk_image::cow::inspect(&path).map_err(|e| e.report().to_string())?.backing_resolved),
-            _ => None,
-        };
-        if at.as_deref().is_some_and(vdisk_image::rbd::is_rbd) {
-            return Err(format!("{} has an RBD backing image: a commit into RBD is not supported", path.display()));
-        }
-        chain.push((path, format));
-    }
-    Ok(chain)
-}
-
-/// Turns the BSD lock that `image` holds on the file `path` (any file of its
-/// chain) into `op` (`LOCK_SH`, `LOCK_EX`, `LOCK_UN`).
-fn relock_in(image: &dyn Image, path: &Path, op: i32) {
-    use std::os::unix::io::AsRawFd;
-    let Ok(want) = std::fs::metadata(path) else { return };
-    for file in image.files() {
-        let Ok(m) = file.metadata() else { continue };
-        if (m.dev(), m.ino()) != (want.dev(), want.ino()) {
-            continue;
-        }
-        // SAFETY: flock only reads its integer arguments; the fd is open (`image` holds it).
-        if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } != 0 {
-            log::warn!("{}: cannot change its lock: {}", path.display(), std::io::Error::last_os_error());
-        }
-    }
-}
-
 impl Copy {
+    /// A `what` job ("mirror", "commit") of export `name` copying to
+    /// `target`, its dirty map attached; every run of the source marked, no
+    /// pivot by itself and no lock to take back unless set after.
+    fn new(
+        name: &str,
+        what: &'static str,
+        device: Arc<Device>,
+        changer: Changer,
+        target: Box<dyn Target>,
+        pivot: Pivot,
+    ) -> Result<Copy, Error> {
+        Ok(Copy {
+            name: name.to_owned(),
+            attached: Attached::new(&device)?,
+            device,
+            changer,
+            target: Some(target),
+            fresh: false,
+            below_depth: 0,
+            pivot,
+            auto_pivot: false,
+            relock: None,
+            buf: Vec::new(),
+            extents: Vec::new(),
+            what,
+            done: 0,
+            total: 0,
+        })
+    }
+
+    /// Runs the copy as a job of `jobs`; its id. Refused (another job took
+    /// the export meanwhile), the target is left as it is and the old chain
+    /// takes its lock on the base back.
+    fn start(self, jobs: &Jobs, bps: u64) -> Result<u64, Error> {
+        let (name, what, described) = (self.name.clone(), self.what, self.target_described());
+        let back = self.relock.clone().map(|base| (self.device.clone(), base));
+        let spawned = jobs.spawn(what, &name, bps, move |job: &Job| self.run(job).map_err(|e| e.report().to_string()));
+        let job = spawned.map_err(|e| {
+            if let Some((device, base)) = &back {
+                chain::relock(&*device.image(), base, libc::LOCK_SH);
+            }
+            Error::new(e.kind(), format!("{}; the target {described} was left as it is", e.message()))
+        })?;
+        log::info!(export:% = name; "export {name:?}: {what} job {} to {described} started", job.id);
+        Ok(job.id)
+    }
+
+    fn target_described(&self) -> String {
+        self.target.as_deref().map(|t| t.describe()).unwrap_or_default()
+    }
+
     fn failed(&self, why: impl std::fmt::Display) -> Error {
         Error::failed(format!("{} of export {:?}: {why}", self.what, self.name))
     }
@@ -503,12 +454,20 @@ impl Copy {
 
     /// The job: mark, copy pass after pass, then pivot or stop.
     fn run(mut self, job: &Job) -> Result<(), Error> {
+        if matches!(self.pivot, Pivot::None) {
+            job.refuse_pivot(format!(
+                "it writes to the NBD target {}, and the export can only be served from an image file here; once \
+                 ready the target holds the disk: `vdisk ctl cancel {}` ends the mirror",
+                self.target_described(),
+                job.id
+            ));
+        }
         let r = self.copy_until_done(job);
         if self.relock.is_some() && !matches!(r, Ok(true)) {
             // No pivot: the old chain goes on reading the base; take its lock back.
             self.target = None;
             let base = self.relock.take().expect("checked");
-            relock_in(&*self.device.image(), &base, libc::LOCK_SH);
+            chain::relock(&*self.device.image(), &base, libc::LOCK_SH);
         }
         match &r {
             Ok(false) => {
@@ -537,7 +496,6 @@ impl Copy {
         job.set_total(self.total);
         let mut last_dirty = u64::MAX;
         let mut ready = false;
-        let mut told = false;
         loop {
             if job.cancelled() {
                 return Ok(false);
@@ -561,17 +519,11 @@ impl Copy {
                     self.name, self.what, job.id);
             }
             last_dirty = dirty;
-            if ready && (self.auto_pivot || job.pivot_requested()) {
-                if matches!(self.pivot, Pivot::None) {
-                    if !told {
-                        log::warn!(export:% = self.name; "export {:?}: mirror job {}: an NBD target cannot be \
-                            pivoted to; the copy is complete while ready: `cancel` ends it", self.name, job.id);
-                        told = true;
-                    }
-                } else {
-                    self.pivot(job)?;
-                    return Ok(true);
-                }
+            // An NBD target never pivots: `job_pivot` refuses it (see `run`).
+            let pivots = !matches!(self.pivot, Pivot::None);
+            if ready && pivots && (self.auto_pivot || job.pivot_requested()) {
+                self.pivot(job)?;
+                return Ok(true);
             }
             if copied == 0 || ready {
                 std::thread::sleep(Duration::from_millis(if copied == 0 { 20 } else { 5 }));
@@ -635,7 +587,7 @@ impl Copy {
         let image = self.device.image();
         let mut buf = std::mem::take(&mut self.buf);
         let data = &mut buf[..len as usize];
-        let r = read_live(&*image, off, data, &mut self.extents).map_err(|e| self.failed(e)).and_then(|()| {
+        let r = chain::read(&*image, off, data, &mut self.extents).map_err(|e| self.failed(e)).and_then(|()| {
             let w = if data.iter().all(|&b| b == 0) {
                 self.target().zero(off, len)
             } else {

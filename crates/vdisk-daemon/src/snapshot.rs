@@ -9,17 +9,18 @@
 //! holds no copy).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
 
+use vdisk_engine::Device;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use vdisk_image::{CowImage, Format, Qcow2Image};
 
+use crate::chain;
 use crate::daemon::Live;
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
 
-/// How long a snapshot waits for the requests in flight to finish.
-pub const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
+pub use crate::views::QUIESCE_LIMIT;
 
 /// The format of a snapshot's new overlay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -125,6 +126,12 @@ impl Daemon {
                 info.state.name()
             )));
         }
+        if let Some(why) = job.pivot_refused() {
+            return Err(Error::invalid(format!(
+                "job {id} ({} of export {:?}) cannot pivot: {why}",
+                job.kind, job.export
+            )));
+        }
         job.request_pivot();
         log::info!(export:% = job.export; "job {id} ({} of export {:?}): pivot asked", job.kind, job.export);
         Ok(job.info())
@@ -138,6 +145,40 @@ impl Daemon {
             )
         })
     }
+}
+
+/// What a live operation `what` on export `name` refuses of its source before
+/// anything changes, `rbd` saying why for an RBD image: a device that failed
+/// and, for one that changes the chain (`changes`: why a read-only export is
+/// refused), a read-only export or one added with `--backing` or
+/// `--ignore-backing-mtime`. Its device.
+pub(crate) fn check_source(
+    live: &Live,
+    what: &str,
+    name: &str,
+    rbd: &str,
+    changes: Option<&str>,
+) -> Result<Arc<Device>, Error> {
+    let refuse = |why: &str| Error::invalid(format!("{what} of export {name:?}: {why}"));
+    let device = live.device.clone();
+    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
+        return Err(refuse(rbd));
+    }
+    if let Some(read_only) = changes {
+        if device.read_only() {
+            return Err(refuse(read_only));
+        }
+        if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
+            return Err(refuse(
+                "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its \
+                 headers hold, which would not be the chain it serves now",
+            ));
+        }
+    }
+    if let Some(why) = device.failure() {
+        return Err(Error::failed(format!("{what} of export {name:?}: its device failed ({why})")));
+    }
+    Ok(device)
 }
 
 fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, job: u64) -> Result<Snapshot, Error> {
@@ -161,29 +202,14 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
             ))
         })?;
     }
-    let device = live.device.clone();
-    if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
-        return Err(refuse(
-            "it is an RBD image: its snapshots are RBD snapshots (`--rbd-snap NAME`), which vdisk does not make yet \
-             (use `rbd snap create`)"
-                .into(),
-        ));
-    }
-    if device.read_only() {
-        return Err(refuse(
-            "it is served read-only: its image never changes, so there is nothing to snapshot (copy the file)".into(),
-        ));
-    }
-    if live.spec.backing.is_some() || live.spec.ignore_backing_mtime {
-        return Err(refuse(
-            "it was added with --backing or --ignore-backing-mtime: the new chain is opened by the names its headers \
-             hold, which would not be the chain it serves now"
-                .into(),
-        ));
-    }
-    if let Some(why) = device.failure() {
-        return Err(Error::failed(format!("snapshot of export {name:?}: its device failed ({why})")));
-    }
+    let device = check_source(
+        live,
+        "snapshot",
+        name,
+        "it is an RBD image: its snapshots are RBD snapshots (`--rbd-snap NAME`), which vdisk does not make yet (use \
+         `rbd snap create`)",
+        Some("it is served read-only: its image never changes, so there is nothing to snapshot (copy the file)"),
+    )?;
     let top =
         std::path::absolute(&live.spec.image).map_err(|e| refuse(format!("{}: {e}", live.spec.image.display())))?;
     let top_format = live.format;
@@ -230,7 +256,7 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
     // lock; beneath the overlay it is opened again read-only, which takes a
     // shared one: the old lock becomes shared first (it is written no more).
     let old = device.image();
-    let relock = |op: i32| lock_top(&*old, &top, op);
+    let relock = |op: i32| chain::relock(&*old, &top, op);
     relock(libc::LOCK_SH);
     let options = vdisk_image::OpenOptions { format: Some(forced), direct: live.direct, ..Default::default() };
     let swapped = vdisk_image::open(overlay, &options)
@@ -263,22 +289,4 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
         backing: top,
         backing_format: top_format,
     })
-}
-
-/// Turns the BSD lock the old top's own file holds (qcow2 and COW overlays
-/// lock theirs; a raw file has none) into `op` (`LOCK_SH`, `LOCK_EX`,
-/// `LOCK_UN`). Only the file that is `top` itself is touched.
-pub(crate) fn lock_top(old: &dyn vdisk_image::Image, top: &Path, op: i32) {
-    use std::os::unix::fs::MetadataExt;
-    use std::os::unix::io::AsRawFd;
-    let Some(file) = old.files().first() else { return };
-    let (Ok(a), Ok(b)) = (file.metadata(), std::fs::metadata(top)) else { return };
-    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
-        return;
-    }
-    let op = op | libc::LOCK_NB;
-    // SAFETY: flock only reads its integer arguments; the fd is open (`old` holds it).
-    if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
-        log::warn!("{}: cannot change its lock: {}", top.display(), std::io::Error::last_os_error());
-    }
 }

@@ -25,9 +25,10 @@ use std::sync::{Arc, Weak};
 use vdisk_engine::{Buf, Command, Device, Op, Request};
 use vdisk_image::Format;
 
+use crate::chain;
 use crate::daemon::Live;
 use crate::jobs::Job;
-use crate::snapshot::{lock_top, QUIESCE_LIMIT};
+use crate::snapshot::QUIESCE_LIMIT;
 use crate::{Daemon, Error, ErrorKind};
 
 /// How much of the disk one quiesce covers.
@@ -57,16 +58,13 @@ impl Daemon {
         self.live_change(name, |live| {
             let plan = check(live, name)?;
             let export = name.to_owned();
-            let job = self
-                .jobs
-                .spawn("stream", name, bps, move |job: &Job| {
-                    let r = run(&daemon, &export, plan, job);
-                    if let Err(e) = &r {
-                        log::warn!(export:% = export; "export {export:?}: stream failed: {}", e.report());
-                    }
-                    r.map_err(|e| e.report().to_string())
-                })
-                .map_err(|e| Error::new(ErrorKind::Busy, format!("stream of export {name:?}: {e}")))?;
+            let job = self.jobs.spawn("stream", name, bps, move |job: &Job| {
+                let r = run(&daemon, &export, plan, job);
+                if let Err(e) = &r {
+                    log::warn!(export:% = export; "export {export:?}: stream failed: {}", e.report());
+                }
+                r.map_err(|e| e.report().to_string())
+            })?;
             Ok(Started { job: job.id, export: name.to_owned() })
         })
     }
@@ -153,26 +151,39 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         // Outside the quiesce: the guest is never held for the pace.
         job.pace(here);
     }
-    let daemon = daemon.upgrade().ok_or_else(gone)?;
+    if swap_at_end(daemon, name, &device, job, gone, || finish(&device, &top, direct, name))? {
+        log::info!(export:% = name;
+            "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
+    }
+    Ok(())
+}
+
+/// The end of a job that changes export `name`'s chain once its copy is
+/// done (stream, commit): under the change lock, `swap`, unless the job was
+/// cancelled meanwhile (Ok(false)); `gone()` when the server or the export
+/// went away, or the export no longer serves `device`.
+pub(crate) fn swap_at_end(
+    daemon: &Weak<Daemon>,
+    name: &str,
+    device: &Arc<Device>,
+    job: &Job,
+    gone: impl Fn() -> Error,
+    swap: impl FnOnce() -> Result<(), Error>,
+) -> Result<bool, Error> {
+    let daemon = daemon.upgrade().ok_or_else(&gone)?;
     let swapped = daemon.live_change(name, |live| {
-        if !Arc::ptr_eq(&live.device, &device) {
+        if !Arc::ptr_eq(&live.device, device) {
             return Err(gone());
         }
         if job.cancelled() {
             return Ok(false);
         }
-        finish(&device, &top, direct, name)?;
+        swap()?;
         Ok(true)
     });
     match swapped {
         Err(e) if e.kind() == ErrorKind::NotFound => Err(gone()),
-        Err(e) => Err(e),
-        Ok(false) => Ok(()),
-        Ok(true) => {
-            log::info!(export:% = name;
-                "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
-            Ok(())
-        }
+        r => r,
     }
 }
 
@@ -183,13 +194,13 @@ fn finish(device: &Device, top: &Path, direct: bool, name: &str) -> Result<(), E
     guard.flush().map_err(|e| failed(format!("flushing {}: {}; the chain is as it was", top.display(), e.report())))?;
     clear_backing_link(top).map_err(|e| failed(format!("{e}; the chain is as it was, stream again")))?;
     let old = device.image();
-    lock_top(&*old, top, libc::LOCK_UN);
+    chain::relock(&*old, top, libc::LOCK_UN);
     let options = vdisk_image::OpenOptions { format: Some(Format::Qcow2), direct, ..Default::default() };
     let swapped = vdisk_image::open(top, &options)
         .map_err(|e| e.report().to_string())
         .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
     if let Err(e) = swapped {
-        lock_top(&*old, top, libc::LOCK_EX);
+        chain::relock(&*old, top, libc::LOCK_EX);
         return Err(failed(format!(
             "{} holds all its data and no longer names a backing file, but could not be reopened ({e}): the export \
              serves on from the old chain (same data); remove and add it again",

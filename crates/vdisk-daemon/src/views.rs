@@ -21,7 +21,8 @@ use vdisk_nbd::Server;
 
 use crate::Error;
 
-/// How long beginning or ending a backup waits for the export's requests in flight.
+/// How long a live disk operation (a snapshot, a swap or pivot, beginning or
+/// ending a backup) waits for the export's requests in flight to finish.
 pub const QUIESCE_LIMIT: Duration = Duration::from_secs(10);
 
 /// A backup as `backup_list` shows it.

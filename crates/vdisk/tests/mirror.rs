@@ -279,6 +279,8 @@ fn mirror_to_a_second_vdisk_over_nbd() {
     stop.store(true, Ordering::SeqCst);
     fio.join().expect("every fio verify passed");
     wait_caught_up(&control, id);
+    let p = rpc(&control, "job_pivot", json!({"id": id}));
+    assert!(refused(&p).contains("cannot pivot"), "{p}");
     let view = read_export(&dir, &server.uri("disk"), "view.raw");
     let c = rpc(&control, "job_cancel", json!({"id": id}));
     assert!(c.get("result").is_some(), "{c}");
