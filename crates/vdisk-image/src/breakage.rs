@@ -19,6 +19,10 @@
 //!   sync the base it copied into before it rewrites the backing link of the
 //!   layer above: the link may be durable before the data it now exposes
 //!   (`vdisk soak --jobs` must catch it, tests/jobs_crash.rs).
+//! - `bitmap-not-in-use`: the sidecar bitmap store (raw and COW images) does
+//!   not mark its bitmaps in use when a session opens: after a crash they
+//!   look cleanly saved, and short (`vdisk soak --jobs bitmaps` must catch
+//!   it, tests/crash.rs).
 //!
 //! Without the feature [`active`] is a constant `false`: the checks compile
 //! away. The places that can break call [`active`]: the engine's flush (both
@@ -31,6 +35,7 @@ pub enum Breakage {
     BitmapFirst,
     Qcow2L2First,
     CommitLinkFirst,
+    BitmapNotInUse,
 }
 
 pub const ENV: &str = "VDISK_BREAK";
@@ -51,8 +56,10 @@ pub fn active(b: Breakage) -> bool {
                 "bitmap-first" => Breakage::BitmapFirst,
                 "qcow2-l2-first" => Breakage::Qcow2L2First,
                 "commit-link-first" => Breakage::CommitLinkFirst,
+                "bitmap-not-in-use" => Breakage::BitmapNotInUse,
                 _ => panic!(
-                    "{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first, qcow2-l2-first or commit-link-first"
+                    "{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first, qcow2-l2-first, commit-link-first \
+                     or bitmap-not-in-use"
                 ),
             })
             .collect();

@@ -223,22 +223,29 @@ impl Driver {
 }
 
 /// The next operation on the chain `d` holds (None: nothing to do, which
-/// only a plan of snapshots alone reaches; it stops at six layers).
+/// only a plan of snapshots alone reaches; it stops at six layers). The
+/// chain grows to three layers; there a commit comes twice as often as a
+/// stream (a stream drops every layer below, a commit one).
 fn pick(d: &Drove, ops: &[Op], rng: &mut Rng) -> Option<Op> {
     let depth = d.layers.len();
     let qcow2_top = d.layers[0].extension().is_some_and(|e| e == "qcow2");
+    let offer = |choices: &mut Vec<Op>, op: Op, weight: usize| {
+        if ops.contains(&op) {
+            choices.extend(std::iter::repeat_n(op, weight));
+        }
+    };
     let mut choices = Vec::new();
-    if ops.contains(&Op::Snapshot) && depth < MAX_DEPTH {
-        choices.push(Op::Snapshot);
+    if depth < MAX_DEPTH {
+        offer(&mut choices, Op::Snapshot, 3);
     }
-    if ops.contains(&Op::Commit) && depth >= 3 {
-        choices.push(Op::Commit);
+    if depth >= 3 {
+        offer(&mut choices, Op::Commit, 2);
     }
-    if ops.contains(&Op::Stream) && depth >= 2 && qcow2_top {
-        choices.push(Op::Stream);
+    if depth >= 2 && qcow2_top {
+        offer(&mut choices, Op::Stream, 1);
     }
-    if choices.is_empty() && ops.contains(&Op::Snapshot) && depth < 2 * MAX_DEPTH {
-        choices.push(Op::Snapshot);
+    if choices.is_empty() && depth < 2 * MAX_DEPTH {
+        offer(&mut choices, Op::Snapshot, 1);
     }
     (!choices.is_empty()).then(|| choices[rng.below(choices.len() as u64) as usize])
 }
