@@ -467,11 +467,6 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
     let mut st = Arc::try_unwrap(state).ok().expect("writers are done").into_inner().unwrap();
     if let Some(s) = c.storage.as_mut() {
         s.restart().map_err(|e| format!("cannot bring the storage back: {e}"))?;
-    } else if c.format == Format::Raw && c.live.is_none() {
-        // What was acknowledged is in the page cache, which a process crash leaves alone.
-        for (log, &acked) in st.logs.iter_mut().zip(&st.acked) {
-            log.floor = log.floor.max(acked);
-        }
     }
     c.gens = std::mem::take(&mut st.gens);
     let mut note = String::new();
@@ -479,6 +474,15 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         note = live::after_cut(chain, d, &mut report.live)?;
     } else if c.format == Format::Qcow2 {
         qemu_img_check(&c.image)?;
+    }
+    // A raw image still its own chain (with --jobs: no snapshot became its
+    // top this round) got every write of the round.
+    let raw_alone = c.live.as_ref().is_none_or(|l| l.layers.len() == 1 && l.top() == c.image);
+    if c.storage.is_none() && c.format == Format::Raw && raw_alone {
+        // What was acknowledged is in the page cache, which a process crash leaves alone.
+        for (log, &acked) in st.logs.iter_mut().zip(&st.acked) {
+            log.floor = log.floor.max(acked);
+        }
     }
     let now = read_back(c, salt, &st.logs, &mut report.live).map_err(|e| format!("{e}{note}"))?;
     c.prior = now;
