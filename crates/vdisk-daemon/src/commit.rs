@@ -226,7 +226,14 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
     let copied = copy(&*reader, &*writer, base - top, size, job, &base_layer.path, || {
         daemon.upgrade().is_some_and(|d| d.serves(name, &device))
     });
-    let flushed = copied.and_then(|n| chain::flush(&*writer).map(|()| n));
+    let flushed = copied.and_then(|n| {
+        // VDISK_BREAK=commit-link-first (a test build only): the base is not
+        // made durable before the link above is rewritten to expose it.
+        if vdisk_image::breakage::active(vdisk_image::breakage::Breakage::CommitLinkFirst) {
+            return Ok(n);
+        }
+        chain::flush(&*writer).map(|()| n)
+    });
     let mtime_back = keep_mtime(&base_layer.path, base_layer.format);
     drop(writer);
     mtime_back();

@@ -15,6 +15,14 @@
 //!   L2 entries may reach the disk before the data they point at (and
 //!   before the refcounts of the clusters they use). What a FLUSH covers is
 //!   still durable when it completes.
+//! - `commit-link-first`: a live commit (vdisk-daemon's `commit`) does not
+//!   sync the base it copied into before it rewrites the backing link of the
+//!   layer above: the link may be durable before the data it now exposes
+//!   (`vdisk soak --jobs` must catch it, tests/jobs_crash.rs).
+//! - `bitmap-not-in-use`: the sidecar bitmap store (raw and COW images) does
+//!   not mark its bitmaps in use when a session opens: after a crash they
+//!   look cleanly saved, and short (`vdisk soak --jobs bitmaps` must catch
+//!   it, tests/crash.rs).
 //!
 //! Without the feature [`active`] is a constant `false`: the checks compile
 //! away. The places that can break call [`active`]: the engine's flush (both
@@ -26,6 +34,8 @@ pub enum Breakage {
     SkipDataSync,
     BitmapFirst,
     Qcow2L2First,
+    CommitLinkFirst,
+    BitmapNotInUse,
 }
 
 pub const ENV: &str = "VDISK_BREAK";
@@ -45,7 +55,12 @@ pub fn active(b: Breakage) -> bool {
                 "skip-data-sync" => Breakage::SkipDataSync,
                 "bitmap-first" => Breakage::BitmapFirst,
                 "qcow2-l2-first" => Breakage::Qcow2L2First,
-                _ => panic!("{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first or qcow2-l2-first"),
+                "commit-link-first" => Breakage::CommitLinkFirst,
+                "bitmap-not-in-use" => Breakage::BitmapNotInUse,
+                _ => panic!(
+                    "{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first, qcow2-l2-first, commit-link-first \
+                     or bitmap-not-in-use"
+                ),
             })
             .collect();
         log::warn!("{ENV}={spec}: durability is broken on purpose (a test build)");

@@ -22,8 +22,10 @@
 //!   arrives, before it takes effect: the moment the most data is pending;
 //! - [`Storage::restart`] unmounts and mounts again on the durable state only.
 //!
-//! Directory operations (create, unlink) are durable at once; the tests only
-//! create their images before the first cut. The file system asks the kernel
+//! Directory operations (create, unlink, rename) are durable at once (a file
+//! system that journals its metadata); what a file holds is only as durable
+//! as its FSYNCs made it (`vdisk soak --jobs` creates overlays and replaces
+//! bitmap sidecar files between cuts). The file system asks the kernel
 //! for `FUSE_ASYNC_DIO`, as libfuse does by default, so asynchronous
 //! O_DIRECT writes reach it the way they reach most FUSE file systems.
 
@@ -311,6 +313,33 @@ impl Filesystem for Fs {
             }
             None => reply.error(Errno::ENOENT),
         }
+    }
+
+    /// Durable at once, as every directory operation here (vdisk's bitmap
+    /// sidecar is replaced by a rename of a synced temporary file).
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: fuser::RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let mut st = self.state();
+        if st.dead {
+            return reply.error(Errno::EIO);
+        }
+        if parent.0 != ROOT || newparent.0 != ROOT || flags.bits() != 0 {
+            return reply.error(if flags.bits() != 0 { Errno::EINVAL } else { Errno::ENOENT });
+        }
+        let Some(from) = st.find(name) else { return reply.error(Errno::ENOENT) };
+        if let Some(to) = st.find(newname).filter(|&to| to != from) {
+            st.nodes.remove(&to);
+        }
+        st.nodes.get_mut(&from).expect("found").name = newname.to_owned();
+        reply.ok()
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {

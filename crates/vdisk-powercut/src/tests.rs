@@ -33,6 +33,23 @@ fn only_fsynced_writes_survive_a_cut() {
 }
 
 #[test]
+fn a_rename_replaces_the_target_at_once_and_keeps_what_was_synced() {
+    let mut s = Storage::mount(&mountpoint("rename")).unwrap();
+    std::fs::write(s.path("b"), [7u8; 512]).unwrap();
+    let f = OpenOptions::new().create(true).truncate(true).write(true).open(s.path("a.tmp")).unwrap();
+    f.write_all_at(&[1u8; 1024], 0).unwrap();
+    f.sync_all().unwrap();
+    f.write_all_at(&[2u8; 512], 1024).unwrap();
+    drop(f);
+    std::fs::rename(s.path("a.tmp"), s.path("b")).unwrap();
+    assert!(std::fs::metadata(s.path("a.tmp")).is_err(), "the old name is gone");
+    s.cut(Survival::Nothing);
+    s.restart().unwrap();
+    assert!(std::fs::metadata(s.path("a.tmp")).is_err(), "the rename survived the cut");
+    assert_eq!(std::fs::read(s.path("b")).unwrap(), vec![1u8; 1024], "the target holds what was synced, only");
+}
+
+#[test]
 fn random_survival_tears_at_sector_boundaries() {
     let mut s = Storage::mount(&mountpoint("random")).unwrap();
     let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(s.path("a")).unwrap();

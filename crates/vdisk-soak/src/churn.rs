@@ -294,18 +294,24 @@ fn probe(socket: &Path, salt: u64, i: usize, gen: u64) -> Result<(), String> {
 }
 
 /// One control connection, requests pipelined (answers come in order).
-struct Control {
+pub(crate) struct Control {
     writer: UnixStream,
     reader: BufReader<UnixStream>,
     next_id: u64,
 }
 
 impl Control {
-    fn connect(path: &Path) -> Result<Control, String> {
+    pub(crate) fn connect(path: &Path) -> Result<Control, String> {
         let s = UnixStream::connect(path).map_err(|e| format!("cannot connect to {}: {e}", path.display()))?;
         let _ = s.set_read_timeout(Some(Duration::from_secs(120)));
         let r = s.try_clone().map_err(|e| format!("control socket: {e}"))?;
         Ok(Control { writer: s, reader: BufReader::new(r), next_id: 0 })
+    }
+
+    /// Sends one request and returns its answer (`result` or `error` in it).
+    pub(crate) fn call(&mut self, method: &str, params: Value) -> Result<Value, String> {
+        let mut answers = self.pipelined(&[json!({"method": method, "params": params})])?;
+        Ok(answers.pop().unwrap_or(Value::Null))
     }
 
     /// Sends `reqs` (method and params), at most [`WINDOW`] ahead of the

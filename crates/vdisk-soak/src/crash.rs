@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::check::{self, BlockLog};
+use super::live::{self, LiveStats};
 use super::power;
 use super::server::Served;
 use super::Rng;
@@ -93,6 +94,8 @@ struct Combo {
     prior: Vec<u8>,
     /// Next generation per block, across rounds.
     gens: Vec<u64>,
+    /// With `--jobs`: the chain the live operations change.
+    live: Option<live::Chain>,
 }
 
 impl Combo {
@@ -106,6 +109,36 @@ impl Combo {
         };
         format!("{:?}/{}{mode}", self.format, self.engine).to_lowercase()
     }
+
+    /// The file the server is started on: the top of the chain.
+    fn top(&self) -> &Path {
+        self.live.as_ref().map_or(&self.image, |l| l.top())
+    }
+
+    /// The `--format` of the top.
+    fn top_format(&self) -> &'static str {
+        match &self.live {
+            Some(l) if l.top().extension().is_some_and(|e| e == "qcow2") => "qcow2",
+            _ => self.format.arg(),
+        }
+    }
+}
+
+/// What the rounds cycle through, and what they run beside the writers.
+#[derive(Clone, Copy)]
+pub struct Matrix<'a> {
+    pub formats: &'a [Format],
+    pub engines: &'a [String],
+    pub ending: Ending,
+    pub jobs: &'a Jobs,
+}
+
+/// What `--jobs` asks the rounds to run beside the writers.
+#[derive(Debug, Clone, Default)]
+pub struct Jobs {
+    pub ops: Vec<live::Op>,
+    /// Keep a dirty bitmap on the top through the rounds.
+    pub bitmaps: bool,
 }
 
 #[derive(Default, Debug, Clone)]
@@ -119,6 +152,8 @@ pub struct CrashReport {
     /// Power cuts made when an FSYNC arrived (the others came at a random moment).
     pub cuts_at_fsync: u64,
     pub elapsed: Duration,
+    /// What the live operations (`--jobs`) did.
+    pub live: LiveStats,
 }
 
 /// What the connections of one round share.
@@ -267,6 +302,7 @@ fn setup(
     (sync, direct): (bool, bool),
     power: bool,
     salt: u64,
+    jobs: &Jobs,
 ) -> Result<Combo, String> {
     let mode = if sync {
         "-sync"
@@ -309,6 +345,11 @@ fn setup(
     }
     let bs = if direct { DIRECT_BS } else { BS };
     let nblocks = DISK / bs - 10;
+    let live = (!jobs.ops.is_empty() || jobs.bitmaps).then(|| {
+        let mut layers = vec![image.clone()];
+        layers.extend(base.as_ref().map(|(b, _)| b.clone()));
+        live::Chain::new(&images, layers, &jobs.ops, jobs.bitmaps)
+    });
     Ok(Combo {
         format,
         engine: engine.to_owned(),
@@ -321,6 +362,7 @@ fn setup(
         base,
         prior: bytes,
         gens: vec![0; nblocks],
+        live,
     })
 }
 
@@ -358,7 +400,12 @@ fn create_overlay(images: &Path, base: &Path, format: Format, (sync, direct): (b
 
 /// Runs one round on `combo`; returns what it checked.
 fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut CrashReport) -> Result<(), String> {
-    let mut args = vec!["--engine", c.engine.as_str(), "--format", c.format.arg()];
+    let control = c.dir.join("soak-ctl.sock");
+    let control_arg = control.to_string_lossy().into_owned();
+    let mut args = vec!["--engine", c.engine.as_str(), "--format", c.top_format()];
+    if c.live.is_some() {
+        args.extend(["--control", control_arg.as_str()]);
+    }
     if c.sync {
         args.push("--sync");
     }
@@ -371,7 +418,7 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         // libfuse's direct_io does: then no RWF_DSYNC write brings an FSYNC.
         s.set_direct_io(rng.below(2) == 0);
     }
-    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &args)?;
+    let server = Served::start(&c.dir, &[c.top().to_owned()], &args)?;
     let nblocks = c.gens.len();
     let state = Arc::new(Mutex::new(Round {
         salt,
@@ -403,28 +450,41 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+    let driver = c.live.as_ref().map(|l| live::Driver::start(l, &control, rng.next()));
     let (tail, alive) = end_round(c, &server, partial, rng, report);
+    let dead = c.storage.as_ref().is_some_and(|s| s.is_dead());
     server.kill();
+    let drove = driver.map(live::Driver::finish).transpose()?;
     for t in threads {
         t.join().map_err(|_| "a writer thread panicked".to_owned())?.map_err(|e| format!("{e}{tail}"))?;
     }
     if !alive {
         return Err(format!("the server died before it was killed{tail}"));
     }
+    if let Some(e) = drove.as_ref().and_then(|d| d.error.as_ref()).filter(|_| !dead) {
+        return Err(format!("a live operation failed: {e}{tail}"));
+    }
     let mut st = Arc::try_unwrap(state).ok().expect("writers are done").into_inner().unwrap();
     if let Some(s) = c.storage.as_mut() {
         s.restart().map_err(|e| format!("cannot bring the storage back: {e}"))?;
-    } else if c.format == Format::Raw {
+    }
+    c.gens = std::mem::take(&mut st.gens);
+    let mut note = String::new();
+    if let (Some(chain), Some(d)) = (c.live.as_mut(), drove) {
+        note = live::after_cut(chain, d, &mut report.live)?;
+    } else if c.format == Format::Qcow2 {
+        qemu_img_check(&c.image)?;
+    }
+    // A raw image still its own chain (with --jobs: no snapshot became its
+    // top this round) got every write of the round.
+    let raw_alone = c.live.as_ref().is_none_or(|l| l.layers.len() == 1 && l.top() == c.image);
+    if c.storage.is_none() && c.format == Format::Raw && raw_alone {
         // What was acknowledged is in the page cache, which a process crash leaves alone.
         for (log, &acked) in st.logs.iter_mut().zip(&st.acked) {
             log.floor = log.floor.max(acked);
         }
     }
-    c.gens = std::mem::take(&mut st.gens);
-    if c.format == Format::Qcow2 {
-        qemu_img_check(&c.image)?;
-    }
-    let now = read_back(c, salt, &st.logs)?;
+    let now = read_back(c, salt, &st.logs, &mut report.live).map_err(|e| format!("{e}{note}"))?;
     c.prior = now;
     report.writes_sent += st.sent;
     report.writes_acked += st.done;
@@ -448,7 +508,10 @@ fn end_round(c: &Combo, server: &Served, partial: bool, rng: &mut Rng, report: &
         let span = if c.format == Format::Qcow2 { 32 } else { 8 };
         s.cut_at_fsync(1 + rng.below(span), survival);
     }
-    let wait = Duration::from_micros(3_000 + rng.below(197_000));
+    // With live operations, up to 600 ms: long enough for a snapshot and a
+    // paced job to start (and often end) before the cut.
+    let span = if c.live.is_some() { 597_000 } else { 197_000 };
+    let wait = Duration::from_micros(3_000 + rng.below(span));
     let started = Instant::now();
     while started.elapsed() < wait && !probe.as_ref().is_some_and(|p| p.is_dead()) {
         std::thread::sleep(Duration::from_micros(500));
@@ -466,14 +529,25 @@ fn end_round(c: &Combo, server: &Served, partial: bool, rng: &mut Rng, report: &
 
 /// Restarts the server on what survived, reads the whole disk back and
 /// judges it against `logs`; the backing file of an overlay must not have changed.
-fn read_back(c: &Combo, salt: u64, logs: &[BlockLog]) -> Result<Vec<u8>, String> {
-    let server = Served::start(&c.dir, std::slice::from_ref(&c.image), &["--engine", &c.engine])?;
+fn read_back(c: &mut Combo, salt: u64, logs: &[BlockLog], stats: &mut LiveStats) -> Result<Vec<u8>, String> {
+    let control = c.dir.join("soak-ctl.sock");
+    let control_arg = control.to_string_lossy().into_owned();
+    let mut args = vec!["--engine", c.engine.as_str()];
+    if c.live.is_some() {
+        args.extend(["--control", control_arg.as_str()]);
+    }
+    let server = Served::start(&c.dir, &[c.top().to_owned()], &args)?;
     let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
         .and_then(|mut conn| conn.read_all(0, DISK as u64))
         .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
+    let judged = check::verify(salt, c.bs, &c.prior, &now, logs);
+    if let (Ok(()), Some(chain)) = (&judged, c.live.as_mut()) {
+        live::after_read(chain, &control, &server.socket, &now, stats)
+            .map_err(|e| format!("{e}{}", server.log_tail()))?;
+    }
     server.stop()?;
-    check::verify(salt, c.bs, &c.prior, &now, logs)?;
-    if let Some((base, bytes)) = &c.base {
+    judged?;
+    if let Some((base, bytes)) = c.base.as_ref().filter(|_| c.live.is_none()) {
         if std::fs::read(base).map_err(|e| e.to_string())? != *bytes {
             return Err(format!("the backing file {} changed", base.display()));
         }
@@ -484,34 +558,14 @@ fn read_back(c: &Combo, salt: u64, logs: &[BlockLog]) -> Result<Vec<u8>, String>
 /// `qemu-img check` on a qcow2 image just after a crash: exit 0 (clean) or 3
 /// (leaked clusters only) pass; corruption or a failed check is the round's error.
 fn qemu_img_check(image: &Path) -> Result<(), String> {
-    let out =
-        std::process::Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(image).output().map_err(|e| {
-            format!("cannot run qemu-img check (install qemu-utils, or leave qcow2 out: --format raw,cow): {e}")
-        })?;
-    match out.status.code() {
-        Some(0) | Some(3) => Ok(()),
-        _ => Err(format!(
-            "qemu-img check {} after the crash ({}):\n{}{}",
-            image.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )),
-    }
+    live::qemu_img_check(image)
 }
 
 /// Runs `rounds` crash rounds over every combination of `formats`, `engines`
 /// and sync mode (normal, `--sync`), one after the other, in `root`.
 /// With power loss, `--direct` is a third mode beside normal and `--sync`.
-pub fn run(
-    root: &Path,
-    rounds: usize,
-    formats: &[Format],
-    engines: &[String],
-    ending: Ending,
-    seed: u64,
-    progress: bool,
-) -> Result<CrashReport, String> {
+pub fn run(root: &Path, rounds: usize, m: &Matrix, seed: u64, progress: bool) -> Result<CrashReport, String> {
+    let Matrix { formats, engines, ending, jobs } = *m;
     let started = Instant::now();
     let mut rng = Rng::new(seed);
     let salt = rng.next();
@@ -522,7 +576,7 @@ pub fn run(
     for &format in formats {
         for engine in engines {
             for &mode in modes {
-                combos.push(setup(root, format, engine, mode, power, salt)?);
+                combos.push(setup(root, format, engine, mode, power, salt, jobs)?);
             }
         }
     }

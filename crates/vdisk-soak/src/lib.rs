@@ -9,6 +9,7 @@
 mod check;
 mod churn;
 mod crash;
+mod live;
 mod load;
 mod power;
 mod server;
@@ -34,6 +35,23 @@ pub enum SoakFormat {
     Cow,
     /// A qcow2 overlay over a raw base; `qemu-img check` judges it after every kill.
     Qcow2,
+}
+
+/// Live disk operations the crash rounds run beside the writers (`--jobs`).
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SoakJob {
+    /// `export_snapshot`: a new qcow2 overlay over the top, up to three layers.
+    Snapshot,
+    /// `export_stream` of the top (paced with a random --bps).
+    Stream,
+    /// `export_commit` of the middle layer into the one below (paced).
+    Commit,
+    /// A dirty bitmap on the top through the rounds (judged after every cut).
+    Bitmaps,
+    /// Mirror to a new file and pivot (not built yet: refused).
+    Mirror,
+    /// A backup view read during the round (not built yet: refused).
+    Backup,
 }
 
 /// What ends a crash round.
@@ -77,8 +95,20 @@ read is checked as it comes, and every region again after a restart. Latency
 percentiles per command are printed. Exit status 0 only when nothing was lost and no
 request failed.
 
+With --jobs the crash rounds also work the disk live through the server's control
+socket while the writers run: snapshots (qcow2 overlays, the chain grows to three
+layers), streams of the top and commits of the middle layer, paced with a random --bps
+so the cut often lands mid-job, and (bitmaps) a dirty bitmap on the top. After each
+cut the soak restarts on the newest top whose header reads back (the overlay of an
+unanswered snapshot counts), `qemu-img info --backing-chain` must read the chain and
+`qemu-img check` pass on every qcow2 layer, the judge reads the disk, an interrupted
+job is started again and must finish with the disk unchanged, and the bitmap must be
+marked inconsistent or cover every 512-byte piece changed since it was added. Formats
+raw and qcow2 only (qemu-img cannot read a COW layer).
+
 Examples:
   vdisk soak                                  2000 rounds, then 60 s of load per engine
+  vdisk soak --rounds 60 --seconds 0 --format raw,qcow2 --jobs snapshot,stream,commit,bitmaps
   vdisk soak --rounds 100 --seconds 0         crash rounds only
   vdisk soak --rounds 60 --seconds 0 --power-loss mixed    power cuts
   vdisk soak --rounds 0 --seconds 300 --engine uring --json
@@ -114,6 +144,10 @@ pub struct SoakArgs {
     /// (needs a build with the `powercut` feature: test machinery, not in a release build).
     #[arg(long, value_enum, default_value = "off")]
     pub power_loss: PowerLoss,
+    /// Live disk operations to run during the crash rounds, comma-separated (snapshot, stream, commit,
+    /// bitmaps; stream and commit need snapshot). Formats raw and qcow2 only.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub jobs: Vec<SoakJob>,
     /// Directory for the images (default: a new one under $TMPDIR, removed afterwards).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -161,12 +195,15 @@ pub fn run(a: SoakArgs) -> Result<(), Error> {
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     });
+    let jobs = jobs_plan(&a)?;
     let (dir, temporary) = match &a.dir {
         Some(d) => (d.clone(), false),
         None => (std::env::temp_dir().join(format!("vdisk-soak-{}", std::process::id())), true),
     };
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::invalid(format!("cannot create {}: {e} (pick another with --dir)", dir.display())))?;
+    // Absolute: the overlays' headers name their backing files by these paths.
+    let dir = std::path::absolute(&dir).unwrap_or(dir);
     let engines: Vec<String> = a.engine.iter().map(|&e| engine_name(e).to_owned()).collect();
     if !a.json {
         eprintln!(
@@ -177,7 +214,7 @@ pub fn run(a: SoakArgs) -> Result<(), Error> {
     let mut json = serde_json::json!({ "seed": seed });
     let keep = |msg: String| Error::failed(format!("{msg}\n(the images are kept in {} for inspection)", dir.display()));
     if a.rounds > 0 {
-        json["crash"] = crash_phase(&a, &dir, &engines, seed).map_err(keep)?;
+        json["crash"] = crash_phase(&a, &dir, &engines, seed, &jobs).map_err(keep)?;
     }
     let mut failed = Vec::new();
     if a.seconds > 0 {
@@ -201,12 +238,39 @@ pub fn run(a: SoakArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// `--jobs` as the crash rounds take it; refused before anything starts
+/// when the rounds cannot run it.
+fn jobs_plan(a: &SoakArgs) -> Result<crash::Jobs, Error> {
+    let ops: Vec<live::Op> = a
+        .jobs
+        .iter()
+        .filter_map(|j| match j {
+            SoakJob::Snapshot => Some(live::Op::Snapshot),
+            SoakJob::Stream => Some(live::Op::Stream),
+            SoakJob::Commit => Some(live::Op::Commit),
+            SoakJob::Mirror => Some(live::Op::Mirror),
+            SoakJob::Backup => Some(live::Op::BackupView),
+            SoakJob::Bitmaps => None,
+        })
+        .collect();
+    live::check_ops(&ops).map_err(Error::invalid)?;
+    let plan = crash::Jobs { ops, bitmaps: a.jobs.contains(&SoakJob::Bitmaps) };
+    if (plan.bitmaps || !plan.ops.is_empty()) && a.format.contains(&SoakFormat::Cow) {
+        return Err(Error::invalid(
+            "--jobs runs on raw and qcow2 images only (qemu-img, which checks the chain after every cut, cannot \
+             read a COW layer): add --format raw,qcow2",
+        ));
+    }
+    Ok(plan)
+}
+
 /// The crash rounds; their summary for the JSON report.
 fn crash_phase(
     a: &SoakArgs,
     dir: &std::path::Path,
     engines: &[String],
     seed: u64,
+    jobs: &crash::Jobs,
 ) -> Result<serde_json::Value, String> {
     let formats: Vec<crash::Format> = a
         .format
@@ -223,7 +287,8 @@ fn crash_phase(
         PowerLoss::Partial => crash::Ending::PowerLossPartial,
         PowerLoss::Mixed => crash::Ending::PowerLossMixed,
     };
-    let r = crash::run(dir, a.rounds, &formats, engines, ending, seed, !a.json)?;
+    let matrix = crash::Matrix { formats: &formats, engines, ending, jobs };
+    let r = crash::run(dir, a.rounds, &matrix, seed, !a.json)?;
     if !a.json {
         println!(
             "crash: {} rounds in {:.1} s: {} writes sent, {} acknowledged, {} flushes; every round verified \
@@ -235,11 +300,32 @@ fn crash_phase(
             r.flushes,
             r.checked_blocks
         );
+        if jobs.bitmaps || !jobs.ops.is_empty() {
+            let l = &r.live;
+            println!(
+                "  live operations: {} snapshots, {} streams, {} commits done; {} cuts mid-job ({} in a snapshot, {} in a \
+                 stream, {} in a commit), {} jobs started \
+                 again and finished, {} restarts on an unanswered snapshot's overlay; bitmaps after a cut: {} \
+                 consistent and covering, {} marked inconsistent, {} left below a snapshot",
+                l.snapshots,
+                l.streams,
+                l.commits,
+                l.cuts_mid_job,
+                l.cuts_mid[0],
+                l.cuts_mid[1],
+                l.cuts_mid[2],
+                l.jobs_restarted,
+                l.unanswered_snapshot_tops,
+                l.bitmaps_consistent,
+                l.bitmaps_inconsistent,
+                l.bitmaps_left_below
+            );
+        }
     }
     Ok(serde_json::json!({
         "rounds": r.rounds, "seconds": r.elapsed.as_secs_f64(), "writes_sent": r.writes_sent,
         "writes_acked": r.writes_acked, "flushes": r.flushes, "pinned_blocks": r.checked_blocks,
-        "cuts_at_fsync": r.cuts_at_fsync,
+        "cuts_at_fsync": r.cuts_at_fsync, "live": r.live.json(),
     }))
 }
 

@@ -229,7 +229,9 @@ impl BitmapStore for SidecarStore {
                 m.name
             );
         }
-        if !self.read_only && !set.is_empty() {
+        // VDISK_BREAK=bitmap-not-in-use (a test build only): the in-use marks are not written.
+        let broken = crate::breakage::active(crate::breakage::Breakage::BitmapNotInUse);
+        if !self.read_only && !set.is_empty() && !broken {
             self.save(&set, false)?;
         }
         Ok(set)

@@ -1,0 +1,558 @@
+//! Live disk operations inside the crash and power-loss rounds (`vdisk soak
+//! --jobs`, issues 25 and 26): while the checked writers run, a driver
+//! thread works the export through the server's control socket: snapshots
+//! (a qcow2 overlay over the top), streams of the top, commits of the middle
+//! layer, each copying job paced with a random `bps` so that the kill or the
+//! power cut often lands in the middle of one. A dirty bitmap is kept on the
+//! top meanwhile (`--jobs ...,bitmaps`).
+//!
+//! After the cut the soak, not the server, decides which file to restart on:
+//! the top the last answered snapshot named, or the overlay of a snapshot
+//! asked for but not answered when its header reads back as an overlay of
+//! that top (the header is durable before the swap; writes may have gone to
+//! it already). The chain is then what the headers say (`qemu-img info
+//! --backing-chain`, which must read it), `qemu-img check` must be clean on
+//! every qcow2 layer, the checked writers' judge reads the disk through vdisk,
+//! a job the cut interrupted is started again and must finish with the disk
+//! reading the same, and the bitmap must be consistent and cover every
+//! 512-byte piece that changed since it was added, or be marked
+//! inconsistent: never silently short.
+//!
+//! Mirror (active commit) and backup views plug in at [`Op::Mirror`] and
+//! [`Op::BackupView`]: [`run_op`] is where their control calls go, and
+//! [`after_cut`] where their targets join the chain resolution.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use vdisk_nbd::client::Client as Conn;
+
+use super::churn::Control;
+use super::Rng;
+
+/// The name of the bitmap the soak keeps on the top.
+const BITMAP: &str = "soak";
+/// Layers (top included) a chain grows to before only commit and stream run.
+const MAX_DEPTH: usize = 3;
+
+/// One live disk operation a round may run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Snapshot,
+    Stream,
+    Commit,
+    /// Mirror / active commit (vdisk-daemon's mirror, being built): when it
+    /// lands, [`run_op`] starts `export_mirror` to a new file in the images'
+    /// directory (or `export_commit` of the live top), pivots when ready, and
+    /// [`after_cut`] takes the target as the top when its pivot was answered.
+    Mirror,
+    /// Backup views (copy-before-write, being built): when they land,
+    /// [`run_op`] begins a view, reads it while the writers run and ends it;
+    /// after the cut the scratch data must not be in the disk (the judge
+    /// already says so: it never wrote those bytes).
+    BackupView,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Snapshot => "snapshot",
+            Op::Stream => "stream",
+            Op::Commit => "commit",
+            Op::Mirror => "mirror",
+            Op::BackupView => "backup",
+        }
+    }
+}
+
+/// Refuses a set of operations the rounds cannot run, before any round.
+pub fn check_ops(ops: &[Op]) -> Result<(), String> {
+    for op in ops {
+        if matches!(op, Op::Mirror | Op::BackupView) {
+            return Err(format!(
+                "--jobs {}: the rounds cannot run it yet (the daemon's {} is not built in this vdisk; \
+                 docs/block-jobs.md); leave it out",
+                op.name(),
+                op.name()
+            ));
+        }
+    }
+    if ops.iter().any(|o| matches!(o, Op::Stream | Op::Commit)) && !ops.contains(&Op::Snapshot) {
+        return Err("--jobs stream or commit needs snapshot too: the snapshots make the layers they work on".into());
+    }
+    Ok(())
+}
+
+/// What the live operations did over all rounds.
+#[derive(Debug, Clone, Default)]
+pub struct LiveStats {
+    pub snapshots: u64,
+    pub streams: u64,
+    pub commits: u64,
+    /// Cuts that landed while a snapshot was asked or a job ran.
+    pub cuts_mid_job: u64,
+    /// Of those, cuts during a snapshot, a stream, a commit.
+    pub cuts_mid: [u64; 3],
+    /// Interrupted jobs started again after the restart (each finished).
+    pub jobs_restarted: u64,
+    /// Restarts on the overlay of a snapshot that was not answered.
+    pub unanswered_snapshot_tops: u64,
+    /// Bitmaps found consistent after a cut (and covering every change).
+    pub bitmaps_consistent: u64,
+    /// Bitmaps found marked inconsistent after a cut.
+    pub bitmaps_inconsistent: u64,
+    /// Bitmaps left on a layer that is no longer the top (a snapshot came).
+    pub bitmaps_left_below: u64,
+}
+
+impl LiveStats {
+    pub fn json(&self) -> Value {
+        json!({
+            "snapshots": self.snapshots, "streams": self.streams, "commits": self.commits,
+            "cuts_mid_job": self.cuts_mid_job, "cuts_mid_snapshot": self.cuts_mid[0],
+            "cuts_mid_stream": self.cuts_mid[1], "cuts_mid_commit": self.cuts_mid[2], "jobs_restarted": self.jobs_restarted,
+            "unanswered_snapshot_tops": self.unanswered_snapshot_tops,
+            "bitmaps_consistent": self.bitmaps_consistent, "bitmaps_inconsistent": self.bitmaps_inconsistent,
+            "bitmaps_left_below": self.bitmaps_left_below,
+        })
+    }
+}
+
+/// One combination's chain, as the soak knows it between rounds.
+pub struct Chain {
+    /// Where the overlays are made (the power-loss storage, if any).
+    images: PathBuf,
+    /// The layers, top first, as the headers said after the last restart.
+    pub layers: Vec<PathBuf>,
+    ops: Vec<Op>,
+    bitmaps: bool,
+    /// Overlays made so far (they are named after it).
+    made: u64,
+    /// The job the last cut interrupted, to start again.
+    interrupted: Option<Op>,
+    /// The bitmap kept on the top: the layer it was added on, and the disk then.
+    bitmap: Option<(PathBuf, Vec<u8>)>,
+}
+
+impl Chain {
+    /// `layers`: the chain as set up, top first (absolute paths).
+    pub fn new(images: &Path, layers: Vec<PathBuf>, ops: &[Op], bitmaps: bool) -> Chain {
+        Chain {
+            images: images.to_owned(),
+            layers,
+            ops: ops.to_vec(),
+            bitmaps,
+            made: 0,
+            interrupted: None,
+            bitmap: None,
+        }
+    }
+
+    pub fn top(&self) -> &Path {
+        &self.layers[0]
+    }
+
+    /// The export's name: the top's file stem, as `vdisk serve` names it.
+    pub fn export(&self) -> String {
+        export_name(self.top())
+    }
+}
+
+fn export_name(p: &Path) -> String {
+    p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// What the driver thread did before the server went away.
+#[derive(Default)]
+pub struct Drove {
+    /// The chain after the answered snapshots and jobs.
+    layers: Vec<PathBuf>,
+    made: u64,
+    /// A snapshot asked for and not answered.
+    pending: Option<PathBuf>,
+    /// A job started and not seen ended.
+    running: Option<Op>,
+    done: Vec<Op>,
+    /// An error answer (a failure unless the storage lost its power).
+    pub error: Option<String>,
+}
+
+/// The driver of one round: runs until the control connection breaks.
+pub struct Driver(JoinHandle<Drove>);
+
+impl Driver {
+    pub fn start(chain: &Chain, control: &Path, seed: u64) -> Driver {
+        let (control, images, mut ops) = (control.to_owned(), chain.images.clone(), chain.ops.clone());
+        let mut rng = Rng::new(seed);
+        // One round in three makes no snapshot: the top stays, and so does
+        // the bitmap on it, which the next restart then judges.
+        if chain.bitmaps && rng.below(3) == 0 {
+            ops.retain(|&o| o != Op::Snapshot);
+        }
+        let export = chain.export();
+        let mut d = Drove { layers: chain.layers.clone(), made: chain.made, ..Default::default() };
+        Driver(std::thread::spawn(move || {
+            let mut ctl = match Control::connect(&control) {
+                Ok(c) => c,
+                Err(e) => {
+                    d.error = Some(e);
+                    return d;
+                }
+            };
+            while let Some(op) = pick(&d, &ops, &mut rng) {
+                std::thread::sleep(Duration::from_millis(rng.below(20)));
+                match run_op(&mut ctl, &export, &images, op, &mut d, &mut rng) {
+                    Ok(()) => {}
+                    Err(Stop::Gone) => break,
+                    Err(Stop::Failed(e)) => {
+                        d.error = Some(e);
+                        break;
+                    }
+                }
+            }
+            d
+        }))
+    }
+
+    pub fn finish(self) -> Result<Drove, String> {
+        self.0.join().map_err(|_| "the live-operations driver panicked".to_owned())
+    }
+}
+
+/// The next operation on the chain `d` holds (None: nothing to do, which
+/// only a plan of snapshots alone reaches; it stops at six layers). The
+/// chain grows to three layers; there a commit comes twice as often as a
+/// stream (a stream drops every layer below, a commit one).
+fn pick(d: &Drove, ops: &[Op], rng: &mut Rng) -> Option<Op> {
+    let depth = d.layers.len();
+    let qcow2_top = d.layers[0].extension().is_some_and(|e| e == "qcow2");
+    let offer = |choices: &mut Vec<Op>, op: Op, weight: usize| {
+        if ops.contains(&op) {
+            choices.extend(std::iter::repeat_n(op, weight));
+        }
+    };
+    let mut choices = Vec::new();
+    if depth < MAX_DEPTH {
+        offer(&mut choices, Op::Snapshot, 3);
+    }
+    if depth >= 3 {
+        offer(&mut choices, Op::Commit, 2);
+    }
+    if depth >= 2 && qcow2_top {
+        offer(&mut choices, Op::Stream, 1);
+    }
+    if choices.is_empty() && depth < 2 * MAX_DEPTH {
+        offer(&mut choices, Op::Snapshot, 1);
+    }
+    (!choices.is_empty()).then(|| choices[rng.below(choices.len() as u64) as usize])
+}
+
+enum Stop {
+    /// The control connection broke: the server was killed.
+    Gone,
+    Failed(String),
+}
+
+/// The `result` of an answer, or why not.
+fn result(answer: Value, what: &str) -> Result<Value, Stop> {
+    match answer.get("error") {
+        Some(e) => Err(Stop::Failed(format!("{what}: the server answered {e}"))),
+        None => Ok(answer["result"].clone()),
+    }
+}
+
+/// Runs `op` on the export; updates `d` as answers come.
+fn run_op(ctl: &mut Control, export: &str, images: &Path, op: Op, d: &mut Drove, rng: &mut Rng) -> Result<(), Stop> {
+    // A paced job takes a while (the disk is a few MiB), so cuts land in it.
+    let bps = [2u64 << 20, 8 << 20, 32 << 20, 0][rng.below(4) as usize];
+    match op {
+        Op::Snapshot => {
+            d.made += 1;
+            let overlay = images.join(format!("snap{}.qcow2", d.made));
+            d.pending = Some(overlay.clone());
+            let a = ctl.call("export_snapshot", json!({"name": export, "overlay": overlay})).map_err(|_| Stop::Gone)?;
+            result(a, &format!("export_snapshot to {}", overlay.display()))?;
+            d.pending = None;
+            d.layers.insert(0, overlay);
+        }
+        Op::Stream => job(ctl, "export_stream", json!({"name": export, "bps": bps}), op, d)?,
+        Op::Commit => job(ctl, "export_commit", json!({"name": export, "bps": bps}), op, d)?,
+        Op::Mirror | Op::BackupView => {
+            return Err(Stop::Failed(format!("{}: not built yet (check_ops refuses it)", op.name())));
+        }
+    }
+    d.done.push(op);
+    Ok(())
+}
+
+/// Starts a copying job and waits for it to end; on `done`, the chain it made.
+fn job(ctl: &mut Control, method: &str, params: Value, op: Op, d: &mut Drove) -> Result<(), Stop> {
+    let a = ctl.call(method, params.clone()).map_err(|_| Stop::Gone)?;
+    let id = result(a, &format!("{method} {params}"))?["job"].as_u64().unwrap_or(0);
+    d.running = Some(op);
+    let (state, error) = wait_job(ctl, id).map_err(|_| Stop::Gone)?;
+    if state != "done" {
+        return Err(Stop::Failed(format!("{method} (job {id}) ended {state}: {error}")));
+    }
+    d.running = None;
+    match op {
+        Op::Stream => d.layers.truncate(1),
+        _ => {
+            d.layers.remove(1);
+        }
+    }
+    Ok(())
+}
+
+/// Polls `job_list` until job `id` is no longer running: its state and error.
+fn wait_job(ctl: &mut Control, id: u64) -> Result<(String, String), String> {
+    loop {
+        let a = ctl.call("job_list", json!({}))?;
+        let job = a["result"].as_array().and_then(|l| l.iter().find(|j| j["id"] == id).cloned());
+        let Some(job) = job else { return Err(format!("job {id} is not in job_list: {a}")) };
+        let state = job["state"].as_str().unwrap_or("?").to_owned();
+        if state != "running" {
+            return Ok((state, job["error"].to_string()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// After the cut (the storage back, the server gone): which file is the
+/// top, the chain its headers make (`qemu-img info --backing-chain` must
+/// read it) and `qemu-img check` of every qcow2 layer. Returns a note for
+/// the round's error messages.
+pub fn after_cut(chain: &mut Chain, d: Drove, stats: &mut LiveStats) -> Result<String, String> {
+    for op in &d.done {
+        match op {
+            Op::Snapshot => stats.snapshots += 1,
+            Op::Stream => stats.streams += 1,
+            Op::Commit => stats.commits += 1,
+            Op::Mirror | Op::BackupView => {}
+        }
+    }
+    // A snapshot that failed was asked after the storage died, not cut.
+    let mid_snapshot = d.pending.is_some() && d.error.is_none();
+    if mid_snapshot || d.running.is_some() {
+        stats.cuts_mid_job += 1;
+    }
+    match (mid_snapshot, d.running) {
+        (true, _) => stats.cuts_mid[0] += 1,
+        (_, Some(Op::Stream)) => stats.cuts_mid[1] += 1,
+        (_, Some(Op::Commit)) => stats.cuts_mid[2] += 1,
+        _ => {}
+    }
+    chain.made = d.made;
+    let mut top = d.layers[0].clone();
+    if let Some(p) = &d.pending {
+        // The swap comes after the overlay's header is durable: if it reads
+        // as an overlay of the top, writes may be in it already.
+        match backing_chain(p) {
+            Ok(l) if l.get(1) == Some(&top) => {
+                top = p.clone();
+                stats.unanswered_snapshot_tops += 1;
+            }
+            _ => {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    let layers = backing_chain(&top).map_err(|e| format!("after the cut the chain from {}: {e}", top.display()))?;
+    for l in &layers {
+        if l.extension().is_some_and(|e| e == "qcow2") {
+            qemu_img_check(l)?;
+        }
+    }
+    chain.interrupted = d.running;
+    let note = format!(
+        "; chain {}{}{}",
+        layers.iter().map(|l| l.display().to_string()).collect::<Vec<_>>().join(" <- "),
+        d.running.map(|o| format!(", cut during a {}", o.name())).unwrap_or_default(),
+        d.pending.as_ref().map(|p| format!(", cut during a snapshot to {}", p.display())).unwrap_or_default(),
+    );
+    chain.layers = layers;
+    // Overlays that left the chain (committed or streamed away) are removed.
+    if let Ok(dir) = std::fs::read_dir(&chain.images) {
+        for e in dir.flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("snap") && !chain.layers.contains(&p) {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+    }
+    Ok(note)
+}
+
+/// After the judge passed on the restarted server: the bitmap's verdict,
+/// the interrupted job started again (it must finish and the disk read the
+/// same), a new bitmap on the top.
+pub fn after_read(
+    chain: &mut Chain,
+    control: &Path,
+    socket: &Path,
+    now: &[u8],
+    stats: &mut LiveStats,
+) -> Result<(), String> {
+    let export = chain.export();
+    let mut ctl = Control::connect(control)?;
+    if chain.bitmaps {
+        check_bitmap(chain, &mut ctl, &export, socket, now, stats)?;
+    }
+    if let Some(op) = chain.interrupted.take() {
+        let depth = chain.layers.len();
+        let (method, runs) = match op {
+            Op::Commit => ("export_commit", depth >= 3),
+            Op::Stream => ("export_stream", depth >= 2),
+            _ => ("", false),
+        };
+        // (A commit or stream the cut caught after its swap has nothing left to do.)
+        if runs {
+            let a = ctl.call(method, json!({"name": export}))?;
+            if let Some(e) = a.get("error") {
+                return Err(format!("{method} again after the cut was refused: {e}"));
+            }
+            let id = a["result"]["job"].as_u64().unwrap_or(0);
+            let started = Instant::now();
+            let (state, error) = wait_job(&mut ctl, id)?;
+            if state != "done" {
+                return Err(format!("{method} again after the cut ended {state} ({error})"));
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                return Err(format!("{method} again after the cut took {:?}", started.elapsed()));
+            }
+            let again = Conn::connect(socket, "", Duration::from_secs(30))
+                .and_then(|mut c| c.read_all(0, now.len() as u64))
+                .map_err(|e| format!("reading the disk after {method} again: {e}"))?;
+            if again != now {
+                let at = again.iter().zip(now).position(|(a, b)| a != b).unwrap_or(0);
+                return Err(format!("{method} again after the cut changed what the disk reads (first at byte {at})"));
+            }
+            let top = chain.top().to_owned();
+            chain.layers = backing_chain(&top).map_err(|e| format!("after {method} again: {e}"))?;
+            for l in &chain.layers {
+                if l.extension().is_some_and(|e| e == "qcow2") {
+                    qemu_img_check(l)?;
+                }
+            }
+            stats.jobs_restarted += 1;
+        }
+    }
+    if chain.bitmaps {
+        let a = ctl.call("bitmap_add", json!({"export": export, "name": BITMAP}))?;
+        if let Some(e) = a.get("error") {
+            return Err(format!("bitmap_add {BITMAP} on {export}: {e}"));
+        }
+        chain.bitmap = Some((chain.top().to_owned(), now.to_vec()));
+    }
+    Ok(())
+}
+
+/// The bitmap added after the last round: on the same top it must be there,
+/// and either marked inconsistent or consistent and dirty over every
+/// 512-byte piece that changed since it was added. It is removed after.
+fn check_bitmap(
+    chain: &mut Chain,
+    ctl: &mut Control,
+    export: &str,
+    socket: &Path,
+    now: &[u8],
+    stats: &mut LiveStats,
+) -> Result<(), String> {
+    let Some((on, then)) = chain.bitmap.take() else { return Ok(()) };
+    if on != chain.top() {
+        stats.bitmaps_left_below += 1;
+        return Ok(());
+    }
+    let a = ctl.call("bitmap_list", json!({"export": export}))?;
+    let found = a["result"].as_array().and_then(|l| l.iter().find(|b| b["name"] == BITMAP).cloned());
+    let Some(b) = found else {
+        return Err(format!(
+            "bitmap {BITMAP:?} of {} (added, then saved by a clean stop) is gone after the cut: {a}",
+            on.display()
+        ));
+    };
+    if b["inconsistent"] == true {
+        stats.bitmaps_inconsistent += 1;
+    } else {
+        let uri = format!("nbd+unix:///{export}?socket={}", socket.display());
+        let out = Command::new("nbdinfo")
+            .arg(format!("--map=qemu:dirty-bitmap:{BITMAP}"))
+            .arg(&uri)
+            .output()
+            .map_err(|e| format!("cannot run nbdinfo (install libnbd-bin, or leave bitmaps out of --jobs): {e}"))?;
+        if !out.status.success() {
+            return Err(format!("nbdinfo --map on {uri}: {}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let dirty: Vec<(u64, u64)> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let (o, n, fl) = (f.first()?.parse().ok()?, f.get(1)?.parse().ok()?, f.get(2)?.parse::<u32>().ok()?);
+                (fl & 1 == 1).then_some((o, n))
+            })
+            .collect();
+        for (i, (a, b)) in then.chunks(512).zip(now.chunks(512)).enumerate() {
+            let at = (i * 512) as u64;
+            if a != b && !dirty.iter().any(|&(o, n)| o <= at && at < o + n) {
+                return Err(format!(
+                    "bitmap {BITMAP:?} of {} came back consistent but short: bytes [{at}, {}) changed since it \
+                     was added and it does not mark them (dirty extents: {dirty:?})",
+                    on.display(),
+                    at + 512
+                ));
+            }
+        }
+        stats.bitmaps_consistent += 1;
+    }
+    let a = ctl.call("bitmap_remove", json!({"export": export, "name": BITMAP}))?;
+    if let Some(e) = a.get("error") {
+        return Err(format!("bitmap_remove {BITMAP} on {export}: {e}"));
+    }
+    Ok(())
+}
+
+/// The chain from `top` down, as `qemu-img info --backing-chain` reads it.
+fn backing_chain(top: &Path) -> Result<Vec<PathBuf>, String> {
+    let out = Command::new("qemu-img")
+        .args(["info", "-U", "--backing-chain", "--output=json"])
+        .arg(top)
+        .output()
+        .map_err(|e| format!("cannot run qemu-img (install qemu-utils): {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "qemu-img info --backing-chain {}: {}",
+            top.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("qemu-img info's JSON: {e}"))?;
+    let layers: Vec<PathBuf> = v
+        .as_array()
+        .map(|l| l.iter().filter_map(|i| i["filename"].as_str().map(PathBuf::from)).collect())
+        .unwrap_or_default();
+    if layers.is_empty() {
+        return Err(format!("qemu-img info --backing-chain {} lists no layer", top.display()));
+    }
+    Ok(layers)
+}
+
+/// `qemu-img check` of one layer: clean or leaks only.
+pub fn qemu_img_check(image: &Path) -> Result<(), String> {
+    let out = Command::new("qemu-img").args(["check", "-f", "qcow2"]).arg(image).output().map_err(|e| {
+        format!("cannot run qemu-img check (install qemu-utils, or leave qcow2 out: --format raw,cow): {e}")
+    })?;
+    match out.status.code() {
+        Some(0) | Some(3) => Ok(()),
+        _ => Err(format!(
+            "qemu-img check {} after the crash ({}):\n{}{}",
+            image.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
+}

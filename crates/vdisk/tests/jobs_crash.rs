@@ -1,0 +1,90 @@
+//! Crash safety of the live disk operations (issues 25 and 26), end to end:
+//! `vdisk soak --jobs` runs the crash rounds' checked writers on the power-cut
+//! storage (crates/vdisk-powercut) while it snapshots the export (qcow2
+//! overlays), streams its top and commits its middle layer through the
+//! control socket, jobs paced so that the cut often lands in one, with a
+//! dirty bitmap on the top. After every cut: the chain from the newest top
+//! whose header reads back opens in vdisk and in `qemu-img info
+//! --backing-chain`, `qemu-img check` is clean on every qcow2 layer, every
+//! flushed write is there (the soak's judge, per 512-byte piece), an
+//! interrupted job runs again to its end with the disk reading the same, and
+//! the bitmap is marked inconsistent or covers everything that changed.
+//!
+//! CI: 24 cuts ({raw, qcow2 over raw} x {uring, threads} x {normal, --sync,
+//! --direct}, one dropping every unsynced write and one keeping a random part
+//! each); and the same rounds with the commit's base sync skipped
+//! (VDISK_BREAK=commit-link-first: the backing link rewritten before the
+//! merged data is durable) must fail within a few cuts. The SIGKILL rounds
+//! with jobs are in tests/crash.rs.
+
+mod common;
+
+use common::{crash_rounds, soak, text, TempDir};
+use std::time::Instant;
+
+#[test]
+fn power_cuts_during_snapshot_stream_and_commit_keep_every_flushed_write() {
+    const ROUNDS: u64 = 24;
+    let started = Instant::now();
+    let r = crash_rounds(
+        "jobs-powerloss",
+        ROUNDS,
+        &["--format", "raw,qcow2", "--power-loss", "mixed", "--jobs", "snapshot,stream,commit,bitmaps"],
+    );
+    let live = &r.report["crash"]["live"];
+    let n = |k: &str| live[k].as_u64().unwrap_or_else(|| panic!("no {k} in {}", r.report));
+    assert!(n("snapshots") > 0, "no snapshot was answered: {}", r.report);
+    assert!(n("cuts_mid_job") > 0, "no cut landed in a job: {}", r.report);
+    assert!(n("jobs_restarted") > 0, "no interrupted job was started again: {}", r.report);
+    assert!(n("bitmaps_consistent") + n("bitmaps_inconsistent") > 0, "no bitmap was judged: {}", r.report);
+    eprintln!(
+        "{ROUNDS} power cuts with live jobs: {} writes acknowledged, {} flushes, {} pinned blocks; {live}; {:?}",
+        r.acked,
+        r.flushes,
+        r.pinned,
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_commit_that_rewrites_the_link_before_the_base_is_durable_is_caught() {
+    // qcow2 over a raw base x threads x 3 modes, at most 8 cuts each: the
+    // first round snapshots (three layers) and starts the commit of the
+    // middle one; the commit finishes in that round or, started again, after
+    // the restart; the next cut drops the base's unsynced writes under a
+    // link that already names it. By hand it was caught in round 1 or 2 (2
+    // seeds); beside other tests, in round 11 once (the commit had not
+    // finished before the earlier cuts).
+    let breakage = "commit-link-first";
+    let dir = TempDir::new(breakage);
+    let args = [
+        "--rounds",
+        "24",
+        "--format",
+        "qcow2",
+        "--engine",
+        "threads",
+        "--power-loss",
+        "drop",
+        "--jobs",
+        "snapshot,commit",
+        "--seed",
+        "21",
+    ];
+    let out = soak(&dir, &args, &[("VDISK_BREAK", breakage)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "VDISK_BREAK={breakage} went unnoticed through {args:?}:\n{}", text(&out));
+    let line = err
+        .lines()
+        .find(|l| l.contains("crash round"))
+        .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
+    let round: u64 = line
+        .split("crash round ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no round number in {line:?}"));
+    assert!(round < 24, "{line}");
+    assert!(line.contains("hold data never written there or older"), "caught, but not by the judge: {line}");
+    eprintln!("VDISK_BREAK={breakage}: caught in round {round}: {}", &line[..line.len().min(300)]);
+}
