@@ -458,8 +458,7 @@ fn a_guest_goes_on_across_a_live_snapshot_and_a_mirror_with_pivot() {
     let list = json(&ctl(&["list", "--json"]));
     assert_eq!(list[0]["image"].as_str(), Some(s(&mirror)), "{list}");
     // The rig's stop mark, written through the export (it serves the mirror now).
-    let mark = format!("h.pwrite(b'VMRIG-STOP', {})", 192 << 20);
-    run("nbdsh", &["-u", &server.uri("disk"), "-c", &mark, "-c", "h.flush()"]);
+    nbdsh(&server.uri("disk"), &format!("h.pwrite(b'VMRIG-STOP', {}); h.flush()", 192 << 20));
     let deadline = Instant::now() + Duration::from_secs(120);
     while rig.0.try_wait().unwrap().is_none() {
         assert!(Instant::now() < deadline, "the guest did not finish after VMRIG-STOP");
