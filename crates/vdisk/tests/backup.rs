@@ -21,30 +21,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use common::{assert_same, nbdsh, read_file, run, s, text, vdisk, Server, TempDir};
+use common::control::{ctl_ok, ctl_refused, nbdinfo_dirty, qemu_img_dirty};
+use common::{assert_same, nbdsh, read_file, run, s, text, Server, TempDir};
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 64 * MIB;
-
-fn ctl(control: &Path, args: &[&str]) -> std::process::Output {
-    let mut all = vec!["ctl", "--control", s(control)];
-    all.extend_from_slice(args);
-    vdisk(&all)
-}
-
-fn ctl_ok(control: &Path, args: &[&str]) -> String {
-    let out = ctl(control, args);
-    assert!(out.status.success(), "vdisk ctl {args:?} failed:\n{}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `vdisk ctl ARGS` must be refused with a message containing `what`.
-fn ctl_refused(control: &Path, args: &[&str], what: &str) {
-    let out = ctl(control, args);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "vdisk ctl {args:?} should be refused:\n{t}");
-    assert!(t.contains(what), "vdisk ctl {args:?}: {what:?} not in:\n{t}");
-}
 
 /// PATH with the system Python first (libnbd's bindings belong to it) and the vdisk binary's directory.
 fn path_env() -> String {
@@ -128,33 +109,6 @@ fn digest(uri: &str, offset: u64, len: u64) -> String {
     nbdsh(uri, &format!("import hashlib; print(hashlib.sha256(h.pread({len}, {offset})).hexdigest())"))
         .trim()
         .to_owned()
-}
-
-/// Dirty runs of `nbdinfo --map=qemu:dirty-bitmap:B`.
-fn dirty(uri: &str, b: &str) -> Vec<(u64, u64)> {
-    common::nbdinfo_map(uri, &format!("qemu:dirty-bitmap:{b}"))
-        .into_iter()
-        .filter(|r| r.2 & 1 == 1)
-        .map(|r| (r.0, r.1))
-        .collect()
-}
-
-/// Dirty runs as qemu's NBD client sees them (x-dirty-bitmap: a dirty run reads as "data": false).
-fn qemu_img_dirty(socket: &Path, export: &str, b: &str) -> Vec<(u64, u64)> {
-    let opts = format!(
-        "driver=nbd,server.type=unix,server.path={},export={export},x-dirty-bitmap=qemu:dirty-bitmap:{b}",
-        socket.display()
-    );
-    let v = common::json(&run("qemu-img", &["map", "--output=json", "--image-opts", &opts]));
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for e in v.as_array().unwrap().iter().filter(|e| e["data"] == false) {
-        let (o, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
-        match runs.last_mut() {
-            Some((po, pl)) if *po + *pl == o => *pl += l,
-            _ => runs.push((o, l)),
-        }
-    }
-    runs
 }
 
 fn covered(runs: &[(u64, u64)], offset: u64, len: u64) -> bool {
@@ -273,7 +227,7 @@ fn chain(format: &str) {
             let w1 = [40 * MIB + 512 * 1024, 50 * MIB, 63 * MIB + 4096];
             write(&uri, &w1, 128 * 1024, 12);
             ctl_ok(&control, &["backup", "begin", "disk", "--name", "inc1", "--bitmap", "b1", "--new-bitmap", "b2"]);
-            let d1 = dirty(&view("inc1"), "b1");
+            let d1 = nbdinfo_dirty(&view("inc1"), "b1");
             for o in w1 {
                 assert!(covered(&d1, o, 128 * 1024), "b1 misses the write at {o}: {d1:?}");
             }
@@ -287,7 +241,7 @@ fn chain(format: &str) {
             let w2 = [32 * MIB, 45 * MIB + 4096, 60 * MIB];
             write(&uri, &w2, 256 * 1024, 13);
             ctl_ok(&control, &["backup", "begin", "disk", "--name", "inc2", "--bitmap", "b2", "--new-bitmap", "b3"]);
-            let d2 = dirty(&view("inc2"), "b2");
+            let d2 = nbdinfo_dirty(&view("inc2"), "b2");
             for o in w2 {
                 assert!(covered(&d2, o, 256 * 1024), "b2 misses the write at {o}: {d2:?}");
             }
@@ -423,7 +377,7 @@ fn killed(format: &str) {
                 ctl_ok(&control, &["bitmap", "remove", "disk", name]);
             } else if name.ends_with('n') {
                 // Started at the last backup's begin: it must hold every write after it.
-                let d = dirty(&uri, name);
+                let d = nbdinfo_dirty(&uri, name);
                 for &(o, l) in &last {
                     assert!(covered(&d, o, l), "bitmap {name} is short at {o}+{l}: {d:?}");
                 }

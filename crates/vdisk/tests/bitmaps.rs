@@ -11,7 +11,8 @@ mod common;
 
 use std::path::Path;
 
-use common::{output, run, s, text, vdisk, Server, TempDir};
+use common::control::{ctl_ok, ctl_refused, nbdinfo_dirty, qemu_img_dirty};
+use common::{output, run, s, text, Server, TempDir};
 
 const G: u64 = 64 << 10;
 const SIZE: u64 = 4 << 20;
@@ -35,59 +36,6 @@ fn expected() -> Vec<(u64, u64)> {
             Some((o, l)) if *d && *o + *l == at => *l += G,
             _ if *d => runs.push((at, G)),
             _ => {}
-        }
-    }
-    runs
-}
-
-fn ctl(control: &Path, args: &[&str]) -> std::process::Output {
-    let mut all = vec!["ctl", "--control", s(control)];
-    all.extend_from_slice(args);
-    vdisk(&all)
-}
-
-fn ctl_ok(control: &Path, args: &[&str]) -> String {
-    let out = ctl(control, args);
-    assert!(out.status.success(), "vdisk ctl {args:?} failed:\n{}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `vdisk ctl ... ARGS` must fail with a message containing `what`.
-fn ctl_refused(control: &Path, args: &[&str], what: &str) {
-    let out = ctl(control, args);
-    let t = text(&out);
-    assert_eq!(out.status.code(), Some(1), "vdisk ctl {args:?} should be refused:\n{t}");
-    assert!(t.contains(what), "vdisk ctl {args:?}: {what:?} not in:\n{t}");
-}
-
-/// Dirty runs of `nbdinfo --map=qemu:dirty-bitmap:B`.
-fn nbdinfo_dirty(uri: &str, b: &str) -> Vec<(u64, u64)> {
-    run("nbdinfo", &[&format!("--map=qemu:dirty-bitmap:{b}"), uri])
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f[2] == "1").then(|| (f[0].parse().unwrap(), f[1].parse().unwrap()))
-        })
-        .collect()
-}
-
-/// Dirty runs as qemu's NBD client sees them: with x-dirty-bitmap, a dirty
-/// run reads as "data": false (its flag 1 taken as NBD_STATE_HOLE).
-fn qemu_img_dirty(socket: &Path, export: &str, b: &str) -> Vec<(u64, u64)> {
-    let opts = format!(
-        "driver=nbd,server.type=unix,server.path={},export={export},x-dirty-bitmap=qemu:dirty-bitmap:{b}",
-        socket.display()
-    );
-    let out = run("qemu-img", &["map", "--output=json", "--image-opts", &opts]);
-    let v: serde_json::Value = common::json(&out);
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for e in v.as_array().unwrap() {
-        if e["data"] == false {
-            let (o, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
-            match runs.last_mut() {
-                Some((po, pl)) if *po + *pl == o => *pl += l,
-                _ => runs.push((o, l)),
-            }
         }
     }
     runs

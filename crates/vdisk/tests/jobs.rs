@@ -8,69 +8,13 @@ mod common;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Output;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::control::*;
 use common::*;
-
-fn serve(dir: &TempDir, img: &str, extra: &[&str]) -> (Server, PathBuf) {
-    let control = dir.path("ctl.sock");
-    let mut args = vec![img, "--control", control.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    (Server::start(dir, &args), control)
-}
-
-fn ctl(control: &Path, args: &[&str]) -> Output {
-    let mut all = vec!["ctl", "--control", control.to_str().unwrap()];
-    all.extend_from_slice(args);
-    vdisk(&all)
-}
-
-fn ctl_ok(control: &Path, args: &[&str]) -> String {
-    let out = ctl(control, args);
-    assert!(out.status.success(), "vdisk ctl {args:?}:\n{}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// `vdisk ctl ARGS` refused (exit 1) with `why` in its message.
-fn ctl_refused(control: &Path, args: &[&str], why: &str) {
-    let out = ctl(control, args);
-    assert_eq!(out.status.code(), Some(1), "vdisk ctl {args:?}:\n{}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stderr).contains(why), "vdisk ctl {args:?}: no {why:?}:\n{}", text(&out));
-}
-
-/// fio write-and-verify rounds on `uri` until `stop` (at least one); panics on any error.
-fn fio_until(dir: PathBuf, uri: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
-    std::thread::spawn(move || {
-        let mut rounds = 0;
-        while rounds == 0 || !stop.load(Ordering::SeqCst) {
-            fio_randwrite_verify(&dir, &uri, "disk");
-            rounds += 1;
-        }
-        rounds
-    })
-}
-
-/// The job `id` as `jobs --json` lists it.
-fn job(control: &Path, id: u64) -> serde_json::Value {
-    let all = json(&ctl_ok(control, &["jobs", "--json"]));
-    all.as_array().unwrap().iter().find(|j| j["id"] == id).cloned().unwrap_or_else(|| panic!("no job {id}: {all}"))
-}
-
-/// Waits (at most 60 s) until job `id` satisfies `ok`.
-fn job_until(control: &Path, id: u64, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
-    let until = Instant::now() + Duration::from_secs(60);
-    loop {
-        let j = job(control, id);
-        if ok(&j) {
-            return j;
-        }
-        assert!(Instant::now() < until, "job {id} did not get there within 60 s: {j}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// The job id in "... started as job N; ...".
 fn started(said: &str) -> u64 {
@@ -111,7 +55,7 @@ fn commit_middle_under_fio(
     let dir = TempDir::new(&format!("{tag}-{engine}"));
     let base = dir.path("disk.raw");
     make_base(&base, 32 * MIB, 5);
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &["--engine", engine]);
+    let (server, control) = serve_ctl(&dir, base.to_str().unwrap(), &["--engine", engine]);
     let (mid, top) = (dir.path(&format!("mid.{mid_format}")), dir.path("top.qcow2"));
     let stop = Arc::new(AtomicBool::new(false));
     let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
@@ -154,7 +98,7 @@ fn commit_of_the_middle_qcow2_layer(engine: &str) {
     assert!(mid.exists(), "without --delete the dropped layer's file stays");
     // The chain served again from its files reads the same.
     let top = dir.path("top.qcow2");
-    let (server, _) = serve(&dir, top.to_str().unwrap(), &[]);
+    let (server, _) = serve_ctl(&dir, top.to_str().unwrap(), &[]);
     assert_same(
         "the committed chain served again",
         &read_export(&dir, &server.uri("top"), "again.raw"),
@@ -175,7 +119,7 @@ fn commit_refuses_what_it_cannot_do_and_changes_nothing() {
     let dir = TempDir::new("jobs-commit-refusals");
     let base = dir.path("disk.raw");
     make_base(&base, 8 * MIB, 9);
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let (server, control) = serve_ctl(&dir, base.to_str().unwrap(), &[]);
     ctl_refused(&control, &["commit", "disk"], "no backing chain");
     let (mid, top) = (dir.path("mid.qcow2"), dir.path("top.qcow2"));
     ctl_ok(&control, &["snapshot", "disk", "--overlay", mid.to_str().unwrap()]);
@@ -210,7 +154,7 @@ fn a_cancelled_stream_leaves_a_chain_that_reads_the_same_and_the_refusals_while_
     let base = dir.path("disk.raw");
     make_base(&base, 32 * MIB, 13);
     let addr = format!("127.0.0.1:{}", free_port());
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &["--metrics", &addr]);
+    let (server, control) = serve_ctl(&dir, base.to_str().unwrap(), &["--metrics", &addr]);
     let top = dir.path("top.qcow2");
     ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
     qemu_io(&server.uri("disk"), &["write -P 0x33 4M 1M", "flush"]);
@@ -293,7 +237,7 @@ fn kill_9_in_the_middle_of_a_commit_leaves_a_chain_that_opens_and_commit_again_f
     let dir = TempDir::new("jobs-commit-kill");
     let base = dir.path("disk.raw");
     make_base(&base, 32 * MIB, 21);
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let (server, control) = serve_ctl(&dir, base.to_str().unwrap(), &[]);
     let uri = server.uri("disk");
     let (mid, top) = (dir.path("mid.qcow2"), dir.path("top.qcow2"));
     ctl_ok(&control, &["snapshot", "disk", "--overlay", mid.to_str().unwrap()]);
@@ -318,7 +262,7 @@ fn kill_9_in_the_middle_of_a_commit_leaves_a_chain_that_opens_and_commit_again_f
     assert_qemu_reads(&top, &guest);
 
     // Served again, commit again finishes.
-    let (server, control) = serve(&dir, top.to_str().unwrap(), &[]);
+    let (server, control) = serve_ctl(&dir, top.to_str().unwrap(), &[]);
     assert_same("served again after the kill", &read_export(&dir, &server.uri("top"), "again.raw"), &flushed);
     let said = ctl_ok(&control, &["commit", "top", "--wait"]);
     assert!(said.contains("done"), "{said}");
@@ -334,7 +278,7 @@ fn commit_between_inner_layers_into_a_qcow2_base_merges_data_and_zeros() {
     let dir = TempDir::new("jobs-commit-inner");
     let base = dir.path("disk.raw");
     make_base(&base, 16 * MIB, 17);
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let (server, control) = serve_ctl(&dir, base.to_str().unwrap(), &[]);
     let uri = server.uri("disk");
     let (a, b, c) = (dir.path("a.qcow2"), dir.path("b.qcow2"), dir.path("c.qcow2"));
     ctl_ok(&control, &["snapshot", "disk", "--overlay", a.to_str().unwrap()]);
@@ -367,7 +311,7 @@ fn a_stream_whose_export_is_removed_fails_and_changes_nothing() {
     let dir = TempDir::new("jobs-removed");
     let base = dir.path("disk.raw");
     make_base(&base, 16 * MIB, 19);
-    let (server, control) = serve(&dir, base.to_str().unwrap(), &[]);
+    let (server, control) = serve_ctl(&dir, base.to_str().unwrap(), &[]);
     let top = dir.path("top.qcow2");
     ctl_ok(&control, &["snapshot", "disk", "--overlay", top.to_str().unwrap()]);
     qemu_io(&server.uri("disk"), &["write -P 0x35 8M 256k", "flush"]);

@@ -5,12 +5,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::path::PathBuf;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::control::*;
 use common::*;
 
 /// `vdisk serve IMAGE --control` over `img` (the uring engine): its export is the file's stem.
@@ -19,33 +20,7 @@ fn serve(dir: &TempDir, img: &str) -> (Server, PathBuf) {
 }
 
 fn serve_on(dir: &TempDir, img: &str, engine: &str) -> (Server, PathBuf) {
-    let control = dir.path("ctl.sock");
-    let server = Server::start(dir, &[img, "--control", control.to_str().unwrap(), "--engine", engine]);
-    (server, control)
-}
-
-fn ctl(control: &Path, args: &[&str]) -> Output {
-    let mut all = vec!["ctl", "--control", control.to_str().unwrap()];
-    all.extend_from_slice(args);
-    vdisk(&all)
-}
-
-fn ctl_ok(control: &Path, args: &[&str]) -> String {
-    let out = ctl(control, args);
-    assert!(out.status.success(), "vdisk ctl {args:?}:\n{}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// fio write-and-verify rounds on `uri` until `stop` (at least one); panics on any error.
-fn fio_until(dir: PathBuf, uri: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
-    std::thread::spawn(move || {
-        let mut rounds = 0;
-        while rounds == 0 || !stop.load(Ordering::SeqCst) {
-            fio_randwrite_verify(&dir, &uri, "disk");
-            rounds += 1;
-        }
-        rounds
-    })
+    serve_ctl(dir, img, &["--engine", engine])
 }
 
 #[test]

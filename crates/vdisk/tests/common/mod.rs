@@ -2,6 +2,7 @@
 //! wait until it is ready, hand out URIs for real clients, stop it cleanly.
 #![allow(dead_code)]
 
+pub mod control;
 pub mod fuse;
 pub mod logged;
 pub mod nbd;
