@@ -3,10 +3,9 @@
 //! the bytes of vdisk's sidecar bitmap format (`bitmap::sidecar`, documented
 //! in docs/design.md "Dirty bitmaps"), base64-encoded because librbd's C
 //! calls carry a metadata value as a NUL-terminated string. They travel with
-//! the image (`rbd cp`, `rbd export --export-format 2`), any host that opens
-//! it finds them, and no local path is needed. RBD snapshots and
-//! `rbd_diff_iterate2` are not used: a diff is per object (4 MiB), and a
-//! snapshot per bitmap would cost the cluster a copy-on-write per object.
+//! the image: any host that opens it finds them, and no local path is needed. RBD snapshots and
+//! `rbd_diff_iterate2` are not used: a snapshot per bitmap would cost the
+//! cluster a copy-on-write of each object first written after it.
 //!
 //! What it owns: reading and writing that one value. A write is one omap
 //! update of the image's header object, atomic in RADOS: a crash leaves the
@@ -46,7 +45,7 @@ fn base64(data: &[u8]) -> String {
 
 /// The bytes of standard padded base64 `s`; None if it is not that.
 fn unbase64(s: &[u8]) -> Option<Vec<u8>> {
-    if s.len() % 4 != 0 {
+    if !s.len().is_multiple_of(4) {
         return None;
     }
     let mut out = Vec::with_capacity(s.len() / 4 * 3);
