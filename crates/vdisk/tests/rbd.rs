@@ -856,6 +856,7 @@ fn rbd_dirty_bitmaps_live_in_the_image_metadata_and_survive_restarts_not_crashes
 /// A large RBD image's bitmap is one large metadata value: a 1 TiB image
 /// (thin) with a 64 KiB bitmap keeps 2 MiB of bits, 2.7 MiB in base64. It
 /// is saved, survives a clean restart and marks the one write at the end.
+/// A damaged value stops the export from starting, with the way out.
 #[test]
 fn a_1_tib_rbd_image_keeps_its_bitmap_through_a_restart() {
     let (c, _g) = shared();
@@ -885,4 +886,11 @@ fn a_1_tib_rbd_image_keeps_its_bitmap_through_a_restart() {
     let dirty: Vec<(u64, u64)> = map.iter().filter(|e| e.2 == 1).map(|e| (e.0, e.1)).collect();
     assert_eq!(dirty, vec![(end - 65536, 65536)], "{map:?}");
     server.stop();
+    // A value that is not the format is refused, never half read, and the message says how out.
+    rbd(c, &["image-meta", "set", &format!("rbd/{img}"), "vdisk.bitmaps", "Zm9v"]);
+    let sock = dir.path("bad.sock");
+    let out = vdisk_bounded(&["serve", &spec, "--ceph-conf", &c.conf, "--socket", s(&sock)]);
+    assert!(!out.status.success(), "served with a damaged bitmap value:\n{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("vdisk.bitmaps") && t.contains("image-meta remove"), "{t}");
 }
