@@ -828,15 +828,14 @@ fn rbd_dirty_bitmaps_live_in_the_image_metadata_and_survive_restarts_not_crashes
     assert_eq!((l.as_array().unwrap().len(), l[0]["inconsistent"].as_bool()), (1, Some(false)), "{l}");
     assert_eq!(dirty_runs(&uri, "b0"), want, "after a restart");
     // Killed while served: the bitmap was marked in use, so it comes back inconsistent.
+    let watchers = |st: String| -> Vec<String> {
+        st.lines().filter(|l| l.contains("watcher=")).map(|l| l.trim().to_owned()).collect()
+    };
+    let killed = watchers(rbd(c, &["status", &format!("rbd/{img}")]));
+    assert!(!killed.is_empty(), "vdisk keeps a watch on rbd/{img}");
     server.stop_with(libc::SIGKILL);
-    // The killed client still holds the image's exclusive lock until the OSD drops its watch
-    // (osd_client_watch_timeout, 30 s by default); only then may another client break the
-    // lock and write (here: mark the bitmaps in use), as for any RBD client after a crash.
-    let t0 = Instant::now();
-    while rbd(c, &["status", &format!("rbd/{img}")]).contains("watcher=") {
-        assert!(t0.elapsed() < Duration::from_secs(120), "the killed client's watch stays on rbd/{img}");
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    // Starts at once: bitmaps found marked in use need no write (the killed client still
+    // holds the image's exclusive lock).
     let server = start();
     let uri = server.uri(&img);
     let l = list();
@@ -848,6 +847,14 @@ fn rbd_dirty_bitmaps_live_in_the_image_metadata_and_survive_restarts_not_crashes
         text(&out)
     );
     refused(&["bitmap", "clear", &img, "b0"], "inconsistent");
+    // A change is a write: it waits until the OSD drops the killed client's watch
+    // (osd_client_watch_timeout, 30 s by default) and librbd may break its lock, as
+    // for any RBD client after a crash; waited for here, not in the control request.
+    let t0 = Instant::now();
+    while watchers(rbd(c, &["status", &format!("rbd/{img}")])).iter().any(|w| killed.contains(w)) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "the killed client's watch stays on rbd/{img}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
     ctl_ok(&["bitmap", "remove", &img, "b0"]);
     assert_eq!(list(), serde_json::json!([]));
     server.stop();

@@ -127,7 +127,9 @@ impl BitmapStore for RbdImage {
                 m.name
             );
         }
-        if !self.base.read_only && !set.is_empty() {
+        // Only consistent bitmaps need marking; ones found marked (after a crash) stay so. Not
+        // writing then lets the export start before librbd can break a dead client's lock.
+        if !self.base.read_only && set.iter().any(|m| !m.inconsistent) {
             self.save(&set, false)?;
         }
         Ok(set)
