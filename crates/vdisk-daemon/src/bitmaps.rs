@@ -1,8 +1,9 @@
 //! An export's persistent dirty bitmaps while it is served (issue 26; the
 //! design: docs/design.md "Dirty bitmaps"). What it owns: the store session
-//! (qcow2's own bitmaps, or the sidecar file `IMAGE.bitmaps` of a raw or COW
-//! image), the set of bitmaps, which of them the device marks (its write
-//! observers) and which the NBD server serves as `qemu:dirty-bitmap:NAME`.
+//! (qcow2's own bitmaps, an RBD image's metadata `vdisk.bitmaps`, or the
+//! sidecar file `IMAGE.bitmaps` of a raw or COW image), the set of bitmaps,
+//! which of them the device marks (its write observers) and which the NBD
+//! server serves as `qemu:dirty-bitmap:NAME`.
 //!
 //! At export start the store's session opens (marking every bitmap in use
 //! on disk); enabled consistent bitmaps observe the device's writes; the
@@ -72,8 +73,8 @@ pub struct ExportBitmaps {
 
 impl ExportBitmaps {
     /// Opens the store session of `device`'s image, `image_path` the image
-    /// as named (the sidecar lies beside it). RBD images keep no bitmaps
-    /// yet: None.
+    /// as named (the sidecar lies beside it). An RBD image keeps its own (in
+    /// its RBD metadata); an RBD snapshot keeps none: None.
     pub(crate) fn open(
         export: &str,
         image_path: &std::path::Path,

@@ -848,7 +848,8 @@ impl Daemon {
         match self.export_bitmaps(export) {
             None => Err(Error::new(ErrorKind::NotFound, format!("no export {export:?} (`vdisk ctl list` shows them)"))),
             Some(None) => Err(Error::invalid(format!(
-                "export {export:?} is an RBD image: vdisk keeps no dirty bitmaps for RBD exports yet"
+                "export {export:?} is an RBD snapshot: it keeps no dirty bitmaps (they are kept in the RBD \
+                 image's metadata; export the image itself)"
             ))),
             Some(Some(b)) => Ok(b),
         }

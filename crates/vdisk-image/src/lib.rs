@@ -242,7 +242,8 @@ pub trait Image: Send + Sync {
     }
 
     /// Where this image keeps its own persistent bitmaps (qcow2: in the
-    /// image, qemu's format); None for a format that has no place for them,
+    /// image, qemu's format; RBD: in its RBD metadata, not for a snapshot);
+    /// None for a format that has no place for them,
     /// whose bitmaps go to a sidecar file ([`bitmap::sidecar::SidecarStore`]).
     fn bitmap_store(&self) -> Option<&dyn bitmap::BitmapStore> {
         None

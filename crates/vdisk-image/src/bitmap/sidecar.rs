@@ -1,5 +1,6 @@
-//! The sidecar bitmap file: where the bitmaps of a raw, UML COW or RBD disk
-//! persist (qcow2 keeps its own, in qemu's format). vdisk's own format,
+//! The sidecar bitmap file: where the bitmaps of a raw or UML COW disk
+//! persist (qcow2 keeps its own, in qemu's format; an RBD image keeps these
+//! same bytes in its RBD metadata, `rbd/bitmaps.rs`). vdisk's own format,
 //! documented in docs/design.md ("Dirty bitmaps"):
 //!
 //! ```text

@@ -91,6 +91,8 @@ table! {
     rbd_read: fn(ImageT, u64, usize, *mut c_char) -> isize;
     rbd_diff_iterate2: fn(ImageT, *const c_char, u64, u64, u8, u8, DiffCallback, *mut c_void) -> c_int;
     rbd_set_image_notification: fn(ImageT, c_int, c_int) -> c_int;
+    rbd_metadata_get: fn(ImageT, *const c_char, *mut c_char, *mut usize) -> c_int;
+    rbd_metadata_set: fn(ImageT, *const c_char, *const c_char) -> c_int;
     rbd_poll_io_events: fn(ImageT, *mut CompletionT, c_int) -> c_int;
     rbd_aio_create_completion: fn(*mut c_void, Callback, *mut CompletionT) -> c_int;
     rbd_aio_release: fn(CompletionT);

@@ -16,15 +16,17 @@
 //! operations themselves never time out: once open, a request to an OSD that
 //! is down waits until it is back, as on a slow disk.
 
+mod bitmaps;
 pub mod ffi;
 mod spec;
 
 use std::ffi::{c_int, c_void, CString};
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
 
+pub use bitmaps::METADATA_KEY;
 pub use spec::{ConnectOptions, Spec};
 
 use crate::{map_one_to_one, Advice, Allocation, Error, ErrorKind, Extent, Image, ImageBase, Result, Storage};
@@ -222,6 +224,8 @@ pub struct RbdImage {
     /// The open image; null once [`RbdImage::close`]d.
     image: AtomicPtr<c_void>,
     features: u64,
+    /// The generation of the bitmaps last read or written (rbd/bitmaps.rs).
+    bitmap_generation: AtomicU64,
 }
 
 // SAFETY: an `rbd_image_t` may be used from many threads at once (librbd serialises
@@ -281,6 +285,7 @@ impl RbdImage {
             conn,
             image: AtomicPtr::new(image),
             features: 0,
+            bitmap_generation: AtomicU64::new(0),
         };
         // SAFETY: an open image and a valid out-pointer.
         let rc = unsafe { (lib.rbd_get_size)(image, &mut img.base.size) };
@@ -607,5 +612,11 @@ impl Image for RbdImage {
             out.push(Allocation { len: end - pos, hole: true, zero: true, depth: 1 });
         }
         Ok(())
+    }
+
+    /// The image's dirty bitmaps, in its RBD metadata (rbd/bitmaps.rs); a
+    /// snapshot has none (the metadata is the image's, not the snapshot's).
+    fn bitmap_store(&self) -> Option<&dyn crate::bitmap::BitmapStore> {
+        self.spec.snap.is_none().then_some(self as &dyn crate::bitmap::BitmapStore)
     }
 }
