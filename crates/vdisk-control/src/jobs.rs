@@ -6,18 +6,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
-use vdisk_daemon::daemon::Committing;
 use vdisk_daemon::jobs::JobInfo;
 use vdisk_daemon::mirror::{MirrorOptions, MirrorTarget, TargetFormat};
 use vdisk_daemon::snapshot::OverlayFormat;
 use vdisk_daemon::{Daemon, Error, Ticket};
-
-/// The request may change things: not given up at its deadline (the guard says so while it lives).
-fn go_ahead(ticket: &Ticket) -> Result<Committing<'_>, Error> {
-    ticket
-        .commit()
-        .ok_or_else(|| Error::failed("the request ran past its deadline and was given up; nothing was changed"))
-}
 
 /// The format named `format` (one of `names`), or the default.
 fn named<T: Default>(format: Option<String>, parse: fn(&str) -> Option<T>, names: &str) -> Result<T, Error> {
@@ -36,7 +28,7 @@ pub fn snapshot(
     ticket: &Ticket,
 ) -> Result<Value, Error> {
     let format = named(format, OverlayFormat::from_name, "qcow2, cow")?;
-    let _committing = go_ahead(ticket)?;
+    let _committing = ticket.go_ahead()?;
     let s = daemon.snapshot(name, Path::new(overlay), format)?;
     Ok(json!({
         "job": s.job,
@@ -50,14 +42,14 @@ pub fn snapshot(
 
 /// `export_stream`: started as a job; the answer (its id) comes at once.
 pub fn stream(daemon: &Arc<Daemon>, name: &str, bps: Option<u64>, ticket: &Ticket) -> Result<Value, Error> {
-    let _committing = go_ahead(ticket)?;
+    let _committing = ticket.go_ahead()?;
     let s = daemon.stream(name, bps.unwrap_or(0))?;
     Ok(json!({"job": s.job, "name": s.export, "type": "stream"}))
 }
 
 /// `export_commit`: started as a job; the answer (its id) comes at once.
 pub fn commit(daemon: &Arc<Daemon>, c: crate::rpc::CommitParams, ticket: &Ticket) -> Result<Value, Error> {
-    let _committing = go_ahead(ticket)?;
+    let _committing = ticket.go_ahead()?;
     let request = vdisk_daemon::commit::CommitRequest {
         top: c.top.map(Into::into),
         base: c.base.map(Into::into),
@@ -82,7 +74,7 @@ pub fn mirror(
     ticket: &Ticket,
 ) -> Result<Value, Error> {
     let format = named(format, TargetFormat::from_name, "raw, qcow2")?;
-    let _committing = go_ahead(ticket)?;
+    let _committing = ticket.go_ahead()?;
     let o = MirrorOptions { format, pivot, bps, existing };
     let job = daemon.mirror(name, MirrorTarget::parse(to), o)?;
     Ok(json!({"job": job, "name": name, "to": to, "format": format.name(), "pivot": pivot}))

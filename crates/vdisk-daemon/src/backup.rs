@@ -53,9 +53,7 @@ impl Daemon {
             )));
         }
         self.live_change_unchecked(export, |live| {
-            let Some(_committing) = ticket.commit() else {
-                return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-            };
+            let _committing = ticket.go_ahead()?;
             self.begin(live, r)
         })
     }
@@ -63,9 +61,7 @@ impl Daemon {
     /// Ends backup view `view`: its export goes, the scratch data with it.
     pub fn backup_end(&self, view: &str, ticket: &Ticket) -> Result<BackupInfo, Error> {
         let _change = self.changes_lock()?;
-        let Some(_committing) = ticket.commit() else {
-            return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-        };
+        let _committing = ticket.go_ahead()?;
         let Some(v) = self.views.take(view) else {
             return Err(Error::new(
                 ErrorKind::NotFound,

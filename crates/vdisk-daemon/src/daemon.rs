@@ -78,6 +78,11 @@ impl Ticket {
         Some(Committing(self))
     }
 
+    /// [`Ticket::commit`], or the error a request given up at its deadline answers.
+    pub fn go_ahead(&self) -> Result<Committing<'_>, Error> {
+        self.commit().ok_or_else(abandoned)
+    }
+
     /// Records that the change was made, though the request goes on (a
     /// removal still flushing): what a caller given up at its deadline is told.
     pub(crate) fn made(&self, what: String) {
@@ -389,7 +394,7 @@ impl Daemon {
             return Err(Error::failed("the server is shutting down"));
         }
         // Past the deadline: the image opened late is closed here, unserved.
-        let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
+        let _committing = ticket.go_ahead()?;
         self.start(name, spec, allow, image, description, closed)
     }
 
@@ -524,7 +529,7 @@ impl Daemon {
     pub fn remove_within(&self, name: &str, hard: bool, ticket: &Ticket) -> Result<(), Error> {
         let (running, _stopping) = {
             let _change = self.changes.lock().unwrap();
-            let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
+            let _committing = ticket.go_ahead()?;
             if let Some(of) = self.views.export_of(name) {
                 return Err(Error::invalid(format!(
                     "{name:?} is a backup view of export {of:?}: end the backup (`vdisk ctl backup end {name}`)"
@@ -629,7 +634,7 @@ impl Daemon {
     /// [`Daemon::set_qos`], unless `ticket` was abandoned before it starts.
     pub fn set_qos_within(&self, name: &str, limits: Limits, ticket: &Ticket) -> Result<(), Error> {
         let _change = self.changes.lock().unwrap();
-        let Some(_committing) = ticket.commit() else { return Err(abandoned()) };
+        let _committing = ticket.go_ahead()?;
         let mut exports = self.exports.lock().unwrap();
         let e = exports.iter_mut().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
         e.device.set_limits(limits);
@@ -865,9 +870,7 @@ impl Daemon {
     /// from now on.
     pub fn bitmap_change(&self, export: &str, name: &str, op: &BitmapOp, ticket: &Ticket) -> Result<(), Error> {
         let b = self.bitmaps_of(export)?;
-        let Some(_committing) = ticket.commit() else {
-            return Err(Error::failed("the request ran past its deadline and was given up; nothing was changed"));
-        };
+        let _committing = ticket.go_ahead()?;
         b.change(name, op)?;
         self.nbd().set_bitmaps(export, b.served());
         Ok(())
