@@ -102,7 +102,7 @@ fn name(tag: &str) -> String {
 
 /// `rbd ARGS` against the test cluster, asserting success.
 fn rbd(c: &Cluster, args: &[&str]) -> String {
-    let out = Command::new("rbd").args(args).env("CEPH_CONF", &c.conf).output().expect("run rbd");
+    let out = common::bounded(Command::new("rbd").args(args).env("CEPH_CONF", &c.conf), Duration::from_secs(120));
     assert!(out.status.success(), "rbd {args:?}: {}", text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -365,13 +365,46 @@ fn the_fuse_export_of_an_rbd_image() {
     server.stop();
 }
 
-/// Sends SIGCONT to a stopped process when dropped, also when a test fails.
-struct Stopped(i32);
+/// The stopped OSD of the cluster: SIGCONT when dropped, also when a test
+/// fails, and then waits until the cluster answers again, so the tests after
+/// it start on a working cluster (or the log says why not).
+struct Stopped(&'static Cluster, i32);
+
+impl Stopped {
+    fn osd(c: &'static Cluster) -> Stopped {
+        let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
+        // SAFETY: kill only reads its integer arguments.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        Stopped(c, pid)
+    }
+}
 
 impl Drop for Stopped {
     fn drop(&mut self) {
         // SAFETY: kill only reads its integer arguments.
-        unsafe { libc::kill(self.0, libc::SIGCONT) };
+        unsafe { libc::kill(self.1, libc::SIGCONT) };
+        let ask = |args: &[&str]| {
+            let mut cmd = Command::new("timeout");
+            cmd.arg("15").args(args).env("CEPH_CONF", &self.0.conf);
+            common::bounded(&mut cmd, Duration::from_secs(30))
+        };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(90) {
+            if ask(&["rbd", "ls", "rbd"]).status.success() {
+                return;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let tail = |log: &str| {
+            let all = std::fs::read_to_string(self.0.dir.join("log").join(log)).unwrap_or_default();
+            all.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
+        eprintln!(
+            "the Ceph cluster does not answer 90 s after its OSD was continued; ceph -s:\n{}\nosd.0.log:\n{}\nmon.a.log:\n{}",
+            text(&ask(&["ceph", "-s"])),
+            tail("osd.0.log"),
+            tail("mon.a.log")
+        );
     }
 }
 
@@ -388,10 +421,7 @@ fn an_osd_stopped_for_10_seconds_delays_rbd_requests_and_nothing_else() {
     let (rbd_uri, local_uri) = (server.uri(&img), server.uri("local"));
     qemu_io(&rbd_uri, &["write -P 0x21 0 1M", "flush"]);
 
-    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
-    // SAFETY: kill only reads its integer arguments.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
-    let stopped = Stopped(pid);
+    let stopped = Stopped::osd(c);
     let t0 = Instant::now();
     let writer = {
         let uri = rbd_uri.clone();
@@ -413,8 +443,8 @@ fn an_osd_stopped_for_10_seconds_delays_rbd_requests_and_nothing_else() {
     }
     assert!(!writer.is_finished(), "RBD requests completed while the OSD was stopped");
     std::thread::sleep(Duration::from_secs(10).saturating_sub(t0.elapsed()));
-    drop(stopped);
     let resumed = Instant::now();
+    drop(stopped);
     // The waiting requests finish once the OSD is back.
     let deadline = Instant::now() + Duration::from_secs(60);
     while !writer.is_finished() {
@@ -499,10 +529,7 @@ fn opening_while_the_osd_is_down_fails_within_30_seconds() {
         create(c, &img, "4M");
     }
     let _alone = OSD.write().unwrap_or_else(|e| e.into_inner());
-    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
-    // SAFETY: kill only reads its integer arguments.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
-    let _stopped = Stopped(pid);
+    let _stopped = Stopped::osd(c);
     let t = Instant::now();
     let mut child = Command::new(common::vdisk_bin())
         .args(["serve", &format!("rbd:rbd/{img}"), "--ceph-conf", &c.conf, "--socket", "/nonexistent/x.sock"])
@@ -645,10 +672,7 @@ fn sigterm_with_the_osd_stopped_exits_within_the_stop_timeout() {
     // Acknowledged, not flushed: the stop must flush it even though the RBD export cannot be.
     qemu_io(&uri("local"), &["write -P 0x5a 0 2M"]);
 
-    let pid: i32 = std::fs::read_to_string(c.dir.join("run/osd.0.pid")).unwrap().trim().parse().unwrap();
-    // SAFETY: kill only reads its integer arguments.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
-    let stopped = Stopped(pid);
+    let stopped = Stopped::osd(c);
     // Writes in flight on the RBD export, waiting for the OSD; the client is cut at the stop.
     let writer = {
         let uri = uri(&img);

@@ -7,11 +7,12 @@ pub mod fuse;
 pub mod logged;
 pub mod nbd;
 
-use std::io::Read;
 use std::io::{BufRead, BufReader};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
 use std::time::{Duration, Instant};
 
 pub fn vdisk_bin() -> &'static str {
@@ -81,6 +82,7 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
+        watchdog();
         static N: AtomicUsize = AtomicUsize::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
         let base = std::env::var_os("VDISK_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
@@ -103,15 +105,12 @@ impl Drop for TempDir {
 
 /// Runs `vdisk ARGS` to completion.
 pub fn vdisk(args: &[&str]) -> Output {
-    Command::new(vdisk_bin()).args(args).output().expect("run vdisk")
+    bounded(Command::new(vdisk_bin()).args(args), COMMAND_LIMIT)
 }
 
 /// Runs a command, panicking with its output if it fails.
 pub fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? .ci/run installs it)"));
+    let out = output(cmd, args);
     assert!(
         out.status.success(),
         "{cmd} {args:?} failed ({}):\nstdout: {}\nstderr: {}",
@@ -187,6 +186,7 @@ impl Server {
     }
 
     fn spawn_env(args: &[&str], socket: PathBuf, env: &[(&str, &str)]) -> Server {
+        watchdog();
         let mut child = Command::new(vdisk_bin())
             .args(args)
             .envs(env.iter().copied())
@@ -272,10 +272,101 @@ pub const ENGINES: [&str; 2] = ["uring", "threads"];
 /// Runs `cmd ARGS` and returns its output whatever the exit status; a client
 /// that cannot be started fails the test.
 pub fn output(cmd: &str, args: &[&str]) -> Output {
-    Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd}: {e} (is it installed? .ci/run installs it)"))
+    bounded(Command::new(cmd).args(args), COMMAND_LIMIT)
+}
+
+/// How long one client command may run before the test calls it hung.
+pub const COMMAND_LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs `cmd` to its end with stdin closed and its output collected, like
+/// `Command::output`, but kills it and fails the test if it has not exited
+/// within `limit`: a client stuck on a server that never answers fails its
+/// test instead of hanging the whole run.
+pub fn bounded(cmd: &mut Command, limit: Duration) -> Output {
+    watchdog();
+    let what = format!("{:?}", cmd.get_program());
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e} (is it installed? .ci/run installs it)"));
+    fn drain(mut from: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut all = Vec::new();
+            let _ = from.read_to_end(&mut all);
+            all
+        })
+    }
+    let (out, err) = (drain(child.stdout.take().unwrap()), drain(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} was still running after {limit:?}: killed, the test fails");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output { status, stdout: out.join().unwrap(), stderr: err.join().unwrap() }
+}
+
+/// Arms, once per test binary, a watchdog that ends the binary if it runs
+/// longer than `VDISK_TEST_BINARY_LIMIT` seconds (default 720; the slowest
+/// binary takes about 140 s): it names itself, kills every process the tests
+/// started and exits with a failure, so a hang anywhere ends in a report
+/// (and `atexit` cleanups such as the Ceph cluster's stop still run) instead
+/// of a CI timeout.
+pub fn watchdog() {
+    static ARMED: Once = Once::new();
+    ARMED.call_once(|| {
+        let limit = std::env::var("VDISK_TEST_BINARY_LIMIT").ok().and_then(|v| v.parse().ok()).unwrap_or(720);
+        let spawned = std::thread::Builder::new().name("test-watchdog".into()).spawn(move || {
+            std::thread::sleep(Duration::from_secs(limit));
+            let me = std::env::args().next().unwrap_or_default();
+            // Straight to fd 2: eprintln! in a thread a test started is captured with that test.
+            let _ = writeln!(
+                std::io::stderr(),
+                "\nWATCHDOG: {me} has run for {limit} s (VDISK_TEST_BINARY_LIMIT): a test hangs (the lines \
+                 \"has been running for over 60 seconds\" above name it). Killing the processes it started \
+                 and failing."
+            );
+            kill_descendants();
+            std::process::exit(101);
+        });
+        spawned.expect("start the test watchdog");
+    });
+}
+
+/// SIGKILLs every descendant of this process (found through /proc).
+fn kill_descendants() {
+    for _ in 0..3 {
+        let mut parent_of = Vec::new();
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            // "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses.
+            let ppid: Option<i32> =
+                stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok());
+            if let Some(ppid) = ppid {
+                parent_of.push((pid, ppid));
+            }
+        }
+        let mut family = vec![std::process::id() as i32];
+        let mut i = 0;
+        while i < family.len() {
+            let p = family[i];
+            family.extend(parent_of.iter().filter(|&&(_, pp)| pp == p).map(|&(c, _)| c));
+            i += 1;
+        }
+        for &pid in &family[1..] {
+            // SAFETY: kill only reads its integer arguments.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 pub fn text(out: &Output) -> String {
@@ -303,7 +394,7 @@ pub fn fio_randwrite_verify(dir: &Path, uri: &str, what: &str) {
         "--verify=crc32c",
         "--do_verify=1",
     ];
-    let out = Command::new("fio").args(args).current_dir(dir).output().expect("run fio");
+    let out = bounded(Command::new("fio").args(args).current_dir(dir), COMMAND_LIMIT);
     let all = text(&out);
     assert!(out.status.success() && all.contains("err= 0"), "fio on {what} failed:\n{all}");
     assert!(!all.contains("verify: bad") && all.contains("read: IOPS"), "fio on {what} did not verify:\n{all}");
@@ -329,11 +420,7 @@ pub fn qemu_io<S: AsRef<str>>(uri: &str, cmds: &[S]) -> String {
 /// Python, so /usr/bin goes first (a pyenv python3 would not find them).
 pub fn nbdsh(uri: &str, script: &str) -> String {
     let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
-    let out = Command::new("nbdsh")
-        .env("PATH", path)
-        .args(["-u", uri, "-c", script])
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run nbdsh: {e} (is libnbd-bin installed?)"));
+    let out = bounded(Command::new("nbdsh").env("PATH", path).args(["-u", uri, "-c", script]), COMMAND_LIMIT);
     assert!(out.status.success(), "nbdsh -u {uri} failed:\n{}\nscript:\n{script}", text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -375,29 +462,7 @@ pub fn assert_same(what: &str, got: &[u8], want: &[u8]) {
 /// Runs `vdisk ARGS`, killing it (and failing) if it has not exited within
 /// 20 s: a `serve` that should have refused to start must not hang the test.
 pub fn vdisk_bounded(args: &[&str]) -> Output {
-    let mut child = Command::new(vdisk_bin())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn vdisk");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("vdisk {args:?} was still running after 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    child.stdout.take().unwrap().read_to_end(&mut out).unwrap();
-    child.stderr.take().unwrap().read_to_end(&mut err).unwrap();
-    Output { status, stdout: out, stderr: err }
+    bounded(Command::new(vdisk_bin()).args(args), Duration::from_secs(20))
 }
 
 /// Runs `vdisk soak --seconds 0 --json --dir DIR ARGS` with `env`.
