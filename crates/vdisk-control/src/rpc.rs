@@ -40,8 +40,8 @@ pub struct AddParams {
     pub ceph_id: Option<String>,
     pub fuse: Option<String>,
     pub vhost_user_blk: Option<String>,
-    /// 1 to 64.
-    pub num_queues: Option<u16>,
+    /// 1 to 64 (checked with the rest of the spec by the daemon).
+    pub num_queues: Option<u64>,
     pub qos: Qos,
     /// Who may open the export over TLS (certificate patterns, PSK identities); empty: anyone.
     pub allow: Vec<String>,
@@ -334,11 +334,6 @@ pub fn parse(method: &str, mut p: Params) -> Result<Method, Fault> {
 fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
     let image = p.str("image")?.ok_or_else(|| bad("\"image\" (the image's path) is required"))?;
     let format = p.one_of("format", &FORMATS)?;
-    let num_queues = match p.u64("num_queues")? {
-        None => None,
-        Some(n @ 1..=64) => Some(n as u16),
-        Some(n) => return Err(bad(format!("num_queues {n} is not between 1 and 64"))),
-    };
     Ok(AddParams {
         image,
         name: p.str("name")?,
@@ -350,7 +345,7 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
         ceph_id: p.str("ceph_id")?,
         fuse: p.str("fuse")?,
         vhost_user_blk: p.str("vhost_user_blk")?,
-        num_queues,
+        num_queues: p.u64("num_queues")?,
         qos: p.qos()?,
         allow: p.strings("allow")?,
     })

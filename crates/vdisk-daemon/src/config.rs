@@ -249,7 +249,7 @@ fn export_spec(mut spec: ExportSpec, dir: &Path) -> Result<ExportSpec, String> {
     for p in [&mut spec.backing, &mut spec.fuse, &mut spec.vhost_user_blk, &mut spec.ceph_conf] {
         *p = p.take().map(|p| relative(dir, p));
     }
-    spec.check()?;
+    spec.check().map_err(|e| e.message().to_owned())?;
     Ok(spec)
 }
 
@@ -291,7 +291,7 @@ mod tests {
     fn mistakes_name_file_and_line() {
         let (path, c) = file("[server]\n\n[[export]]\nimage = \"a\"\nname = \"\"\n");
         let e = c.unwrap_err().report().to_string();
-        assert!(e.starts_with(&format!("{}:3: name \"\"", path.display())), "{e}");
+        assert!(e.starts_with(&format!("{}:3: \"\" cannot be an export name", path.display())), "{e}");
         let (_, c) = file("[[export]]\nimage = \"a\"\nbps = \"ten\"\n");
         assert!(c.unwrap_err().report().to_string().contains(":1: export \"a\": bps \"ten\""));
     }

@@ -364,9 +364,9 @@ impl Daemon {
 
     /// Starts serving one export for `origin`, unless `ticket` is abandoned
     /// before it is started (the module doc: how the open avoids the lock).
-    pub fn add_as(&self, spec: ExportSpec, origin: Origin, ticket: &Ticket) -> Result<Vec<String>, Error> {
+    pub fn add_as(&self, mut spec: ExportSpec, origin: Origin, ticket: &Ticket) -> Result<Vec<String>, Error> {
+        spec.check()?;
         let name = spec.export_name();
-        check_name(&name)?;
         let roots = match origin {
             Origin::Request => self.settings.roots.clone(),
             Origin::Operator => None,
@@ -462,7 +462,13 @@ impl Daemon {
         }
         if let Some(socket) = &spec.vhost_user_blk {
             let mode = self.settings.socket_mode;
-            frontends.0.push(crate::vhost::start(socket, &device, spec.num_queues, mode, &mut notes)?);
+            frontends.0.push(crate::vhost::start(
+                socket,
+                &device,
+                spec.num_queues.map(|n| n as u16),
+                mode,
+                &mut notes,
+            )?);
         }
         let bitmaps = ExportBitmaps::open(&name, &spec.image, &device)?.map(Arc::new);
         let export = Export { name: name.clone(), description, device: device.clone(), allow };
@@ -835,7 +841,7 @@ pub(crate) fn check_name(name: &str) -> Result<(), Error> {
     if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
         return Err(Error::new(
             ErrorKind::Invalid,
-            format!("{name:?} cannot be an export name: give 1 to 4096 bytes without control characters (--name)"),
+            format!("{name:?} cannot be an export name: give 1 to 4096 bytes without control characters"),
         ));
     }
     Ok(())

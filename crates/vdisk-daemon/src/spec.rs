@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use vdisk_engine::Limits;
 
+use crate::Error;
+
 /// Which format to open an image as (`--format`, `format = "..."`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -82,7 +84,7 @@ pub struct ExportSpec {
     /// Also serve it to a VM on this vhost-user-blk socket.
     pub vhost_user_blk: Option<PathBuf>,
     /// Virtqueues of the vhost-user-blk export, 1 to 64.
-    pub num_queues: Option<u16>,
+    pub num_queues: Option<u64>,
     /// QoS limits; 0 is none.
     #[serde(default)]
     pub iops: u64,
@@ -120,26 +122,25 @@ impl ExportSpec {
         self.name.clone().unwrap_or_else(|| export_name(&self.image))
     }
 
-    /// The checks every reader makes: the name is set and fits NBD, the
-    /// vhost options go together, allow patterns parse, amounts are numbers.
-    pub fn check(&mut self) -> Result<(), String> {
+    /// The checks every reader makes (the command line, the config file and
+    /// `export_add` all reach them through [`crate::Daemon::add`]): the name is
+    /// set and fits NBD, the vhost options go together, allow patterns parse,
+    /// amounts are numbers.
+    pub fn check(&mut self) -> Result<(), Error> {
         let name = self.export_name();
-        if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
-            return Err(format!("name {name:?}: give 1 to 4096 characters without control characters"));
+        crate::daemon::check_name(&name)?;
+        let bad = |what: String| Error::invalid(format!("export {name:?}: {what}"));
+        if let Some(n @ (0 | 65..)) = self.num_queues {
+            return Err(bad(format!("num_queues {n} is not between 1 and 64")));
         }
         if self.num_queues.is_some() && self.vhost_user_blk.is_none() {
-            return Err(format!(
-                "export {name:?}: num_queues applies to vhost_user_blk only: add vhost_user_blk = \"SOCKET\""
-            ));
+            return Err(bad("num_queues applies to vhost_user_blk only: add vhost_user_blk = \"SOCKET\"".into()));
         }
-        if let Some(n @ (0 | 65..)) = self.num_queues {
-            return Err(format!("export {name:?}: num_queues {n} is not between 1 and 64"));
-        }
-        vdisk_nbd::allow::Allow::new(&self.allow).map_err(|e| format!("export {name:?}: {e}"))?;
+        vdisk_nbd::allow::Allow::new(&self.allow).map_err(|e| bad(e.to_string()))?;
         for (key, a) in [("bps", &mut self.bps), ("read_bps", &mut self.read_bps), ("write_bps", &mut self.write_bps)] {
             if let Amount::Text(s) = a {
-                let n = crate::size::parse_size(s)
-                    .map_err(|e| format!("export {name:?}: {key} {s:?}: {e} (e.g. {key} = \"100M\")"))?;
+                let n =
+                    crate::size::parse_size(s).map_err(|e| bad(format!("{key} {s:?}: {e} (e.g. {key} = \"100M\")")))?;
                 *a = Amount::Number(n);
             }
         }

@@ -202,20 +202,25 @@ mod tests {
             "/run/vm1.sock",
             "--num-queues",
             "4",
+            "--export-allow",
+            "vm1=alice",
         ]);
         let cli = crate::serve::export_specs(&cli, None).unwrap().remove(0);
         let toml = "[[export]]\nimage = \"/srv/vm/disk.qcow2\"\nname = \"vm1\"\nreadonly = true\nformat = \"qcow2\"\n\
                     backing = \"/srv/vm/base.img\"\nignore_backing_mtime = true\nceph_conf = \"/etc/ceph/other.conf\"\n\
-                    ceph_id = \"vdisk\"\nfuse = \"/run/vm1.img\"\nvhost_user_blk = \"/run/vm1.sock\"\nnum_queues = 4\n";
+                    ceph_id = \"vdisk\"\nfuse = \"/run/vm1.img\"\nvhost_user_blk = \"/run/vm1.sock\"\nnum_queues = 4\nallow = [\"alice\"]\n";
         let from_file = file(toml).1.unwrap().exports.remove(0);
         let line = br#"{"jsonrpc": "2.0", "id": 1, "method": "export_add", "params": {"image": "/srv/vm/disk.qcow2",
             "name": "vm1", "readonly": true, "format": "qcow2", "backing": "/srv/vm/base.img",
             "ignore_backing_mtime": true, "ceph_conf": "/etc/ceph/other.conf", "ceph_id": "vdisk",
-            "fuse": "/run/vm1.img", "vhost_user_blk": "/run/vm1.sock", "num_queues": 4}}"#;
+            "fuse": "/run/vm1.img", "vhost_user_blk": "/run/vm1.sock", "num_queues": 4, "allow": ["alice"]}}"#;
         let rpc = vdisk_control::json::export_add_spec(line).unwrap();
         assert_eq!(cli, from_file, "command line and config file");
         assert_eq!(from_file, rpc, "config file and export_add");
-        assert_eq!(rpc.ceph_conf.as_deref(), Some(Path::new("/etc/ceph/other.conf")));
+        assert_eq!(
+            (rpc.ceph_conf.as_deref(), &rpc.allow[..]),
+            (Some(Path::new("/etc/ceph/other.conf")), &["alice".into()][..])
+        );
         // QoS, which the command line has no flags for: the file and export_add agree.
         let from_file = file("[[export]]\nimage = \"/d.img\"\nname = \"d\"\niops = 5\nbps = \"1M\"\nwrite_bps = 7\n").1;
         let line = br#"{"jsonrpc": "2.0", "id": 1, "method": "export_add",

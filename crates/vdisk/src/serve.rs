@@ -322,7 +322,7 @@ pub(crate) fn export_specs(a: &ServeArgs, demo: Option<PathBuf>) -> Result<Vec<E
             ceph_id: a.backing.ceph.ceph_id.clone(),
             fuse: a.fuse.get(i).cloned(),
             vhost_user_blk: a.vhost_user_blk.get(i).cloned(),
-            num_queues: a.num_queues,
+            num_queues: a.num_queues.map(u64::from),
             ..Default::default()
         });
     }

@@ -168,6 +168,18 @@ fn hostile_control_input_changes_nothing() {
         let v = rpc(&mut c, line);
         assert_eq!(code(&v), -32602, "{line} -> {v}");
     }
+    // The spec's own checks refuse as they do in the config file (tests/service.rs): one check.
+    for (params, what) in [
+        (format!(r#"{{"image":"{a}","num_queues":4}}"#), "num_queues applies to vhost_user_blk only"),
+        (
+            format!(r#"{{"image":"{a}","name":"b","vhost_user_blk":"/tmp/x.sock","num_queues":70}}"#),
+            "not between 1 and 64",
+        ),
+        (format!(r#"{{"image":"{a}","name":"c","bps":"lots"}}"#), "bps"),
+    ] {
+        let v = rpc(&mut c, &format!(r#"{{"jsonrpc":"2.0","id":9,"method":"export_add","params":{params}}}"#));
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains(what)), "{params} -> {v}");
+    }
     let v = rpc(&mut c, r#"{"jsonrpc":"2.0","id":"x","method":"export_list"}"#);
     assert_eq!((v["id"].as_str(), v["result"][0]["name"].as_str()), (Some("x"), Some("a")), "{v}");
 
