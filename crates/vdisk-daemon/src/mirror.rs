@@ -490,7 +490,9 @@ impl Copy {
     /// Ok(true) once pivoted, Ok(false) once cancelled.
     fn copy_until_done(&mut self, job: &Job) -> Result<bool, Error> {
         self.buf = vec![0u8; CHUNK as usize];
-        self.mark_source()?;
+        if !self.mark_source(job)? {
+            return Ok(false);
+        }
         let map = self.attached.map.clone();
         self.total = map.dirty_bytes();
         job.set_total(self.total);
@@ -531,14 +533,18 @@ impl Copy {
         }
     }
 
-    /// Marks what the source holds that the target must get.
-    fn mark_source(&mut self) -> Result<(), Error> {
+    /// Marks what the source holds that the target must get; Ok(false) if
+    /// the job was cancelled meanwhile (a large chain takes a while to map).
+    fn mark_source(&mut self, job: &Job) -> Result<bool, Error> {
         let image = self.device.image();
         let map = &self.attached.map;
         let size = image.size();
         let mut runs = Vec::new();
         let mut off = 0;
         while off < size {
+            if job.cancelled() {
+                return Ok(false);
+            }
             runs.clear();
             image
                 .allocation(off, size - off, 1024, &mut runs)
@@ -558,7 +564,7 @@ impl Copy {
                 off += run.len;
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Takes and copies every dirty run once; the bytes copied.

@@ -18,6 +18,7 @@ pub mod raw;
 pub mod rbd;
 #[cfg(test)]
 mod testing;
+mod window;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -364,20 +364,32 @@ impl Image for CowImage {
         let start_len = out.len();
         let mut pos = offset;
         let mut found = Vec::new();
+        // The backing's answer for the whole range, asked once (see crate::window).
+        let mut window = crate::window::BackingWindow::default();
+        let failed = |e, at| Error::io(e, format!("cannot map {} at {at}", self.file_path(1).display()));
         while pos < end && out.len() - start_len < max {
             let (set, run_end) = self.map.run(pos / self.sector, last);
             let stop = (run_end * self.sector).min(end);
             found.clear();
             let left = max - (out.len() - start_len);
-            let r = if set {
+            if set {
                 seek_allocation(&self.base.files[0], self.data_offset + pos, stop - pos, left, &mut found)
-            } else if let Some(rbd) = &self.rbd_backing {
-                rbd.allocation(pos, stop - pos, left, &mut found)?;
-                Ok(())
+                    .map_err(|e| Error::io(e, format!("cannot map {} at {pos}", self.file_path(0).display())))?;
             } else {
-                seek_allocation(&self.base.files[1], pos, stop - pos, left, &mut found)
-            };
-            r.map_err(|e| Error::io(e, format!("cannot map {} at {pos}", self.file_path(!set as usize).display())))?;
+                window.take(
+                    pos,
+                    stop - pos,
+                    end,
+                    |at, l, m, runs| match &self.rbd_backing {
+                        Some(rbd) => rbd.allocation(at, l, m, runs),
+                        None => seek_allocation(&self.base.files[1], at, l, m, runs).map_err(|e| failed(e, at)),
+                    },
+                    &mut found,
+                )?;
+                if found.is_empty() {
+                    return Ok(());
+                }
+            }
             for a in &found {
                 // The overlay's own sectors are depth 1; the backing image's one deeper.
                 let a = if set { Allocation { depth: 1, ..*a } } else { a.one_deeper() };

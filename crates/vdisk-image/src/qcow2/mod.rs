@@ -291,6 +291,8 @@ impl Image for Qcow2Image {
         let base = out.len();
         let end = offset + len;
         let mut pos = offset;
+        let mut window = crate::window::BackingWindow::default();
+        let mut tmp = Vec::new();
         while pos < end && out.len() - base < max {
             let (unit, _, unit_end) = self.unit_at(pos)?;
             let stop = unit_end.min(end);
@@ -301,10 +303,15 @@ impl Image for Qcow2Image {
                 Unit::Backing => match &self.backing {
                     Some(b) if pos < b.size() => {
                         let n = (stop - pos).min(b.size() - pos);
-                        let mut tmp = Vec::new();
-                        b.allocation(pos, n, max - (out.len() - base), &mut tmp)?;
-                        let got: u64 = tmp.iter().map(|a| a.len).sum();
-                        tmp.into_iter().for_each(|a| _ = push_alloc(out, base, a.one_deeper()));
+                        tmp.clear();
+                        let limit = end.min(b.size());
+                        let got =
+                            window.take(pos, n, limit, |at, l, m, runs| b.allocation(at, l, m, runs), &mut tmp)?;
+                        tmp.drain(..).for_each(|a| _ = push_alloc(out, base, a.one_deeper()));
+                        if out.len() - base > max {
+                            out.truncate(base + max);
+                            return Ok(());
+                        }
                         if got < n {
                             return Ok(());
                         }
