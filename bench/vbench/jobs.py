@@ -44,6 +44,7 @@ JOBS_LIMIT = 32 * MiB  # bytes/s for the limited rows: 1 GiB then takes 32 s, lo
 JOBS_FIO = dict(rw="randwrite", bs="4k", iodepth=32)
 EXPORT = "jobs"
 POLL = 0.1
+CANCEL_WAIT = 30  # seconds a job may take to end once cancelled at the end of the window
 START_DELAY = 0.1  # after fio has connected to the server, before the job is started
 
 # key, title, image ("raw" or "qcow2"), job ("mirror", "commit" or None), rate limit (0: none)
@@ -395,9 +396,14 @@ class Row:
         state, done = ctl.status(j["id"])
         j["bytes"], j["state"], j["window_end"] = done, state, time.time()
         if state in ("running", "ready"):
+            t = time.monotonic()
             ctl.cancel(j["id"])
-            end = dict(j)
-            self.wait_end(ctl, end)
+            try:
+                self.wait_end(ctl, dict(j), CANCEL_WAIT)
+                j["cancel_s"] = time.monotonic() - t
+            except JobError as e:  # the row still stands; the server is stopped next (SIGKILL if need be)
+                log(f"  jobs {self.key} {self.kind}: {e}")
+                j["cancel_note"] = str(e)
 
     def summarise(self, r, jobs, name, iops_log):
         """Bytes and times of the jobs within fio's window, and the guest's IOPS while they ran."""
@@ -411,6 +417,8 @@ class Row:
         r["iops_job"] = iops_between(iops_log, max(a, 0), b)
         r["job_window_s"] = max(0.0, (b - a) / 1000)
         r["jobs_started"] = len(jobs)
+        r["cancel_s"] = last.get("cancel_s") if last else None  # the cancel at the window's end, if any
+        r["cancel_note"] = last.get("cancel_note") if last else None
         # A mirror's figure is its time to ready (then it is restarted), a commit's its time to done
         # (pivoted: vdisk by itself, qsd on block-job-complete as soon as it was ready).
         first = jobs[0] if jobs else {}

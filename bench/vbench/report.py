@@ -506,6 +506,16 @@ def md_jobs(res, _meta):
                        f"{c.get('copied_bytes', 0) / MiB:,.0f} MiB | "
                        f"{'—' if rate is None else f'{rate / MiB:,.0f} MiB/s'} | {fmt_pct(c.get('cpu_pct'))} |")
     out.append("")
+    for key, title, _image, job, _limit in JOBS_ROWS:
+        for kind, label in JOBS_SERVERS:
+            c = rows.get(f"{key}|{kind}", {})
+            if c.get("cancel_note"):
+                out.append(f"- {label}, {title}: the job, cancelled when fio ended, did not end "
+                           f"({cell_err({'error': c['cancel_note']})}); the server was stopped.")
+            elif c.get("cancel_s") is not None and c["cancel_s"] > 1:
+                out.append(f"- {label}, {title}: the job took {c['cancel_s']:.1f} s to end once cancelled when fio ended.")
+    if out[-1] != "":
+        out.append("")
     limit = res.get("limit", 0) / MiB
     out.append(
         f"fio's nbd engine, 4K randwrite QD32, {res.get('runtime', '?')} s with no ramp, on a "
