@@ -465,7 +465,13 @@ def section_jobs(b, res):
     try:
         log(f"jobs: making a {JOBS_IMAGE // MiB} MiB raw base and a qcow2 overlay with "
             f"{JOBS_OVERLAY_DATA // MiB} MiB in {s.dir}")
-        s.make()
+        try:
+            s.make()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # qemu-img or qemu-io missing or failing
+            log(f"jobs: making the images: {e}")
+            res["rows"] = {f"{key}|{kind}": {"error": f"failed: making the images: {e}"}
+                           for key, *_ in JOBS_ROWS for kind, _ in JOBS_SERVERS}
+            return res
         for key, title, image, job, limit in JOBS_ROWS:
             for kind, label in JOBS_SERVERS:
                 rk = f"{key}|{kind}"
