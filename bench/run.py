@@ -33,6 +33,9 @@ Run as root from anywhere (it finds the workspace from its own path). Sections:
   scale      many exports on one server, vdisk beside qemu-storage-daemon: RSS and threads with
              0/200/1000 idle exports, 10,000 added through the control socket (time, RSS), 4 busy
              exports alone and beside 996 idle ones, a QD1 reader's p99 beside a QD128 writer.
+  jobs       live block jobs, vdisk beside qemu-storage-daemon: fio 4K randwrite QD32 alone, during a
+             mirror and during an active commit (each without and with the job's rate limit); the
+             guest's IOPS and their ratio to the row without a job, the job's time and bytes copied.
 
 Every server's peak RSS (VmHWM, read just before it is stopped) sits beside its rows.
 Writes docs/benchmarks.md and docs/benchmarks.png, raw fio JSON and server logs under
@@ -52,7 +55,7 @@ also on failure or Ctrl-C; a server that cannot start turns its rows into
 "failed: reason".
 
 This file only parses the options and runs the sections; the work is in bench/vbench/
-(common, servers, fio, ablations, loopdev, overlay, vm, rbd, scale, report: see vbench/__init__.py).
+(common, servers, fio, ablations, loopdev, overlay, vm, rbd, scale, jobs, report: see vbench/__init__.py).
 """
 
 
@@ -75,6 +78,7 @@ from vbench.bitmaps import section_bitmaps
 from vbench.common import (DEFAULT_MD, DEFAULT_PNG, HAVE, LOGS, OUT, PIN, RAW, SECTIONS, Interrupted, log, on_cleanup,
                            on_signal, run_cleanups)
 from vbench.fio import section_fio
+from vbench.jobs import section_jobs
 from vbench.loopdev import section_loop
 from vbench.overlay import section_overlay
 from vbench.vm import section_vm
@@ -175,7 +179,8 @@ def main():
             r = results[sec] = {"_meta": {"date": started, "command": command, "mode": meta["mode"],
                                           "syscall_seconds": args.syscall_seconds}}
             {"fio": section_fio, "ablations": section_ablations, "bitmaps": section_bitmaps, "loop": section_loop,
-             "overlay": section_overlay, "vm": section_vm, "rbd": section_rbd, "scale": section_scale}[sec](b, r)
+             "overlay": section_overlay, "vm": section_vm, "rbd": section_rbd, "scale": section_scale,
+             "jobs": section_jobs}[sec](b, r)
             r["_meta"]["minutes"] = (time.monotonic() - ts) / 60
             log(f"== section {sec} took {(time.monotonic() - ts) / 60:.1f} min")
     except (KeyboardInterrupt, Interrupted) as e:

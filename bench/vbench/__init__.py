@@ -9,5 +9,6 @@ overlay   copy-on-write overlays (COW v3, qcow2, nbdkit's cow filter) over a tmp
 vm        a QEMU guest on vhost-user-blk: vdisk vs qemu-storage-daemon (section "vm")
 rbd       a throwaway Ceph cluster: vdisk, qemu-nbd's rbd driver, fio's rbd engine (section "rbd")
 scale     many exports on one server: RSS, threads, adds, busy beside idle, fairness (section "scale")
+jobs      guest IOPS during a mirror and an active commit, vdisk vs qemu-storage-daemon (section "jobs")
 report    docs/benchmarks.md and docs/benchmarks.png from the results
 """

@@ -23,7 +23,7 @@ DEFAULT_PNG = ROOT / "docs" / "benchmarks.png"
 GiB = 1 << 30
 MiB = 1 << 20
 IMAGE_SIZE = 2 * GiB
-SECTIONS = ["fio", "ablations", "bitmaps", "loop", "overlay", "vm", "rbd", "scale"]
+SECTIONS = ["fio", "ablations", "bitmaps", "loop", "overlay", "vm", "rbd", "scale", "jobs"]
 
 PIN = {"fio": [], "server": []}  # taskset prefixes (--pin); filled in by run.py
 HAVE = {"setpriv": False}  # filled in by run.py

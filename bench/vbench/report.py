@@ -14,6 +14,7 @@ from pathlib import Path
 from .ablations import ABL_JOBS, ABLATIONS
 from .common import IMAGE_SIZE, MiB, last_line, log, sh
 from .fio import JOB, JOBS, MATRIX_TARGETS, PEERS, peer_config_name
+from .jobs import JOBS_ROWS, JOBS_SERVERS
 from .loopdev import LOOP_PEERS, LOOP_TARGETS, RAW_FILE
 from .overlay import OVERLAY_JOBS, OVERLAY_TARGETS
 from .rbd import RBD_JOBS, RBD_TARGETS
@@ -477,6 +478,69 @@ def md_scale(res, meta):
     return out
 
 
+def md_jobs(res, _meta):
+    """Section "jobs": the guest's 4K writes during a mirror and an active commit, vdisk beside qsd."""
+    out = ["### 8. Live block jobs: the guest's writes during a mirror and an active commit\n",
+           "| row | server | guest IOPS while the job ran | vs no job | IOPS over the window | p99 µs | "
+           "job ready / done after | jobs started | copied in the window | job rate | server CPU % |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = res.get("rows", {})
+    for key, title, image, job, _limit in JOBS_ROWS:
+        alone = "alone-raw" if image == "raw" else "alone-qcow2"
+        for kind, label in JOBS_SERVERS:
+            c = rows.get(f"{key}|{kind}", {"error": "not run"})
+            if "error" in c:
+                out.append(f"| {title} | {label} | {cell_err(c)} | | | | | | | | |")
+                continue
+            base = val(rows.get(f"{alone}|{kind}"), "iops")
+            if not job:
+                out.append(f"| {title} | {label} | {fmt_num(c['iops'])} | 1.00× | {fmt_num(c['iops'])} | "
+                           f"{fmt_num(c['p99_us'])} | | | | | {fmt_pct(c.get('cpu_pct'))} |")
+                continue
+            word = "ready" if job == "mirror" else "done"
+            first = (f"{c['first_s']:.1f} s" if c.get("first_s") is not None
+                     else f"not {word} in {c.get('job_window_s', 0):.1f} s")
+            rate = c.get("job_rate")
+            out.append(f"| {title} | {label} | {fmt_num(c.get('iops_job'))} | {fmt_ratio(ratio(c.get('iops_job'), base))} | "
+                       f"{fmt_num(c['iops'])} | {fmt_num(c['p99_us'])} | {first} | {c.get('jobs_started', 0)} | "
+                       f"{c.get('copied_bytes', 0) / MiB:,.0f} MiB | "
+                       f"{'—' if rate is None else f'{rate / MiB:,.0f} MiB/s'} | {fmt_pct(c.get('cpu_pct'))} |")
+    out.append("")
+    for key, title, _image, job, _limit in JOBS_ROWS:
+        for kind, label in JOBS_SERVERS:
+            c = rows.get(f"{key}|{kind}", {})
+            if c.get("cancel_note"):
+                out.append(f"- {label}, {title}: the job, cancelled when fio ended, did not end "
+                           f"({cell_err({'error': c['cancel_note']})}); the server was stopped.")
+            elif c.get("cancel_s") is not None and c["cancel_s"] > 1:
+                out.append(f"- {label}, {title}: the job took {c['cancel_s']:.1f} s to end once cancelled when fio ended.")
+    if out[-1] != "":
+        out.append("")
+    limit = res.get("limit", 0) / MiB
+    out.append(
+        f"fio's nbd engine, 4K randwrite QD32, {res.get('runtime', '?')} s with no ramp, on a "
+        f"{res.get('image_mib', '?')} MiB raw image filled with data (mirror rows) or a qcow2 overlay holding "
+        f"{res.get('overlay_mib', '?')} MiB over it (commit rows); fresh copies of both files for every row, on tmpfs. "
+        f"The job starts {res.get('start_delay_s', 0.1)} s after fio has connected. **vdisk**: `vdisk serve IMG "
+        "--engine uring --control C`, the job by `export_mirror` to a new raw file on tmpfs or `export_commit` with "
+        "`active` (it pivots to the base once ready), limited rows with `bps`. "
+        f"**qsd** ({res.get('qsd') or 'qemu-storage-daemon'}): `--blockdev driver=file,aio=io_uring` (+ `raw`, or "
+        "`qcow2` with `backing=` the raw base), `--export type=nbd` on a unix `--nbd-server` (main loop, no "
+        "iothread), QMP on a unix `--chardev`: `blockdev-add` of the target file and `blockdev-mirror sync=full`, "
+        "or `block-commit` of the top and `block-job-complete` once ready; limited rows with `speed`. "
+        f"Limited: {limit:.0f} MiB/s. A mirror that gets ready within the window is cancelled (nothing pivots), "
+        "its target removed and a new mirror started, so a bulk copy runs throughout (\"jobs started\"; \"ready "
+        "after\" is the first one's). A commit runs once: \"while the job ran\" is fio's IOPS log (100 ms "
+        "averages) over the job's life, the window's figure beside it; \"vs no job\" divides by the row without a "
+        "job on the same image (raw or qcow2). Job states polled every "
+        f"{res.get('poll_s', 0.1)} s. Copied = the jobs' bytes done within the window; rate = that over the time the "
+        "jobs ran in it. Server CPU: user+system of the whole server (its job included) over the window. "
+        f"Load average {' '.join(res.get('loadavg_start', ['?']))} at the start of the section, "
+        f"{' '.join(res.get('loadavg_end', ['?']))} at its end.")
+    out.append("")
+    return out
+
+
 def md_overlay(res, meta):
     out = ["### 4. Copy-on-write overlays over a 2 GiB base, tmpfs (/dev/shm)\n"]
     cells = res["cells"]
@@ -617,7 +681,7 @@ def render(results, meta, md_path, png_path):
         lines += [f"![fio matrix on tmpfs, normalised to the best peer]({png_path.name})", ""]
     for sec, fn in (("fio", md_fio), ("loop", md_loop), ("ablations", md_ablations), ("bitmaps", md_bitmaps),
                     ("overlay", md_overlay),
-                    ("vm", md_vm), ("rbd", md_rbd), ("scale", md_scale)):
+                    ("vm", md_vm), ("rbd", md_rbd), ("scale", md_scale), ("jobs", md_jobs)):
         if sec in results:
             r = results[sec]
             sm = r.get("_meta", {})
