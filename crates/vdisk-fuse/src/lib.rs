@@ -92,7 +92,7 @@ pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExp
         notes,
         transport: if opts.uring { "FUSE-over-io_uring" } else { "/dev/fuse" },
     };
-    if let Err(e) = mount::mount(path, &dev, session.read_only) {
+    if let Err(e) = mount::mount(path, &dev, session.read_only()) {
         export.stopped = true;
         export.remove_created();
         return Err(e);

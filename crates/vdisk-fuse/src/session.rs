@@ -45,7 +45,6 @@ pub enum Action {
 /// The file system state shared by every thread of one export.
 pub struct Session {
     pub device: Arc<Device>,
-    pub read_only: bool,
     uid: u32,
     gid: u32,
     started: u64,
@@ -67,7 +66,6 @@ impl Session {
         let gid = unsafe { libc::getgid() };
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         Session {
-            read_only: device.read_only(),
             device,
             uid,
             gid,
@@ -91,7 +89,7 @@ impl Session {
             atime: self.started,
             mtime: self.started,
             ctime: self.started,
-            mode: libc::S_IFREG | if self.read_only { 0o444 } else { 0o644 },
+            mode: libc::S_IFREG | if self.read_only() { 0o444 } else { 0o644 },
             nlink: 1,
             uid: self.uid,
             gid: self.gid,
@@ -125,7 +123,7 @@ impl Session {
             proto::LOOKUP => fail(libc::ENOENT),
             proto::OPEN => {
                 let Some(o) = proto::OpenIn::read(op) else { return fail(libc::EINVAL) };
-                if self.read_only && (o.flags as i32 & libc::O_ACCMODE) != libc::O_RDONLY {
+                if self.read_only() && (o.flags as i32 & libc::O_ACCMODE) != libc::O_RDONLY {
                     return fail(libc::EROFS);
                 }
                 let flags = proto::FOPEN_DIRECT_IO | proto::FOPEN_PARALLEL_DIRECT_WRITES;
@@ -145,7 +143,7 @@ impl Session {
             }
             proto::READ => proto::RwIn::read(op).map_or(fail(libc::EINVAL), |r| self.read(h, &r)),
             proto::WRITE => proto::RwIn::read(op).map_or(fail(libc::EINVAL), |w| self.write(h, &w)),
-            proto::FLUSH | proto::FSYNC if self.read_only => ok(Vec::new()),
+            proto::FLUSH | proto::FSYNC if self.read_only() => ok(Vec::new()),
             // FSYNC with or without FUSE_FSYNC_FDATASYNC: the engine's flush makes the
             // data and the image's metadata (a COW bitmap) durable, which is all a
             // full fsync adds to a datasync here (the file's attributes never change).
@@ -168,6 +166,11 @@ impl Session {
     /// the device, and reads and writes no longer than we negotiated.
     fn bounds(&self) -> Bounds {
         Bounds { max_data: MAX_IO as u64, ..self.device.bounds() }
+    }
+
+    /// Whether the device takes no writes (the one read-only state: the device's).
+    pub fn read_only(&self) -> bool {
+        self.device.bounds().read_only
     }
 
     fn read(&self, h: &proto::InHeader, r: &proto::RwIn) -> Action {
@@ -209,11 +212,15 @@ impl Session {
 
     fn lseek(&self, h: &proto::InHeader, l: &proto::LseekIn) -> Action {
         match l.whence as i32 {
-            libc::SEEK_DATA | libc::SEEK_HOLE if l.offset >= self.size() => Action::Reply(libc::ENXIO, Vec::new()),
             libc::SEEK_DATA | libc::SEEK_HOLE => {
-                self.seeks.lock().unwrap().insert(h.unique, l.whence as i32 == libc::SEEK_HOLE);
                 let op = Op::BlockStatus { max: 256 };
-                Action::Submit(Request::new(op, l.offset, self.size() - l.offset, h.unique))
+                let len = self.size().saturating_sub(l.offset);
+                if vdisk_engine::validate(op, l.offset, len, &self.bounds()).is_err() {
+                    // At or past the end there is neither data nor a hole (lseek(2)).
+                    return Action::Reply(libc::ENXIO, Vec::new());
+                }
+                self.seeks.lock().unwrap().insert(h.unique, l.whence as i32 == libc::SEEK_HOLE);
+                Action::Submit(Request::new(op, l.offset, len, h.unique))
             }
             // SEEK_SET/CUR/END never reach the file system.
             _ => Action::Reply(libc::EINVAL, Vec::new()),
