@@ -317,12 +317,13 @@ impl Daemon {
         }
         if !o.existing {
             RbdImage::create(&spec, size).map_err(|e| {
-                let hint = if e.kind() == vdisk_image::ErrorKind::InvalidInput {
-                    "; or write into it with --existing"
-                } else {
-                    ""
-                };
-                Error::failed(format!("mirror of export {name:?}: cannot make the target: {}{hint}", e.report()))
+                if e.os_error() == Some(libc::EEXIST) {
+                    return Error::new(
+                        ErrorKind::Exists,
+                        format!("mirror of export {name:?}: {}; or write into it with --existing", e.message()),
+                    );
+                }
+                Error::failed(format!("mirror of export {name:?}: cannot make the target: {}", e.report()))
             })?;
         }
         let image = match RbdImage::open(&spec, false) {

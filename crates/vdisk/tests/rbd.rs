@@ -1005,7 +1005,8 @@ fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
     let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
     assert_eq!(j["state"], "cancelled", "{j}");
     assert_same("the RBD target", &export(c, &dir, &format!("rbd/{img}")), &view);
-    // Into the same image again with --existing (it is there now): writes the zeros too.
+    // Into the same image again: refused without --existing, which writes the zeros too.
+    refused(&["mirror", "disk", "--to", &to], "already exists");
     common::nbdsh(&uri, "h.zero(1048576, 0)\nh.pwrite(b'\\x5a' * 65536, 4194304)\n");
     common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to, "--existing"]);
     let id = last_job(&control);

@@ -314,7 +314,8 @@ impl RbdImage {
                 r if r == -libc::EEXIST => Err(Error::invalid(format!(
                     "RBD image {spec} already exists; remove it first (`rbd rm {}/{}`) or pick another name",
                     spec.pool, spec.image
-                ))),
+                ))
+                .caused_by(os_err(r.into()))),
                 r => Err(Error::io(os_err(r.into()), format!("cannot create RBD image {spec}"))),
             }
         })
