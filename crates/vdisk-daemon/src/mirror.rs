@@ -579,10 +579,19 @@ impl Copy {
     fn start(self, jobs: &Jobs, bps: u64) -> Result<u64, Error> {
         let (name, what, described) = (self.name.clone(), self.what, self.target_described());
         let back = self.relock.clone().map(|base| (self.device.clone(), base));
+        let made_rbd = self.made_rbd.clone();
         let spawned = jobs.spawn(what, &name, bps, move |job: &Job| self.run(job).map_err(|e| e.report().to_string()));
         let job = spawned.map_err(|e| {
             if let Some((device, base)) = &back {
                 chain::relock(&*device.image(), base, libc::LOCK_SH);
+            }
+            // The job (and the target it held open) was dropped: an RBD image it made goes too.
+            if let Some(spec) = &made_rbd {
+                remove_made(&name, spec);
+                return Error::new(
+                    e.kind(),
+                    format!("{}; the RBD image {described} made for it was removed", e.message()),
+                );
             }
             Error::new(e.kind(), format!("{}; the target {described} was left as it is", e.message()))
         })?;

@@ -1008,9 +1008,10 @@ fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
     // Into the same image again: refused without --existing, which writes the zeros too.
     refused(&["mirror", "disk", "--to", &to], "already exists");
     common::nbdsh(&uri, "h.zero(1048576, 0)\nh.pwrite(b'\\x5a' * 65536, 4194304)\n");
-    common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to, "--existing"]);
+    // --wait without --pivot returns once the job is ready.
+    common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to, "--existing", "--wait"]);
     let id = last_job(&control);
-    common::control::job_until(&control, id, |j| j["state"] != "running");
+    assert_eq!(common::control::job(&control, id)["state"], "ready");
     mirror_caught_up(&control, id);
     let view = common::read_export(&dir, &uri, "view2.raw");
     common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
