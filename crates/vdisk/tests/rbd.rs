@@ -1064,7 +1064,7 @@ fn mirror_to_rbd_cancelled_midway_and_to_a_cluster_that_is_not_there() {
 
 /// An RBD export mirrored to a file (no pivot: its device cannot be
 /// swapped) while fio verifies on it; cancelled once caught up, the file
-/// holds the export's bytes.
+/// holds the export's bytes. Then to a new RBD image, the same.
 #[test]
 fn mirror_of_an_rbd_export_to_a_file() {
     let (c, _g) = shared();
@@ -1094,6 +1094,15 @@ fn mirror_of_an_rbd_export_to_a_file() {
     let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
     assert_eq!(j["state"], "cancelled", "{j}");
     assert_same("the file target", &read_file(&target), &view);
+    // And to another RBD image, made by the job.
+    let copy = name("mirrorcopy");
+    common::control::ctl_ok(&control, &["mirror", &img, "--to", &format!("rbd:rbd/{copy}"), "--wait"]);
+    let id = last_job(&control);
+    mirror_caught_up(&control, id);
+    common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert_same("the RBD target", &export(c, &dir, &format!("rbd/{copy}")), &view);
     server.stop();
     assert_same("the RBD image", &export(c, &dir, &format!("rbd/{img}")), &view);
 }
