@@ -101,7 +101,7 @@ pub fn relock(image: &dyn Image, path: &Path, op: i32) {
 
 /// Reads `buf.len()` bytes at `offset` of the disk `image` holds, as it is
 /// now: the image's read mapping (into `extents`), then each extent from its
-/// file (zeros where it maps to none). RBD images are not read here.
+/// file, or an RBD image's own blocking read (zeros where it maps to none).
 pub fn read(image: &dyn Image, offset: u64, buf: &mut [u8], extents: &mut Vec<Extent>) -> Result<(), String> {
     extents.clear();
     let len = buf.len() as u64;
@@ -112,9 +112,15 @@ pub fn read(image: &dyn Image, offset: u64, buf: &mut [u8], extents: &mut Vec<Ex
     for ext in extents.iter() {
         let n = ext.len() as usize;
         match *ext {
-            Extent::Data { file, offset: fo, .. } => image.files()[file]
-                .read_exact_at(&mut buf[at..at + n], fo)
-                .map_err(|e| format!("reading {n} bytes at offset {fo} of {}: {e}", image.file_path(file).display()))?,
+            Extent::Data { file, offset: fo, .. } => {
+                let into = &mut buf[at..at + n];
+                let r = match (image.files().get(file), image.target(file)) {
+                    (Some(f), _) => f.read_exact_at(into, fo),
+                    (None, Some(vdisk_image::Storage::Rbd(rbd))) => rbd.read_at(into, fo),
+                    (None, _) => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+                };
+                r.map_err(|e| format!("reading {n} bytes at offset {fo} of {}: {e}", image.file_path(file).display()))?
+            }
             Extent::Zero { .. } => buf[at..at + n].fill(0),
         }
         at += n;

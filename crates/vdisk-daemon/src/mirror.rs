@@ -15,8 +15,15 @@
 //! of the pivot, must see nothing in flight, and it does.
 //!
 //! A mirror writes a new raw or qcow2 file (an existing one with
-//! `existing`), or an NBD export of the same size (no pivot to it: an NBD
-//! target has no image to serve from here). An active commit writes the
+//! `existing`), an NBD export of the same size (no pivot to it: an NBD
+//! target has no image to serve from here), or an RBD image the job makes
+//! at the export's size (an existing one at least that large with
+//! `existing`; no pivot to it either: an export cannot be swapped onto the
+//! RBD engine). The source may be an RBD export too, without pivot (its
+//! device cannot be swapped). A mirror with no pivot that is cancelled once
+//! ready copies what is still dirty and flushes the target (it then holds
+//! the disk as the export read at that moment); cancelled before ready, an
+//! RBD image the job made is removed. An active commit writes the
 //! chain's base (the bottom, or a named layer) opened on its own, copying
 //! only runs held above it; its pivot reopens the chain from the base.
 
@@ -29,7 +36,8 @@ use std::time::Duration;
 use vdisk_engine::{Device, Observers};
 use vdisk_image::bitmap::DirtyBitmap;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
-use vdisk_image::{Format, Qcow2Image};
+use vdisk_image::rbd::Spec;
+use vdisk_image::{Format, Image, Qcow2Image, RbdImage};
 use vdisk_nbd::remote::{Remote, Uri};
 
 use crate::chain;
@@ -38,7 +46,7 @@ use crate::jobs::{Job, Jobs};
 use crate::snapshot::{check_source, QUIESCE_LIMIT};
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
-use target::{ImageTarget, NbdTarget, Target};
+use target::{ImageTarget, NbdTarget, RbdTarget, Target};
 
 /// The most one copy takes at a time.
 pub const CHUNK: u64 = 1 << 20;
@@ -61,6 +69,8 @@ pub enum MirrorTarget {
     File(PathBuf),
     /// An NBD export: `nbd://HOST[:PORT]/NAME` or `nbd+unix:///NAME?socket=PATH`.
     Nbd(String),
+    /// An RBD image: `rbd:POOL/IMAGE[:conf=PATH][:id=NAME]`.
+    Rbd(String),
 }
 
 impl MirrorTarget {
@@ -68,6 +78,8 @@ impl MirrorTarget {
     pub fn parse(s: &str) -> MirrorTarget {
         if Uri::is_nbd(s) {
             MirrorTarget::Nbd(s.to_owned())
+        } else if vdisk_image::rbd::is_rbd(Path::new(s)) {
+            MirrorTarget::Rbd(s.to_owned())
         } else {
             MirrorTarget::File(PathBuf::from(s))
         }
@@ -138,8 +150,8 @@ enum Pivot {
     Mirror { path: PathBuf, format: TargetFormat },
     /// Serve the chain from `base` on; `delete` the layers above it after.
     Commit { base: PathBuf, base_format: Format, above: Vec<PathBuf>, delete: bool },
-    /// An NBD target: no pivot.
-    None,
+    /// No pivot (an NBD or RBD target, an RBD source): why, for `job_pivot`'s refusal.
+    None(String),
 }
 
 /// One running copy job.
@@ -155,6 +167,10 @@ struct Copy {
     below_depth: u32,
     pivot: Pivot,
     auto_pivot: bool,
+    /// The job said it is ready.
+    ready: bool,
+    /// An RBD image the job made: removed if it is cancelled before ready.
+    made_rbd: Option<Spec>,
     /// The old chain's lock on the base to take back if an active commit ends without pivot.
     relock: Option<PathBuf>,
     buf: Vec<u8>,
@@ -182,11 +198,48 @@ impl Daemon {
                 )));
             }
             MirrorTarget::Nbd(uri) => Some(connect(name, uri, o.pivot)?),
-            MirrorTarget::File(_) => None,
+            MirrorTarget::File(_) | MirrorTarget::Rbd(_) => None,
         };
-        let (device, made, pivot, fresh) = self.live_change(name, |live| {
-            let device = check_source(live, "mirror", name, RBD_COPY, None)?;
+        // So is an RBD target (made or opened within the client's deadlines).
+        let mut rbd = match &target {
+            MirrorTarget::Rbd(s) => Some(self.rbd_target(name, s, &o)?),
+            _ => None,
+        };
+        let made_rbd = rbd.as_ref().and_then(|(t, made)| made.then(|| t.spec.clone()));
+        let started = self.live_change(name, |live| {
+            let rbd_source = vdisk_image::rbd::is_rbd(&live.spec.image)
+                || live.device.kind() == vdisk_engine::EngineKind::Rbd;
+            let device = if rbd_source {
+                if o.pivot {
+                    return Err(refuse(format!(
+                        "--pivot is not supported: the export is the RBD image {} and its device cannot be swapped; \
+                         mirror without --pivot (once ready, `cancel` ends the mirror with the target holding the disk)",
+                        live.spec.image.display()
+                    )));
+                }
+                if let Some(why) = live.device.failure() {
+                    return Err(Error::failed(format!("mirror of export {name:?}: its device failed ({why})")));
+                }
+                live.device.clone()
+            } else {
+                check_source(live, "mirror", name, RBD_COPY, None)?
+            };
+            let no_swap = || {
+                format!(
+                    "it mirrors the RBD export {} (its device cannot be swapped)",
+                    live.spec.image.display()
+                )
+            };
             match &target {
+                MirrorTarget::Rbd(_) => {
+                    let (t, made) = rbd.take().expect("opened before");
+                    let why = format!(
+                        "it writes to the RBD image {}, and a running export cannot be swapped onto RBD here",
+                        t.spec
+                    );
+                    let t: Box<dyn Target> = Box::new(t);
+                    Ok((device, t, Pivot::None(why), made))
+                }
                 MirrorTarget::Nbd(uri) => {
                     let remote = remote.take().expect("connected before");
                     if remote.size != device.size() {
@@ -196,18 +249,104 @@ impl Daemon {
                             device.size()
                         )));
                     }
+                    let why = format!(
+                        "it writes to the NBD target {uri}, and the export can only be served from an image file here"
+                    );
                     let t: Box<dyn Target> = Box::new(NbdTarget { remote, uri: uri.clone() });
-                    Ok((device, t, Pivot::None, false))
+                    Ok((device, t, Pivot::None(why), false))
                 }
                 MirrorTarget::File(path) => {
                     let (t, fresh) = open_file_target(live, name, path, &o, device.size())?;
-                    Ok((device, t, Pivot::Mirror { path: path.clone(), format: o.format }, fresh))
+                    let pivot = if rbd_source {
+                        Pivot::None(no_swap())
+                    } else {
+                        Pivot::Mirror { path: path.clone(), format: o.format }
+                    };
+                    Ok((device, t, pivot, fresh))
                 }
             }
-        })?;
-        let copy =
-            Copy { fresh, auto_pivot: o.pivot, ..Copy::new(name, "mirror", device, self.changer(), made, pivot)? };
+        });
+        let (device, made, pivot, fresh) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                // Refused: an RBD image made for it is removed again (dropped: closed first).
+                drop(rbd);
+                if let Some(spec) = &made_rbd {
+                    remove_made(name, spec);
+                }
+                return Err(e);
+            }
+        };
+        let copy = Copy {
+            fresh,
+            auto_pivot: o.pivot,
+            made_rbd,
+            ..Copy::new(name, "mirror", device, self.changer(), made, pivot)?
+        };
         copy.start(&self.jobs, o.bps)
+    }
+
+    /// Makes (or, with `existing`, opens) the RBD image `target` names for a
+    /// mirror of export `name`; true when the job made it. The export's Ceph
+    /// configuration and client id apply where `target` names none (then
+    /// librados's own defaults: $CEPH_CONF, /etc/ceph/ceph.conf).
+    fn rbd_target(&self, name: &str, target: &str, o: &MirrorOptions) -> Result<(RbdTarget, bool), Error> {
+        let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
+        if o.format != TargetFormat::Raw {
+            return Err(refuse(format!(
+                "the RBD target {target} is written as the disk's bytes: --format {} applies to a new file only",
+                o.format.name()
+            )));
+        }
+        if o.pivot {
+            return Err(refuse(format!(
+                "--pivot to an RBD target ({target}) is not supported: a running export cannot be swapped onto RBD \
+                 here. Mirror without --pivot; once `vdisk ctl jobs` says ready, `cancel` ends the mirror with the \
+                 image holding the disk, and `vdisk ctl add {target}` serves it"
+            )));
+        }
+        let (size, defaults, roots) =
+            self.live_change(name, |live| Ok((live.device.size(), live.spec.ceph(), live.roots.clone())))?;
+        let spec = Spec::parse(target, &defaults).map_err(|e| refuse(e.report().to_string()))?;
+        if spec.snap.is_some() {
+            return Err(refuse(format!("the RBD target {target} names a snapshot, which cannot be written")));
+        }
+        if let (Some(roots), Some(conf)) = (roots, &spec.options.conf) {
+            vdisk_image::files::confined(Some(roots), || vdisk_image::files::check_confined(conf))
+                .map_err(|e| refuse(e.report().to_string()))?;
+        }
+        if !o.existing {
+            RbdImage::create(&spec, size).map_err(|e| {
+                if e.os_error() == Some(libc::EEXIST) {
+                    return Error::new(
+                        ErrorKind::Exists,
+                        format!("mirror of export {name:?}: {}; or write into it with --existing", e.message()),
+                    );
+                }
+                Error::failed(format!("mirror of export {name:?}: cannot make the target: {}", e.report()))
+            })?;
+        }
+        let image = match RbdImage::open(&spec, false) {
+            Ok(i) => i,
+            Err(e) => {
+                if !o.existing {
+                    remove_made(name, &spec);
+                }
+                return Err(
+                    Error::failed(format!("mirror of export {name:?}: cannot open the target {spec}")).because(e)
+                );
+            }
+        };
+        if image.size() < size {
+            return Err(refuse(format!(
+                "the RBD image {spec} is {} bytes, smaller than the export ({size} bytes): grow it (`rbd resize \
+                 --size {size}B {}/{}`) or name another",
+                image.size(),
+                spec.pool,
+                spec.image
+            )));
+        }
+        Ok((RbdTarget { image, spec }, !o.existing))
     }
 
     /// Starts an active commit of export `name`'s live top (and every layer
@@ -291,6 +430,15 @@ impl Daemon {
             ..Copy::new(name, "commit", device, self.changer(), made, pivot)?
         };
         copy.start(&self.jobs, bps)
+    }
+}
+
+/// Removes the RBD image `spec` a mirror of export `name` made (closed by now).
+fn remove_made(name: &str, spec: &Spec) {
+    match RbdImage::remove(spec) {
+        Ok(()) => log::info!(export:% = name; "export {name:?}: mirror: removed the partial target {spec}"),
+        Err(e) => log::warn!(export:% = name; "export {name:?}: mirror: cannot remove the partial target {spec}: {}",
+            e.report()),
     }
 }
 
@@ -414,6 +562,8 @@ impl Copy {
             below_depth: 0,
             pivot,
             auto_pivot: false,
+            ready: false,
+            made_rbd: None,
             relock: None,
             buf: Vec::new(),
             extents: Vec::new(),
@@ -429,10 +579,19 @@ impl Copy {
     fn start(self, jobs: &Jobs, bps: u64) -> Result<u64, Error> {
         let (name, what, described) = (self.name.clone(), self.what, self.target_described());
         let back = self.relock.clone().map(|base| (self.device.clone(), base));
+        let made_rbd = self.made_rbd.clone();
         let spawned = jobs.spawn(what, &name, bps, move |job: &Job| self.run(job).map_err(|e| e.report().to_string()));
         let job = spawned.map_err(|e| {
             if let Some((device, base)) = &back {
                 chain::relock(&*device.image(), base, libc::LOCK_SH);
+            }
+            // The job (and the target it held open) was dropped: an RBD image it made goes too.
+            if let Some(spec) = &made_rbd {
+                remove_made(&name, spec);
+                return Error::new(
+                    e.kind(),
+                    format!("{}; the RBD image {described} made for it was removed", e.message()),
+                );
             }
             Error::new(e.kind(), format!("{}; the target {described} was left as it is", e.message()))
         })?;
@@ -454,15 +613,23 @@ impl Copy {
 
     /// The job: mark, copy pass after pass, then pivot or stop.
     fn run(mut self, job: &Job) -> Result<(), Error> {
-        if matches!(self.pivot, Pivot::None) {
+        if let Pivot::None(why) = &self.pivot {
             job.refuse_pivot(format!(
-                "it writes to the NBD target {}, and the export can only be served from an image file here; once \
-                 ready the target holds the disk: `vdisk ctl cancel {}` ends the mirror",
-                self.target_described(),
+                "{why}; once ready the target holds the disk: `vdisk ctl cancel {}` ends the mirror",
                 job.id
             ));
         }
-        let r = self.copy_until_done(job);
+        let mut r = self.copy_until_done(job);
+        if matches!(r, Ok(false)) && self.ready && matches!(self.pivot, Pivot::None(_)) {
+            // Cancelled once ready, with no pivot: the target is the result.
+            r = self.last_sweep(job).map(|()| false);
+        }
+        if !self.ready && !matches!(r, Ok(true)) {
+            if let Some(spec) = self.made_rbd.take() {
+                self.target = None;
+                remove_made(&self.name, &spec);
+            }
+        }
         if self.relock.is_some() && !matches!(r, Ok(true)) {
             // No pivot: the old chain goes on reading the base; take its lock back.
             self.target = None;
@@ -475,6 +642,10 @@ impl Copy {
                     Pivot::Commit { base, .. } => {
                         format!("{} holds part of the layers above it (the chain reads the same)", base.display())
                     }
+                    Pivot::None(_) if self.ready => {
+                        format!("{} holds the disk as the export read when it was cancelled", self.target_described())
+                    }
+                    _ if self.target.is_none() => "the partial target was removed".into(),
                     _ => "the target was left as it is".into(),
                 };
                 log::info!(export:% = self.name; "export {:?}: {} cancelled: it serves as before; {left}",
@@ -516,13 +687,14 @@ impl Copy {
             job.set_total(self.total);
             if !ready && (dirty <= READY_BELOW || (dirty >= last_dirty && dirty <= READY_STALLED)) {
                 ready = true;
+                self.ready = true;
                 job.set_ready(true);
                 log::info!(export:% = self.name; "export {:?}: {} job {} is ready ({dirty} bytes dirty)",
                     self.name, self.what, job.id);
             }
             last_dirty = dirty;
-            // An NBD target never pivots: `job_pivot` refuses it (see `run`).
-            let pivots = !matches!(self.pivot, Pivot::None);
+            // An NBD or RBD target never pivots: `job_pivot` refuses it (see `run`).
+            let pivots = !matches!(self.pivot, Pivot::None(_));
             if ready && pivots && (self.auto_pivot || job.pivot_requested()) {
                 self.pivot(job)?;
                 return Ok(true);
@@ -605,6 +777,23 @@ impl Copy {
         r
     }
 
+    /// A cancelled mirror with no pivot, once ready: copies what is dirty
+    /// (one sweep over the disk) and flushes the target.
+    fn last_sweep(&mut self, job: &Job) -> Result<(), Error> {
+        let map = self.attached.map.clone();
+        let mut from = 0;
+        while let Some((off, len)) = map.take_next(from, CHUNK) {
+            self.copy_run(off, len)?;
+            job.add_done(len);
+            self.done += len;
+            from = off + len;
+        }
+        self.total = self.total.max(self.done);
+        job.set_total(self.total);
+        let flushed = self.target().flush();
+        flushed.map_err(|e| self.failed(format!("{e}; the export serves on unchanged")))
+    }
+
     /// Quiesce, copy the last dirty runs, flush, open the target and swap.
     fn pivot(&mut self, job: &Job) -> Result<(), Error> {
         let name = self.name.clone();
@@ -636,7 +825,7 @@ impl Copy {
                     let f = if *base_format == Format::Qcow2 { ImageFormat::Qcow2 } else { ImageFormat::Raw };
                     (base.clone(), *base_format, f)
                 }
-                Pivot::None => unreachable!("no pivot to an NBD target"),
+                Pivot::None(_) => unreachable!("no pivot to an NBD or RBD target"),
             };
             let read_only = device.read_only();
             let options =

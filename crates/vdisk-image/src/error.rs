@@ -122,6 +122,11 @@ impl Error {
         Error { message: message.into(), ..self }
     }
 
+    /// The same error (kind, message), caused by the OS error `source`.
+    pub fn caused_by(self, source: io::Error) -> Self {
+        Error { source: Some(Arc::new(source)), ..self }
+    }
+
     /// The OS error that caused this, shared, for an error of another layer
     /// to keep as its own cause.
     pub fn os_source(&self) -> Option<Arc<io::Error>> {

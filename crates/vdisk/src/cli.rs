@@ -557,11 +557,12 @@ pub enum CtlCommand {
     Cancel { job: u64 },
     /// Switch a ready mirror or active commit's export to what it made.
     Pivot { job: u64 },
-    /// Copy the export, live, to a new raw or qcow2 file or an NBD export; with --pivot, serve from it once
-    /// the copy has caught up.
+    /// Copy the export, live, to a new raw or qcow2 file, an NBD export or an RBD image; with --pivot (files
+    /// only), serve from it once the copy has caught up.
     Mirror {
         name: String,
-        /// The target: a new file's path, nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH.
+        /// The target: a new file's path, nbd://HOST[:PORT]/NAME, nbd+unix:///NAME?socket=PATH, or
+        /// rbd:POOL/IMAGE[:conf=PATH][:id=NAME] (made at the export's size).
         #[arg(long, value_name = "TARGET")]
         to: String,
         /// The new file's format.
@@ -570,7 +571,8 @@ pub enum CtlCommand {
         /// Switch the export to the target as soon as the job is ready.
         #[arg(long)]
         pivot: bool,
-        /// Write into an existing file of the export's size instead of a new one.
+        /// Write into an existing file of the export's size (an existing RBD image at least that large)
+        /// instead of a new one.
         #[arg(long)]
         existing: bool,
         #[command(flatten)]

@@ -146,8 +146,8 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             "job_pivot"
         }
         CtlCommand::Mirror { name, to, format, pivot, existing, job } => {
-            let to =
-                if vdisk_nbd::remote::Uri::is_nbd(&to) { to } else { absolute(Path::new(&to))?.display().to_string() };
+            let named = vdisk_nbd::remote::Uri::is_nbd(&to) || vdisk_image::rbd::is_rbd(Path::new(&to));
+            let to = if named { to } else { absolute(Path::new(&to))?.display().to_string() };
             let format = format.to_possible_value().expect("every format has a name");
             let given =
                 [("name", Some(name.into())), ("to", Some(to.into())), ("format", Some(format.get_name().into()))];

@@ -925,3 +925,184 @@ fn a_1_tib_rbd_image_keeps_its_bitmap_through_a_restart() {
     let t = text(&out);
     assert!(t.contains("vdisk.bitmaps") && t.contains("image-meta remove"), "{t}");
 }
+
+/// Waits (at most 60 s) until ready mirror `id` has copied everything dirty
+/// (done == total, twice the same).
+fn mirror_caught_up(control: &Path, id: u64) {
+    let last = std::cell::RefCell::new(None);
+    common::control::job_until(control, id, |j| {
+        assert_eq!(j["state"], "ready", "{j}");
+        let before = last.replace(Some(j["done"].clone()));
+        let same = j["done"] == j["total"] && before.as_ref() == Some(&j["done"]);
+        if !same {
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        same
+    });
+}
+
+/// The job `vdisk ctl mirror` started: the last in the table.
+fn last_job(control: &Path) -> u64 {
+    let jobs = common::json(&common::control::ctl_ok(control, &["jobs", "--json"]));
+    jobs.as_array().unwrap().last().unwrap()["id"].as_u64().unwrap()
+}
+
+/// `vdisk ctl mirror` of a file export to `rbd:rbd/NAME` while fio verifies
+/// on the export: the image is made at the export's size; once ready and
+/// caught up (fio stopped), a pivot is refused (no swap onto RBD) and a
+/// cancel leaves the image holding the disk: `rbd export` reads the export's
+/// bytes. A second mirror into that image with `--existing` works; one into
+/// an image too small is refused, naming it; the refusals come first.
+#[test]
+fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-mirror-to");
+    let disk = dir.path("disk.img");
+    common::make_base(&disk, 32 * MIB, 31);
+    let control = dir.path("ctl.sock");
+    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    let uri = server.uri("disk");
+    let img = name("mirrorto");
+    let to = format!("rbd:rbd/{img}");
+    let refused = |args: &[&str], what: &str| {
+        let out = common::control::ctl(&control, args);
+        assert!(
+            !out.status.success() && text(&out).contains(what),
+            "vdisk ctl {args:?}: {what:?} not in:\n{}",
+            text(&out)
+        );
+    };
+    refused(&["mirror", "disk", "--to", &to, "--pivot"], "--pivot to an RBD target");
+    refused(&["mirror", "disk", "--to", &to, "--format", "qcow2"], "applies to a new file only");
+    refused(&["mirror", "disk", "--to", &to, "--existing"], "does not exist");
+    let small = name("small");
+    create(c, &small, "16M");
+    refused(
+        &["mirror", "disk", "--to", &format!("rbd:rbd/{small}"), "--existing"],
+        &format!("rbd:rbd/{small} is 16777216 bytes, smaller"),
+    );
+    // Nothing was made by the refusals.
+    let ls = rbd(c, &["ls", "rbd"]);
+    assert!(!ls.lines().any(|l| l == img), "{ls}");
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fio = common::control::fio_until(dir.0.clone(), uri.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let said = common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to]);
+    assert!(said.contains(&to), "{said}");
+    let id = last_job(&control);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "running");
+    assert_eq!(j["state"], "ready", "{j}");
+    let info = rbd(c, &["info", &format!("rbd/{img}")]);
+    assert!(info.contains("32 MiB"), "{info}");
+    stop.store(true, Ordering::SeqCst);
+    fio.join().expect("every fio verify passed");
+    mirror_caught_up(&control, id);
+    let p = common::control::ctl(&control, &["pivot", &id.to_string()]);
+    assert!(!p.status.success() && text(&p).contains("cannot be swapped onto RBD"), "{}", text(&p));
+    let view = common::read_export(&dir, &uri, "view.raw");
+    common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert_same("the RBD target", &export(c, &dir, &format!("rbd/{img}")), &view);
+    // Into the same image again: refused without --existing, which writes the zeros too.
+    refused(&["mirror", "disk", "--to", &to], "already exists");
+    common::nbdsh(&uri, "h.zero(1048576, 0)\nh.pwrite(b'\\x5a' * 65536, 4194304)\n");
+    // --wait without --pivot returns once the job is ready.
+    common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to, "--existing", "--wait"]);
+    let id = last_job(&control);
+    assert_eq!(common::control::job(&control, id)["state"], "ready");
+    mirror_caught_up(&control, id);
+    let view = common::read_export(&dir, &uri, "view2.raw");
+    common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert_same("the RBD target, again", &export(c, &dir, &format!("rbd/{img}")), &view);
+    server.stop();
+    assert_same("the export's own file", &read_file(&disk), &view);
+}
+
+/// A mirror to RBD cancelled before it is ready removes the image it made;
+/// the export serves as before. A target on a cluster that cannot be reached
+/// is refused within ~30 s, and the export serves on.
+#[test]
+fn mirror_to_rbd_cancelled_midway_and_to_a_cluster_that_is_not_there() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-mirror-cancel");
+    let disk = dir.path("disk.img");
+    let data = common::make_base(&disk, 32 * MIB, 33);
+    let control = dir.path("ctl.sock");
+    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    let uri = server.uri("disk");
+    let img = name("mirrorcancel");
+    let to = format!("rbd:rbd/{img}");
+    common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to, "--bps", "2M"]);
+    let id = last_job(&control);
+    common::control::job_until(&control, id, |j| j["done"].as_u64().unwrap_or(0) > 0);
+    common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "running");
+    assert_eq!(j["state"], "cancelled", "{j}");
+    let ls = rbd(c, &["ls", "rbd"]);
+    assert!(!ls.lines().any(|l| l == img), "the partial image is still there: {ls}");
+    assert_same("the export after the cancel", &common::read_export(&dir, &uri, "v.raw"), &data);
+
+    // A monitor address nothing listens on.
+    let port = common::free_port();
+    let bad = dir.path("nowhere.conf");
+    std::fs::write(&bad, format!("[global]\nmon host = 127.0.0.1:{port}\n")).unwrap();
+    let t0 = Instant::now();
+    let out = common::control::ctl(&control, &["mirror", "disk", "--to", &format!("{to}:conf={}", s(&bad))]);
+    let took = t0.elapsed();
+    let t = text(&out);
+    assert!(!out.status.success() && t.contains("Ceph") && t.contains(&to), "{t}");
+    assert!(took < Duration::from_secs(45), "the refusal took {took:?}: {t}");
+    qemu_io(&uri, &["write -P 0x3c 0 64k", "read -P 0x3c 0 64k"]);
+    let list = common::json(&common::control::ctl_ok(&control, &["jobs", "--json"]));
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    server.stop();
+}
+
+/// An RBD export mirrored to a file (no pivot: its device cannot be
+/// swapped) while fio verifies on it; cancelled once caught up, the file
+/// holds the export's bytes. Then to a new RBD image, the same.
+#[test]
+fn mirror_of_an_rbd_export_to_a_file() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-mirror-from");
+    let img = name("mirrorfrom");
+    create(c, &img, "32M");
+    let spec = format!("rbd:rbd/{img}");
+    let control = dir.path("ctl.sock");
+    let server = serve(c, &dir, &[&spec, "--control", s(&control)]);
+    let uri = server.uri(&img);
+    qemu_io(&uri, &["write -P 0x11 0 4M", "write -P 0x22 20M 3M", "flush"]);
+    let target = dir.path("copy.raw");
+    let out = common::control::ctl(&control, &["mirror", &img, "--to", s(&target), "--pivot"]);
+    assert!(!out.status.success() && text(&out).contains("cannot be swapped"), "{}", text(&out));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fio = common::control::fio_until(dir.0.clone(), uri.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    common::control::ctl_ok(&control, &["mirror", &img, "--to", s(&target)]);
+    let id = last_job(&control);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "running");
+    assert_eq!(j["state"], "ready", "{j}");
+    stop.store(true, Ordering::SeqCst);
+    fio.join().expect("every fio verify passed");
+    mirror_caught_up(&control, id);
+    let view = common::read_export(&dir, &uri, "view.raw");
+    common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert_same("the file target", &read_file(&target), &view);
+    // And to another RBD image, made by the job.
+    let copy = name("mirrorcopy");
+    common::control::ctl_ok(&control, &["mirror", &img, "--to", &format!("rbd:rbd/{copy}"), "--wait"]);
+    let id = last_job(&control);
+    mirror_caught_up(&control, id);
+    common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
+    let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
+    assert_eq!(j["state"], "cancelled", "{j}");
+    assert_same("the RBD target", &export(c, &dir, &format!("rbd/{copy}")), &view);
+    server.stop();
+    assert_same("the RBD image", &export(c, &dir, &format!("rbd/{img}")), &view);
+}

@@ -2,13 +2,15 @@
 //! runs (data, or zeros), flushes, and says what it is for messages. Two
 //! kinds: an image file opened on its own, written synchronously by the job's
 //! thread through the image's own mapping ([`crate::chain`]: prepare, map,
-//! write the extents, `write_done`), and an NBD export reached with
-//! vdisk-nbd's remote client.
+//! write the extents, `write_done`), an NBD export reached with vdisk-nbd's
+//! remote client, and an RBD image opened on its own by the job (librbd's
+//! blocking calls, one connection of its own: the export's device never sees it).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vdisk_image::{Extent, Image};
+use vdisk_image::rbd::Spec;
+use vdisk_image::{Extent, Image, RbdImage};
 use vdisk_nbd::remote::Remote;
 
 use crate::chain;
@@ -81,5 +83,34 @@ impl Target for NbdTarget {
 
     fn describe(&self) -> String {
         self.uri.clone()
+    }
+}
+
+/// An RBD image: made by the job at the export's size, or an existing one
+/// at least that large (`--existing`).
+pub struct RbdTarget {
+    pub image: RbdImage,
+    pub spec: Spec,
+}
+
+impl Target for RbdTarget {
+    fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), String> {
+        self.image
+            .write_at(data, offset)
+            .map_err(|e| format!("writing {} bytes at offset {offset} of {}: {e}", data.len(), self.spec))
+    }
+
+    fn zero(&mut self, offset: u64, len: u64) -> Result<(), String> {
+        self.image
+            .write_zeroes_at(offset, len)
+            .map_err(|e| format!("zeroing {len} bytes at offset {offset} of {}: {e}", self.spec))
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        self.image.flush().map_err(|e| e.report().to_string())
+    }
+
+    fn describe(&self) -> String {
+        self.spec.to_string()
     }
 }

@@ -81,6 +81,7 @@ table! {
     rados_ioctx_create: fn(RadosT, *const c_char, *mut IoctxT) -> c_int;
     rados_ioctx_destroy: fn(IoctxT);
     rbd_create: fn(IoctxT, *const c_char, u64, *mut c_int) -> c_int;
+    rbd_remove: fn(IoctxT, *const c_char) -> c_int;
     rbd_open: fn(IoctxT, *const c_char, *mut ImageT, *const c_char) -> c_int;
     rbd_open_read_only: fn(IoctxT, *const c_char, *mut ImageT, *const c_char) -> c_int;
     rbd_close: fn(ImageT) -> c_int;
@@ -89,6 +90,8 @@ table! {
     rbd_stat: fn(ImageT, *mut ImageInfo, usize) -> c_int;
     rbd_flush: fn(ImageT) -> c_int;
     rbd_read: fn(ImageT, u64, usize, *mut c_char) -> isize;
+    rbd_write: fn(ImageT, u64, usize, *const c_char) -> isize;
+    rbd_write_zeroes: fn(ImageT, u64, usize, c_int, c_int) -> isize;
     rbd_diff_iterate2: fn(ImageT, *const c_char, u64, u64, u8, u8, DiffCallback, *mut c_void) -> c_int;
     rbd_set_image_notification: fn(ImageT, c_int, c_int) -> c_int;
     rbd_metadata_get: fn(ImageT, *const c_char, *mut c_char, *mut usize) -> c_int;

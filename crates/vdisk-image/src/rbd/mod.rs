@@ -314,9 +314,26 @@ impl RbdImage {
                 r if r == -libc::EEXIST => Err(Error::invalid(format!(
                     "RBD image {spec} already exists; remove it first (`rbd rm {}/{}`) or pick another name",
                     spec.pool, spec.image
-                ))),
+                ))
+                .caused_by(os_err(r.into()))),
                 r => Err(Error::io(os_err(r.into()), format!("cannot create RBD image {spec}"))),
             }
+        })
+    }
+
+    /// Removes image `spec` (closed by every client), within [`OPEN_DEADLINE`]:
+    /// a mirror's partial target when the mirror is cancelled.
+    pub fn remove(spec: &Spec) -> Result<()> {
+        let spec = spec.clone();
+        with_deadline(format!("cannot remove {spec}"), move || {
+            let conn = Conn::connect(&spec)?;
+            let name = cstr(&spec.image, "image name")?;
+            // SAFETY: an open pool and a NUL-terminated name.
+            let rc = unsafe { (conn.lib.rbd_remove)(conn.ioctx, name.as_ptr()) };
+            if rc < 0 {
+                return Err(Error::io(os_err(rc.into()), format!("cannot remove RBD image {spec}")));
+            }
+            Ok(())
         })
     }
 
@@ -533,6 +550,38 @@ impl RbdImage {
                 break;
             }
             done += n as usize;
+        }
+        Ok(())
+    }
+
+    /// A blocking write of `buf` at `offset` (a mirror's copy into this image).
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let img = self.img()?;
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = &buf[done..];
+            // SAFETY: an open image; `rest` is readable memory of the length passed, borrowed
+            // for this synchronous call only.
+            let n = unsafe { (self.conn.lib.rbd_write)(img, offset + done as u64, rest.len(), rest.as_ptr().cast()) };
+            if n < 0 {
+                return Err(os_err(n as i64));
+            }
+            if n == 0 {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
+    /// A blocking write of zeros over `len` bytes at `offset` (librbd
+    /// deallocates whole objects where it can).
+    pub fn write_zeroes_at(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        let img = self.img()?;
+        // SAFETY: an open image; zero flags and op flags are 0 (defaults).
+        let n = unsafe { (self.conn.lib.rbd_write_zeroes)(img, offset, len as usize, 0, 0) };
+        if n < 0 {
+            return Err(os_err(n as i64));
         }
         Ok(())
     }
