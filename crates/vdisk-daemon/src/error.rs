@@ -30,18 +30,30 @@ pub enum ErrorKind {
 type Source = Arc<dyn std::error::Error + Send + Sync>;
 
 /// A refusal or failure of the daemon: its kind, the message, the path it
-/// concerns and its cause.
+/// concerns, the operation and offset of a failed I/O, and its cause.
 #[derive(Debug, Clone)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
     path: Option<PathBuf>,
+    operation: Option<&'static str>,
+    offset: Option<u64>,
     source: Option<Source>,
 }
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error { kind, message: message.into(), path: None, source: None }
+        Error { kind, message: message.into(), path: None, operation: None, offset: None, source: None }
+    }
+
+    /// The operation that failed ("read", "write", "flush", ...), if it was an I/O.
+    pub fn operation(&self) -> Option<&'static str> {
+        self.operation
+    }
+
+    /// The byte offset the failed I/O concerned, if one.
+    pub fn offset(&self) -> Option<u64> {
+        self.offset
     }
 
     /// The same error, about `path` (a file, socket or image name).
@@ -124,6 +136,8 @@ impl Error {
             kind,
             message: format!("{}{}", e.message(), advice(e)),
             path: e.file().map(Path::to_path_buf),
+            operation: e.operation(),
+            offset: e.offset(),
             source: e.os_source().map(|s| s as Source),
         }
     }
@@ -181,5 +195,9 @@ mod tests {
         assert_eq!(e.report().to_string(), format!("cannot open image /x.img (try --readonly): {text}"));
         assert_eq!(e.path(), Some(Path::new("/x.img")));
         assert_eq!(advised(&img), format!("cannot open image /x.img: {text} (try --readonly)"));
+        let io =
+            vdisk_image::Error::io(std::io::Error::from_raw_os_error(libc::EIO), "write failed").op("write").at(4096);
+        let e = Error::from(io);
+        assert_eq!((e.operation(), e.offset(), e.kind()), (Some("write"), Some(4096), ErrorKind::Failed));
     }
 }
