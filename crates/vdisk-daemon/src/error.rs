@@ -69,6 +69,12 @@ impl Error {
         self
     }
 
+    /// The same error, caused by an OS error another error shares.
+    pub fn because_os(mut self, source: Arc<std::io::Error>) -> Error {
+        self.source = Some(source as Source);
+        self
+    }
+
     /// The path it concerns, if one.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()

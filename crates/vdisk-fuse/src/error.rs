@@ -1,10 +1,15 @@
-//! The FUSE export's error: a kind and a message. The message never names a
-//! command-line flag; the kind tells the binary how to word its advice.
+//! The FUSE export's error: a kind, a message and the OS error that caused
+//! it. The message never names a command-line flag (the kind tells the binary
+//! how to word its advice) and does not repeat its cause: Display is the
+//! message alone, `source()` the OS error.
 
 use std::fmt;
+use std::io;
+use std::sync::Arc;
 
 /// What an error is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// The file the disk is exported as (the message starts with its path).
     File,
@@ -22,19 +27,32 @@ pub enum ErrorKind {
 pub struct Error {
     kind: ErrorKind,
     message: String,
+    /// Shared so the error stays `Clone`.
+    source: Option<Arc<io::Error>>,
 }
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error { kind, message: message.into() }
+        Error { kind, message: message.into(), source: None }
     }
 
     pub fn other(message: impl Into<String>) -> Error {
         Error::new(ErrorKind::Other, message)
     }
 
+    /// The same error, caused by `source`, which the message does not repeat.
+    pub fn because(mut self, source: io::Error) -> Error {
+        self.source = Some(Arc::new(source));
+        self
+    }
+
     pub fn kind(&self) -> ErrorKind {
         self.kind
+    }
+
+    /// The OS error that caused it, if one.
+    pub fn os_source(&self) -> Option<Arc<io::Error>> {
+        self.source.clone()
     }
 }
 
@@ -44,4 +62,21 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cause_is_the_source_not_the_message() {
+        let e = Error::other("cannot open /dev/fuse").because(io::Error::from_raw_os_error(libc::ENOENT));
+        assert_eq!(e.to_string(), "cannot open /dev/fuse");
+        let cause = std::error::Error::source(&e).map(|s| s.to_string());
+        assert_eq!(cause, Some(io::Error::from_raw_os_error(libc::ENOENT).to_string()));
+    }
+}

@@ -106,7 +106,7 @@ pub fn start(path: &Path, device: Arc<Device>, opts: &Options) -> Result<FuseExp
 impl FuseExport {
     fn handshake(&mut self, dev: &Arc<OwnedFd>, opts: &Options) -> Result<(), Error> {
         let file = |m: String| Error::new(ErrorKind::File, m);
-        let what = |e: std::io::Error| file(format!("{}: FUSE_INIT failed: {e}", self.path.display()));
+        let what = |e: std::io::Error| file(format!("{}: FUSE_INIT failed", self.path.display())).because(e);
         let (h, init) = classic::read_init(dev).map_err(what)?;
         let reply = session::init_reply(&init, opts.uring);
         let sink = classic::FdSink { fd: dev.try_clone().map_err(what)?, session: self.session.clone() };
@@ -127,9 +127,9 @@ impl FuseExport {
         let readers = if opts.uring { 1 } else { opts.readers.max(1) };
         for i in 0..readers {
             let fd = if i == 0 { dev.try_clone() } else { mount::clone_dev(dev) }
-                .map_err(|e| file(format!("{}: cannot clone /dev/fuse: {e}", self.path.display())))?;
+                .map_err(|e| file(format!("{}: cannot clone /dev/fuse", self.path.display())).because(e))?;
             let reader = classic::Reader::new(fd, self.session.clone())
-                .map_err(|e| file(format!("{}: {e}", self.path.display())))?;
+                .map_err(|e| file(self.path.display().to_string()).because(e))?;
             let running = Running::start(&self.running);
             let t = std::thread::Builder::new()
                 .name(format!("fuse-rd{i}"))
@@ -137,7 +137,7 @@ impl FuseExport {
                     let _running = running;
                     reader.run()
                 })
-                .map_err(|e| Error::other(format!("cannot start a FUSE thread: {e}")))?;
+                .map_err(|e| Error::other("cannot start a FUSE thread").because(e))?;
             self.threads.push(t);
         }
         Ok(())
@@ -165,7 +165,7 @@ impl FuseExport {
                         }
                     }
                 })
-                .map_err(|e| Error::other(format!("cannot start a FUSE ring thread: {e}")))?;
+                .map_err(|e| Error::other("cannot start a FUSE ring thread").because(e))?;
             self.threads.push(t);
             match rx.recv() {
                 Ok(Ok(sink)) => self.wakers.push(sink),
@@ -177,11 +177,9 @@ impl FuseExport {
                     };
                     return Err(Error::new(
                         ErrorKind::Ring,
-                        format!(
-                            "{}: registering ring queue {qid} with the kernel failed: {e}{hint}",
-                            self.path.display()
-                        ),
-                    ));
+                        format!("{}: registering ring queue {qid} with the kernel failed{hint}", self.path.display()),
+                    )
+                    .because(e));
                 }
                 Err(_) => return Err(Error::other("a FUSE ring thread died while starting")),
             }
@@ -217,7 +215,7 @@ impl FuseExport {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
             Err(e) => {
                 let (p, q) = (self.path.display(), self.path.display());
-                result = Err(Error::other(format!("cannot unmount {p}: {e} (try: umount -l {q})")))
+                result = Err(Error::other(format!("cannot unmount {p} (try: umount -l {q})")).because(e))
             }
         }
         let threads = std::mem::take(&mut self.threads);
@@ -257,7 +255,7 @@ impl Drop for Running {
 impl Drop for FuseExport {
     fn drop(&mut self) {
         if let Err(e) = self.shut() {
-            log::warn!("{e}");
+            log::warn!("{}", vdisk_image::Report(&e));
         }
     }
 }

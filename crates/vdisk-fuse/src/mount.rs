@@ -41,7 +41,8 @@ pub fn prepare(path: &Path) -> Result<Prepared, Error> {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             detach(path).map_err(|e| {
                 let (p, q) = (path.display(), path.display());
-                Error::other(format!("{p} is a stale FUSE mount and cannot be unmounted: {e} (try: umount -l {q})"))
+                Error::other(format!("{p} is a stale FUSE mount and cannot be unmounted (try: umount -l {q})"))
+                    .because(e)
             })?;
             was_stale = true;
         }
@@ -54,11 +55,11 @@ pub fn prepare(path: &Path) -> Result<Prepared, Error> {
         Ok(_) => Ok(Prepared { created: false, was_stale }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             std::fs::OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| {
-                file(format!("{}: cannot create the file: {e} (does its directory exist?)", path.display()))
+                file(format!("{}: cannot create the file (does its directory exist?)", path.display())).because(e)
             })?;
             Ok(Prepared { created: true, was_stale })
         }
-        Err(e) => Err(file(format!("{}: {e}", path.display()))),
+        Err(e) => Err(file(path.display().to_string()).because(e)),
     }
 }
 
@@ -67,7 +68,7 @@ pub fn open_dev() -> Result<OwnedFd, Error> {
     let dev = c"/dev/fuse";
     // SAFETY: a valid NUL-terminated path; the fd returned is ours.
     let fd = check(unsafe { libc::open(dev.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) }).map_err(|e| {
-        Error::other(format!("cannot open /dev/fuse: {e} (load the module: modprobe fuse; FUSE needs root)"))
+        Error::other("cannot open /dev/fuse (load the module: modprobe fuse; FUSE needs root)").because(e)
     })?;
     // SAFETY: `fd` was just opened and is owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -85,7 +86,7 @@ pub fn clone_dev(session: &OwnedFd) -> io::Result<OwnedFd> {
 
 /// Mounts the file system served on `fd` at the file `path`.
 pub fn mount(path: &Path, fd: &OwnedFd, read_only: bool) -> Result<(), Error> {
-    let target = cstr(path).map_err(|e| Error::new(ErrorKind::File, format!("{}: {e}", path.display())))?;
+    let target = cstr(path).map_err(|e| Error::new(ErrorKind::File, path.display().to_string()).because(e))?;
     // SAFETY: getuid cannot fail and touches no memory.
     let uid = unsafe { libc::getuid() };
     // SAFETY: getgid cannot fail and touches no memory.
@@ -102,7 +103,7 @@ pub fn mount(path: &Path, fd: &OwnedFd, read_only: bool) -> Result<(), Error> {
         unsafe { libc::mount(c"vdisk".as_ptr(), target.as_ptr(), c"fuse.vdisk".as_ptr(), flags, opts.as_ptr().cast()) };
     check(r).map(|_| ()).map_err(|e| {
         let hint = if e.raw_os_error() == Some(libc::EPERM) { " (mounting needs root: run vdisk as root)" } else { "" };
-        Error::other(format!("cannot mount FUSE on {}: {e}{hint}", path.display()))
+        Error::other(format!("cannot mount FUSE on {}{hint}", path.display())).because(e)
     })
 }
 
