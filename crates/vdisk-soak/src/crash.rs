@@ -119,6 +119,8 @@ impl Combo {
     fn top_format(&self) -> &'static str {
         match &self.live {
             Some(l) if l.top().extension().is_some_and(|e| e == "qcow2") => "qcow2",
+            // A mirror's raw target, under any combination.
+            Some(l) if l.top().extension().is_some_and(|e| e == "raw") => "raw",
             _ => self.format.arg(),
         }
     }
@@ -450,7 +452,7 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let driver = c.live.as_ref().map(|l| live::Driver::start(l, &control, rng.next()));
+    let driver = c.live.as_ref().map(|l| live::Driver::start(l, &control, &server.socket, rng.next()));
     let (tail, alive) = end_round(c, &server, partial, rng, report);
     let dead = c.storage.as_ref().is_some_and(|s| s.is_dead());
     server.kill();
@@ -536,11 +538,24 @@ fn read_back(c: &mut Combo, salt: u64, logs: &[BlockLog], stats: &mut LiveStats)
     if c.live.is_some() {
         args.extend(["--control", control_arg.as_str()]);
     }
-    let server = Served::start(&c.dir, &[c.top().to_owned()], &args)?;
-    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
-        .and_then(|mut conn| conn.read_all(0, DISK as u64))
-        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
-    let judged = check::verify(salt, c.bs, &c.prior, &now, logs);
+    let (server, now, judged) = loop {
+        let server = Served::start(&c.dir, &[c.top().to_owned()], &args)?;
+        let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
+            .and_then(|mut conn| conn.read_all(0, DISK as u64))
+            .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
+        let judged = check::verify(salt, c.bs, &c.prior, &now, logs);
+        // Cut after a mirror's pivot was asked, before it was seen done: the
+        // target was tried first; without every flushed write, the old chain.
+        if let Some(chain) = c.live.as_mut() {
+            if judged.is_ok() {
+                chain.judged(stats);
+            } else if chain.fall_back(stats)? {
+                server.stop()?;
+                continue;
+            }
+        }
+        break (server, now, judged);
+    };
     if let (Ok(()), Some(chain)) = (&judged, c.live.as_mut()) {
         live::after_read(chain, &control, &server.socket, &now, stats)
             .map_err(|e| format!("{e}{}", server.log_tail()))?;
