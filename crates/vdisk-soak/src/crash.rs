@@ -350,7 +350,7 @@ fn setup(
     let live = (!jobs.ops.is_empty() || jobs.bitmaps).then(|| {
         let mut layers = vec![image.clone()];
         layers.extend(base.as_ref().map(|(b, _)| b.clone()));
-        live::Chain::new(&images, layers, &jobs.ops, jobs.bitmaps)
+        live::Chain::new(&images, &dir.join("scratch"), layers, &jobs.ops, jobs.bitmaps)
     });
     Ok(Combo {
         format,
@@ -452,7 +452,12 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let driver = c.live.as_ref().map(|l| live::Driver::start(l, &control, &server.socket, rng.next()));
+    let driver = c.live.as_ref().map(|l| {
+        let probe = probe.clone();
+        live::Driver::start(l, &control, &server.socket, rng.next(), move || {
+            probe.as_ref().is_none_or(|p| !p.is_dead())
+        })
+    });
     let (tail, alive) = end_round(c, &server, partial, rng, report);
     let dead = c.storage.as_ref().is_some_and(|s| s.is_dead());
     server.kill();
@@ -463,7 +468,8 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
     if !alive {
         return Err(format!("the server died before it was killed{tail}"));
     }
-    if let Some(e) = drove.as_ref().and_then(|d| d.error.as_ref()).filter(|_| !dead) {
+    let failed = drove.as_ref().filter(|d| !dead || d.error_while_powered);
+    if let Some(e) = failed.and_then(|d| d.error.as_ref()) {
         return Err(format!("a live operation failed: {e}{tail}"));
     }
     let mut st = Arc::try_unwrap(state).ok().expect("writers are done").into_inner().unwrap();
@@ -539,7 +545,21 @@ fn read_back(c: &mut Combo, salt: u64, logs: &[BlockLog], stats: &mut LiveStats)
         args.extend(["--control", control_arg.as_str()]);
     }
     let (server, now, judged) = loop {
-        let server = Served::start(&c.dir, &[c.top().to_owned()], &args)?;
+        let server = match Served::start(&c.dir, &[c.top().to_owned()], &args) {
+            Ok(s) => s,
+            // A mirror's target after an unanswered pivot that does not serve
+            // was not pivoted to: the old chain.
+            Err(e) => {
+                let fell_back = match c.live.as_mut() {
+                    Some(chain) => chain.fall_back(stats)?,
+                    None => false,
+                };
+                if fell_back {
+                    continue;
+                }
+                return Err(e);
+            }
+        };
         let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
             .and_then(|mut conn| conn.read_all(0, DISK as u64))
             .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;

@@ -181,9 +181,12 @@ pub struct Chain {
 }
 
 impl Chain {
-    /// `layers`: the chain as set up, top first (absolute paths).
-    pub fn new(images: &Path, layers: Vec<PathBuf>, ops: &[Op], bitmaps: bool) -> Chain {
-        let _ = std::fs::create_dir_all(images.join("scratch"));
+    /// `layers`: the chain as set up, top first (absolute paths). `scratch`:
+    /// the backup views' scratch directory, made here (off the power-cut
+    /// storage, which has no directories: a scratch area on other storage,
+    /// as `--scratch` allows).
+    pub fn new(images: &Path, scratch: &Path, layers: Vec<PathBuf>, ops: &[Op], bitmaps: bool) -> Chain {
+        let _ = std::fs::create_dir_all(scratch);
         Chain {
             images: images.to_owned(),
             layers,
@@ -194,7 +197,7 @@ impl Chain {
             bitmap: None,
             next_asked: false,
             fallback: None,
-            scratch: images.join("scratch"),
+            scratch: scratch.to_owned(),
         }
     }
 
@@ -259,14 +262,24 @@ pub struct Drove {
     view_bytes_read: u64,
     /// An error answer (a failure unless the storage lost its power).
     pub error: Option<String>,
+    /// The error was answered while the storage had power.
+    pub error_while_powered: bool,
 }
 
 /// The driver of one round: runs until the control connection breaks.
 pub struct Driver(JoinHandle<Drove>);
 
 impl Driver {
-    /// `socket`: the server's NBD socket (backup views are read there).
-    pub fn start(chain: &Chain, control: &Path, socket: &Path, seed: u64) -> Driver {
+    /// `socket`: the server's NBD socket (backup views are read there);
+    /// `alive`: whether the images' storage still has power (an error
+    /// answered while it has is the round's failure even after the cut).
+    pub fn start(
+        chain: &Chain,
+        control: &Path,
+        socket: &Path,
+        seed: u64,
+        alive: impl Fn() -> bool + Send + 'static,
+    ) -> Driver {
         let (control, images, mut ops) = (control.to_owned(), chain.images.clone(), chain.ops.clone());
         let socket = socket.to_owned();
         let scratch = chain.scratch.clone();
@@ -295,6 +308,7 @@ impl Driver {
                     Err(Stop::Gone) => break,
                     Err(Stop::Failed(e)) => {
                         d.error = Some(e);
+                        d.error_while_powered = alive();
                         break;
                     }
                 }
@@ -381,6 +395,8 @@ fn run_op(ctl: &mut Control, at: &Where, op: Op, d: &mut Drove, rng: &mut Rng) -
         Op::Stream => job(ctl, "export_stream", json!({"name": export, "bps": bps}), op, d)?,
         Op::Commit => job(ctl, "export_commit", json!({"name": export, "bps": bps}), op, d)?,
         Op::Mirror => {
+            // Faster than the others: a pivot comes within the round often enough.
+            let bps = [8u64 << 20, 32 << 20, 0][rng.below(3) as usize];
             if !mirror(ctl, export, images, bps, d, rng)? {
                 return Ok(());
             }
@@ -578,10 +594,19 @@ pub fn after_cut(chain: &mut Chain, d: Drove, stats: &mut LiveStats) -> Result<S
     if let Some((target, true)) = &d.mirror {
         // The pivot was asked, not seen done: the target if it holds every
         // flushed write (the judge says), else the chain as it was.
+        // A target that does not open was not pivoted to (a pivot flushes
+        // the target before it switches): the old chain straight away.
         stats.pivots_unanswered += 1;
         let old = backing_chain(&top).map_err(|e| format!("after the cut the chain from {}: {e}", top.display()))?;
-        chain.fallback = Some(old);
-        top = target.clone();
+        let whole = backing_chain(target).and_then(|l| {
+            l.iter().filter(|l| l.extension().is_some_and(|e| e == "qcow2")).try_for_each(|l| qemu_img_check(l))
+        });
+        if whole.is_ok() && std::fs::metadata(target).is_ok_and(|m| m.len() > 0) {
+            chain.fallback = Some(old);
+            top = target.clone();
+        } else {
+            stats.pivots_unanswered_on_old += 1;
+        }
     }
     if let Some(p) = &d.pending {
         // The swap comes after the overlay's header is durable: if it reads
