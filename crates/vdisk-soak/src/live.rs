@@ -647,7 +647,9 @@ pub fn after_cut(chain: &mut Chain, d: Drove, stats: &mut LiveStats) -> Result<S
         for e in dir.flatten() {
             let p = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
-            let kept = chain.layers.contains(&p) || chain.fallback.as_ref().is_some_and(|f| f.contains(&p));
+            // A layer's own files (a raw layer's bitmap sidecar) are named after it.
+            let layer = |l: &PathBuf| l.file_name().is_some_and(|f| name.starts_with(&*f.to_string_lossy()));
+            let kept = chain.layers.iter().chain(chain.fallback.iter().flatten()).any(layer);
             if (name.starts_with("snap") || name.starts_with("mirror")) && !kept {
                 let _ = std::fs::remove_file(&p);
             }
