@@ -474,6 +474,15 @@ fn mirror(
     }
 }
 
+/// An NBD client's error: the server was killed if its control socket no
+/// longer answers, else `what` failed on a live server.
+fn gone_or(ctl: &mut Control, what: String) -> Stop {
+    match ctl.call("server_info", json!({})) {
+        Ok(_) => Stop::Failed(what),
+        Err(_) => Stop::Gone,
+    }
+}
+
 /// A backup view: begun (with the soak bitmap and a new one where it is on
 /// the top), part of it read over NBD, then ended, or read until the cut.
 fn backup(ctl: &mut Control, at: &Where, d: &mut Drove, rng: &mut Rng) -> Result<(), Stop> {
@@ -488,19 +497,20 @@ fn backup(ctl: &mut Control, at: &Where, d: &mut Drove, rng: &mut Rng) -> Result
     result(a, &format!("backup_begin {params}"))?;
     d.backups += 1;
     {
-        let mut view = Conn::connect(at.socket, VIEW, Duration::from_secs(30)).map_err(|_| Stop::Gone)?;
+        let mut view = Conn::connect(at.socket, VIEW, Duration::from_secs(30))
+            .map_err(|e| gone_or(ctl, format!("connecting to the backup view {VIEW:?}: {e}")))?;
         let len = ((64u64 << 10) << rng.below(5)).min(view.size);
         let read = |view: &mut Conn, rng: &mut Rng| {
             let off = rng.below(view.size - len + 1) & !511;
             view.read_all(off, len)
         };
-        read(&mut view, rng).map_err(|_| Stop::Gone)?;
+        read(&mut view, rng).map_err(|e| gone_or(ctl, format!("reading the backup view {VIEW:?}: {e}")))?;
         d.view_bytes_read += len;
         if rng.below(2) == 0 {
             // Held open: reads of the view until the cut ends them.
             loop {
                 std::thread::sleep(Duration::from_millis(rng.below(20)));
-                read(&mut view, rng).map_err(|_| Stop::Gone)?;
+                read(&mut view, rng).map_err(|e| gone_or(ctl, format!("reading the backup view {VIEW:?}: {e}")))?;
                 d.view_bytes_read += len;
             }
         }
