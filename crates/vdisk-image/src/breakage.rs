@@ -23,6 +23,11 @@
 //!   not mark its bitmaps in use when a session opens: after a crash they
 //!   look cleanly saved, and short (`vdisk soak --jobs bitmaps` must catch
 //!   it, tests/crash.rs).
+//! - `cbw-into-disk`: a backup view's end (copy-before-write's
+//!   `discard_scratch`) writes the old data it copied back into the disk's
+//!   own files instead of only dropping it: the view's scratch data leaks
+//!   into the disk over the guest's newer writes (`vdisk soak --jobs backup`
+//!   must catch it, tests/crash.rs).
 //!
 //! Without the feature [`active`] is a constant `false`: the checks compile
 //! away. The places that can break call [`active`]: the engine's flush (both
@@ -36,6 +41,7 @@ pub enum Breakage {
     Qcow2L2First,
     CommitLinkFirst,
     BitmapNotInUse,
+    CbwIntoDisk,
 }
 
 pub const ENV: &str = "VDISK_BREAK";
@@ -57,9 +63,10 @@ pub fn active(b: Breakage) -> bool {
                 "qcow2-l2-first" => Breakage::Qcow2L2First,
                 "commit-link-first" => Breakage::CommitLinkFirst,
                 "bitmap-not-in-use" => Breakage::BitmapNotInUse,
+                "cbw-into-disk" => Breakage::CbwIntoDisk,
                 _ => panic!(
-                    "{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first, qcow2-l2-first, commit-link-first \
-                     or bitmap-not-in-use"
+                    "{ENV}={spec:?}: {s:?} is not skip-data-sync, bitmap-first, qcow2-l2-first, commit-link-first, \
+                     bitmap-not-in-use or cbw-into-disk"
                 ),
             })
             .collect();

@@ -296,8 +296,37 @@ impl Cbw {
     /// Frees the scratch file's space (at the end of a backup, once nothing
     /// reads the view and nothing copies any more).
     pub fn discard_scratch(&self) {
+        if crate::breakage::active(crate::breakage::Breakage::CbwIntoDisk) {
+            self.leak_into_disk();
+        }
         if let Err(e) = self.scratch.set_len(0) {
             log::warn!("backup scratch file in {}: cannot free its space: {e}", self.scratch_dir.display());
+        }
+    }
+
+    /// Broken on purpose (a test build with `VDISK_BREAK=cbw-into-disk`):
+    /// writes the old data of every copied granule back where the live
+    /// image maps it, over what the guest wrote since the backup began.
+    fn leak_into_disk(&self) {
+        let granules = self.inner.size().div_ceil(self.granule);
+        for g in (0..granules).filter(|&g| self.copied.get(g)) {
+            let (start, len) = self.span(g);
+            let mut buf = vec![0u8; len as usize];
+            if read_full(&self.scratch, &mut buf, start).is_err() {
+                continue;
+            }
+            let mut extents = Vec::new();
+            if self.inner.map_read(start, len, &mut extents).is_err() {
+                continue;
+            }
+            let mut at = 0usize;
+            for ext in &extents {
+                let n = ext.len() as usize;
+                if let Extent::Data { file, offset, .. } = *ext {
+                    let _ = self.inner.files()[file].write_all_at(&buf[at..at + n], offset);
+                }
+                at += n;
+            }
         }
     }
 

@@ -119,6 +119,8 @@ impl Combo {
     fn top_format(&self) -> &'static str {
         match &self.live {
             Some(l) if l.top().extension().is_some_and(|e| e == "qcow2") => "qcow2",
+            // A mirror's raw target, under any combination.
+            Some(l) if l.top().extension().is_some_and(|e| e == "raw") => "raw",
             _ => self.format.arg(),
         }
     }
@@ -348,7 +350,7 @@ fn setup(
     let live = (!jobs.ops.is_empty() || jobs.bitmaps).then(|| {
         let mut layers = vec![image.clone()];
         layers.extend(base.as_ref().map(|(b, _)| b.clone()));
-        live::Chain::new(&images, layers, &jobs.ops, jobs.bitmaps)
+        live::Chain::new(&images, &dir.join("scratch"), layers, &jobs.ops, jobs.bitmaps)
     });
     Ok(Combo {
         format,
@@ -450,7 +452,12 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let driver = c.live.as_ref().map(|l| live::Driver::start(l, &control, rng.next()));
+    let driver = c.live.as_ref().map(|l| {
+        let probe = probe.clone();
+        live::Driver::start(l, &control, &server.socket, rng.next(), move || {
+            probe.as_ref().is_none_or(|p| !p.is_dead())
+        })
+    });
     let (tail, alive) = end_round(c, &server, partial, rng, report);
     let dead = c.storage.as_ref().is_some_and(|s| s.is_dead());
     server.kill();
@@ -461,7 +468,8 @@ fn round(c: &mut Combo, salt: u64, partial: bool, rng: &mut Rng, report: &mut Cr
     if !alive {
         return Err(format!("the server died before it was killed{tail}"));
     }
-    if let Some(e) = drove.as_ref().and_then(|d| d.error.as_ref()).filter(|_| !dead) {
+    let failed = drove.as_ref().filter(|d| !dead || d.error_while_powered);
+    if let Some(e) = failed.and_then(|d| d.error.as_ref()) {
         return Err(format!("a live operation failed: {e}{tail}"));
     }
     let mut st = Arc::try_unwrap(state).ok().expect("writers are done").into_inner().unwrap();
@@ -536,11 +544,38 @@ fn read_back(c: &mut Combo, salt: u64, logs: &[BlockLog], stats: &mut LiveStats)
     if c.live.is_some() {
         args.extend(["--control", control_arg.as_str()]);
     }
-    let server = Served::start(&c.dir, &[c.top().to_owned()], &args)?;
-    let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
-        .and_then(|mut conn| conn.read_all(0, DISK as u64))
-        .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
-    let judged = check::verify(salt, c.bs, &c.prior, &now, logs);
+    let (server, now, judged) = loop {
+        let server = match Served::start(&c.dir, &[c.top().to_owned()], &args) {
+            Ok(s) => s,
+            // A mirror's target after an unanswered pivot that does not serve
+            // was not pivoted to: the old chain.
+            Err(e) => {
+                let fell_back = match c.live.as_mut() {
+                    Some(chain) => chain.fall_back(stats)?,
+                    None => false,
+                };
+                if fell_back {
+                    continue;
+                }
+                return Err(e);
+            }
+        };
+        let now = Conn::connect(&server.socket, "", Duration::from_secs(30))
+            .and_then(|mut conn| conn.read_all(0, DISK as u64))
+            .map_err(|e| format!("reading the disk back after the crash: {e}{}", server.log_tail()))?;
+        let judged = check::verify(salt, c.bs, &c.prior, &now, logs);
+        // Cut after a mirror's pivot was asked, before it was seen done: the
+        // target was tried first; without every flushed write, the old chain.
+        if let Some(chain) = c.live.as_mut() {
+            if judged.is_ok() {
+                chain.judged(stats);
+            } else if chain.fall_back(stats)? {
+                server.stop()?;
+                continue;
+            }
+        }
+        break (server, now, judged);
+    };
     if let (Ok(()), Some(chain)) = (&judged, c.live.as_mut()) {
         live::after_read(chain, &control, &server.socket, &now, stats)
             .map_err(|e| format!("{e}{}", server.log_tail()))?;

@@ -48,9 +48,9 @@ pub enum SoakJob {
     Commit,
     /// A dirty bitmap on the top through the rounds (judged after every cut).
     Bitmaps,
-    /// Mirror to a new file and pivot (not built yet: refused).
+    /// `export_mirror` to a new raw or qcow2 file (paced); once ready: pivot, cancel, or cut.
     Mirror,
-    /// A backup view read during the round (not built yet: refused).
+    /// `backup_begin` of a view (with the bitmap and a new one under bitmaps), read over NBD, ended or cut.
     Backup,
 }
 
@@ -103,12 +103,20 @@ cut the soak restarts on the newest top whose header reads back (the overlay of 
 unanswered snapshot counts), `qemu-img info --backing-chain` must read the chain and
 `qemu-img check` pass on every qcow2 layer, the judge reads the disk, an interrupted
 job is started again and must finish with the disk unchanged, and the bitmap must be
-marked inconsistent or cover every 512-byte piece changed since it was added. Formats
-raw and qcow2 only (qemu-img cannot read a COW layer).
+marked inconsistent or cover every 512-byte piece changed since it was added. Mirrors
+(mirror) go to a new raw or qcow2 file; once ready they pivot, are cancelled or run to
+the cut; after a cut the soak restarts on the target only when the pivot was seen done,
+or (asked, not seen done) when the target holds every flushed write, else on the old
+chain. Backup views (backup) begin with the bitmap as the view's and a new bitmap beside
+it, are read over NBD, and end or are cut: the disk must hold no scratch data, the
+scratch directory must be empty, and the old and new bitmaps together must cover every
+change unless one is marked inconsistent. Formats raw and qcow2 only (qemu-img cannot
+read a COW layer).
 
 Examples:
   vdisk soak                                  2000 rounds, then 60 s of load per engine
   vdisk soak --rounds 60 --seconds 0 --format raw,qcow2 --jobs snapshot,stream,commit,bitmaps
+  vdisk soak --rounds 60 --seconds 0 --format raw,qcow2 --jobs snapshot,mirror,backup,bitmaps
   vdisk soak --rounds 100 --seconds 0         crash rounds only
   vdisk soak --rounds 60 --seconds 0 --power-loss mixed    power cuts
   vdisk soak --rounds 0 --seconds 300 --engine uring --json
@@ -145,7 +153,7 @@ pub struct SoakArgs {
     #[arg(long, value_enum, default_value = "off")]
     pub power_loss: PowerLoss,
     /// Live disk operations to run during the crash rounds, comma-separated (snapshot, stream, commit,
-    /// bitmaps; stream and commit need snapshot). Formats raw and qcow2 only.
+    /// mirror, backup, bitmaps; stream and commit need snapshot). Formats raw and qcow2 only.
     #[arg(long, value_enum, value_delimiter = ',')]
     pub jobs: Vec<SoakJob>,
     /// Directory for the images (default: a new one under $TMPDIR, removed afterwards).
@@ -320,6 +328,26 @@ fn crash_phase(
                 l.bitmaps_inconsistent,
                 l.bitmaps_left_below
             );
+            if jobs.ops.iter().any(|o| matches!(o, live::Op::Mirror | live::Op::BackupView)) {
+                println!(
+                    "  mirrors: {} started, {} pivoted, {} cancelled, {} cuts mid-mirror ({} after a pivot was asked: \
+                     {} restarted on the target, {} on the old chain); backup views: {} begun, {} ended, {} cuts \
+                     mid-backup, {} bytes of views read; bitmap pairs covering: {}, new bitmaps lost: {}",
+                    l.mirrors,
+                    l.pivots,
+                    l.mirrors_cancelled,
+                    l.cuts_mid[3],
+                    l.pivots_unanswered,
+                    l.unanswered_pivot_on_target,
+                    l.pivots_unanswered_on_old,
+                    l.backups,
+                    l.backups_ended,
+                    l.cuts_mid[4],
+                    l.view_bytes_read,
+                    l.bitmap_pairs_covering,
+                    l.new_bitmaps_lost
+                );
+            }
         }
     }
     Ok(serde_json::json!({

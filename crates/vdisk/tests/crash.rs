@@ -14,6 +14,13 @@
 //! A bitmap kept through kills must come back marked inconsistent or
 //! covering every change: a build whose sidecar store does not mark its
 //! bitmaps in use (VDISK_BREAK=bitmap-not-in-use) is caught within 8 rounds.
+//! 16 rounds mirror the disk (pivot, cancel, or cut) and take backup views
+//! (begun with the bitmap and a new one, read over NBD, ended or cut) beside
+//! snapshots: every flushed write is in the disk after each kill (on raw,
+//! every acknowledged one), the scratch directory is empty, the bitmaps cover
+//! every change or are marked inconsistent; and a build whose backup end
+//! writes the copied old data back into the disk (VDISK_BREAK=cbw-into-disk)
+//! is caught.
 
 mod common;
 
@@ -71,5 +78,49 @@ fn a_bitmap_store_that_does_not_mark_its_bitmaps_in_use_is_caught() {
         .find(|l| l.contains("crash round"))
         .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
     assert!(line.contains("came back consistent but short"), "caught, but not by the bitmap's verdict: {line}");
+    eprintln!("VDISK_BREAK={breakage}: {}", &line[..line.len().min(300)]);
+}
+
+#[test]
+fn sigkill_rounds_during_mirror_and_backup_keep_every_flushed_write() {
+    // {raw, qcow2 over raw} x {uring, threads} x {normal, --sync}: two rounds each.
+    const ROUNDS: u64 = 16;
+    let started = Instant::now();
+    let r = crash_rounds(
+        "crash-mirror-backup",
+        ROUNDS,
+        &["--format", "raw,qcow2", "--jobs", "snapshot,mirror,backup,bitmaps"],
+    );
+    let live = &r.report["crash"]["live"];
+    let n = |k: &str| live[k].as_u64().unwrap_or_else(|| panic!("no {k} in {}", r.report));
+    assert!(n("mirrors") > 0, "no mirror was started: {}", r.report);
+    assert!(n("backups") > 0 && n("view_bytes_read") > 0, "no backup view was begun and read: {}", r.report);
+    assert!(n("cuts_mid_mirror") + n("cuts_mid_backup") > 0, "no kill landed in a mirror or a backup: {}", r.report);
+    eprintln!(
+        "{ROUNDS} crash rounds with mirrors and backup views: {} kills mid-mirror, {} mid-backup; {} writes \
+         acknowledged, {} flushes; {live}; {:?}",
+        n("cuts_mid_mirror"),
+        n("cuts_mid_backup"),
+        r.acked,
+        r.flushes,
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_backup_that_writes_its_scratch_data_into_the_disk_is_caught() {
+    // raw x threads x {normal, --sync}, backups only: the first backup ended
+    // writes the granules it copied back over the writers' newer data.
+    let breakage = "cbw-into-disk";
+    let dir = TempDir::new(breakage);
+    let args = ["--rounds", "8", "--format", "raw", "--engine", "threads", "--jobs", "backup", "--seed", "2"];
+    let out = soak(&dir, &args, &[("VDISK_BREAK", breakage)]);
+    assert!(!out.status.success(), "VDISK_BREAK={breakage} went unnoticed through {args:?}:\n{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.contains("crash round"))
+        .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
+    assert!(line.contains("hold data never written there or older"), "caught, but not by the judge: {line}");
     eprintln!("VDISK_BREAK={breakage}: {}", &line[..line.len().min(300)]);
 }
