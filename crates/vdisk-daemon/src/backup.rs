@@ -81,7 +81,7 @@ impl Daemon {
     fn begin(&self, live: &mut Live, r: &BackupRequest) -> Result<BackupInfo, Error> {
         let (export, view) = (r.export.as_str(), r.view.as_str());
         let refuse = |why: String| Error::invalid(format!("backup of export {export:?}: {why}; nothing was changed"));
-        crate::daemon::check_name(view)?;
+        crate::spec::check_name(view)?;
         if self.name_in_use(view) {
             return Err(Error::new(
                 ErrorKind::Exists,

@@ -836,17 +836,6 @@ fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec,
     Ok(spec)
 }
 
-/// NBD names are at most 4096 bytes; an empty one would shadow the default export.
-pub(crate) fn check_name(name: &str) -> Result<(), Error> {
-    if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
-        return Err(Error::new(
-            ErrorKind::Invalid,
-            format!("{name:?} cannot be an export name: give 1 to 4096 bytes without control characters"),
-        ));
-    }
-    Ok(())
-}
-
 /// Several errors in one line, each with its causes.
 fn joined(errors: &[Error]) -> String {
     errors.iter().map(|e| e.report().to_string()).collect::<Vec<_>>().join("; ")

@@ -128,7 +128,7 @@ impl ExportSpec {
     /// amounts are numbers.
     pub fn check(&mut self) -> Result<(), Error> {
         let name = self.export_name();
-        crate::daemon::check_name(&name)?;
+        check_name(&name)?;
         let bad = |what: String| Error::invalid(format!("export {name:?}: {what}"));
         if let Some(n @ (0 | 65..)) = self.num_queues {
             return Err(bad(format!("num_queues {n} is not between 1 and 64")));
@@ -165,6 +165,16 @@ impl ExportSpec {
     pub fn ceph(&self) -> vdisk_image::rbd::ConnectOptions {
         vdisk_image::rbd::ConnectOptions { conf: self.ceph_conf.clone(), id: self.ceph_id.clone(), extra: Vec::new() }
     }
+}
+
+/// NBD names are at most 4096 bytes; an empty one would shadow the default export.
+pub(crate) fn check_name(name: &str) -> Result<(), Error> {
+    if name.is_empty() || name.len() > 4096 || name.chars().any(char::is_control) {
+        return Err(Error::invalid(format!(
+            "{name:?} cannot be an export name: give 1 to 4096 bytes without control characters"
+        )));
+    }
+    Ok(())
 }
 
 /// QoS limits as the log shows them.
