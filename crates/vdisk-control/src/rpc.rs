@@ -40,7 +40,7 @@ pub struct AddParams {
     pub ceph_id: Option<String>,
     pub fuse: Option<String>,
     pub vhost_user_blk: Option<String>,
-    /// 1 to 64 (checked with the rest of the spec by the daemon).
+    /// 1 to 64, as the command line's `--num-queues` takes it.
     pub num_queues: Option<u64>,
     pub qos: Qos,
     /// Who may open the export over TLS (certificate patterns, PSK identities); empty: anyone.
@@ -345,7 +345,10 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
         ceph_id: p.str("ceph_id")?,
         fuse: p.str("fuse")?,
         vhost_user_blk: p.str("vhost_user_blk")?,
-        num_queues: p.u64("num_queues")?,
+        num_queues: match p.u64("num_queues")? {
+            Some(n @ (0 | 65..)) => return Err(bad(format!("num_queues {n} is not between 1 and 64"))),
+            n => n,
+        },
         qos: p.qos()?,
         allow: p.strings("allow")?,
     })

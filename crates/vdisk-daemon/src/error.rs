@@ -69,9 +69,9 @@ impl Error {
         self
     }
 
-    /// The same error, caused by an OS error another error shares.
-    pub fn because_os(mut self, source: Arc<std::io::Error>) -> Error {
-        self.source = Some(source as Source);
+    /// The same error, caused by an error another error shares.
+    pub fn because_shared(mut self, source: Source) -> Error {
+        self.source = Some(source);
         self
     }
 

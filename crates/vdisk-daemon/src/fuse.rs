@@ -50,7 +50,7 @@ fn advised(kind: ErrorKind, e: &vdisk_fuse::Error) -> Error {
     };
     let error = Error::new(kind, message);
     match e.os_source() {
-        Some(os) => error.because_os(os),
+        Some(os) => error.because_shared(os),
         None => error,
     }
 }

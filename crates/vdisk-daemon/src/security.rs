@@ -91,7 +91,7 @@ pub fn check_allow<'a>(policy: &Policy, specs: impl Iterator<Item = &'a ExportSp
 
 fn load(mode: TlsMode, a: &TlsSettings, verify: bool) -> Result<Tls, Error> {
     if let Some(file) = &a.tls_psk {
-        return Tls::psk(mode, file).map_err(|e| Error::invalid(e.to_string()));
+        return Tls::psk(mode, file).map_err(|e| credentials(&e));
     }
     if let Some(dir) = &a.tls_certificates {
         let psk = dir.join("keys.psk");
@@ -111,7 +111,7 @@ fn load(mode: TlsMode, a: &TlsSettings, verify: bool) -> Result<Tls, Error> {
                     dir.display()
                 )));
             }
-            return Tls::psk(mode, &psk).map_err(|e| Error::invalid(e.to_string()));
+            return Tls::psk(mode, &psk).map_err(|e| credentials(&e));
         }
     }
     let files = match (&a.tls_certificates, &a.tls_cert, &a.tls_key) {
@@ -158,9 +158,19 @@ fn load(mode: TlsMode, a: &TlsSettings, verify: bool) -> Result<Tls, Error> {
     for p in [Some(&files.cert), Some(&files.key), files.client_ca.as_ref()].into_iter().flatten() {
         exists(p)?;
     }
-    Tls::new(mode, &files).map_err(|e| Error::invalid(e.to_string()))
+    Tls::new(mode, &files).map_err(|e| credentials(&e))
 }
 
 fn exists(p: &Path) -> Result<(), Error> {
     std::fs::metadata(p).map(|_| ()).map_err(|e| Error::invalid(format!("cannot use {}", p.display())).at(p).because(e))
+}
+
+/// TLS credentials that cannot be used, as the daemon's error: the message,
+/// and what caused it kept as its cause.
+fn credentials(e: &vdisk_nbd::tls::CredentialError) -> Error {
+    let error = Error::invalid(e.to_string());
+    match e.cause() {
+        Some(cause) => error.because_shared(cause),
+        None => error,
+    }
 }

@@ -4,6 +4,7 @@
 //! depends on the other through this module.
 
 use std::io::{self, IoSlice, Write};
+use std::sync::Arc;
 
 use crate::allow::PeerIdentity;
 
@@ -28,15 +29,19 @@ pub(crate) trait Engine: Send {
     fn peer_identity(&self) -> Option<PeerIdentity>;
 }
 
-/// Why TLS credentials cannot be used: a kind, and a message that names the
-/// file and what is wrong with it (never a command-line flag).
+/// Why TLS credentials cannot be used: a kind, a message that names the
+/// file and what is wrong with it (never a command-line flag), and the error
+/// that caused it (the OS's, the PEM parser's, the TLS library's), which the
+/// message does not repeat.
 #[derive(Debug, Clone)]
 pub struct CredentialError {
     kind: CredentialErrorKind,
     message: String,
+    cause: Option<Arc<dyn std::error::Error + Send + Sync>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CredentialErrorKind {
     /// A file cannot be read.
     Unreadable,
@@ -52,7 +57,18 @@ pub enum CredentialErrorKind {
 
 impl CredentialError {
     pub(crate) fn new(kind: CredentialErrorKind, message: impl Into<String>) -> Self {
-        CredentialError { kind, message: message.into() }
+        CredentialError { kind, message: message.into(), cause: None }
+    }
+
+    /// The same error, caused by `cause`.
+    pub(crate) fn because(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.cause = Some(Arc::new(cause));
+        self
+    }
+
+    /// What caused it, shared (for an error that wraps this one's message).
+    pub fn cause(&self) -> Option<Arc<dyn std::error::Error + Send + Sync>> {
+        self.cause.clone()
     }
 
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
@@ -70,4 +86,8 @@ impl std::fmt::Display for CredentialError {
     }
 }
 
-impl std::error::Error for CredentialError {}
+impl std::error::Error for CredentialError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause.as_deref().map(|c| c as &(dyn std::error::Error + 'static))
+    }
+}

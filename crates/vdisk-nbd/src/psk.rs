@@ -76,14 +76,15 @@ impl PskKeys {
     pub fn load(path: &Path) -> Result<PskKeys, CredentialError> {
         let p = path.display();
         let unreadable = |m: String| CredentialError::new(CredentialErrorKind::Unreadable, m);
-        let meta = std::fs::metadata(path).map_err(|e| unreadable(format!("cannot use PSK file {p}: {e}")))?;
+        let meta = std::fs::metadata(path).map_err(|e| unreadable(format!("cannot use PSK file {p}")).because(e))?;
         if meta.permissions().mode() & 0o004 != 0 {
             return Err(CredentialError::new(
                 CredentialErrorKind::Exposed,
                 format!("PSK file {p} is readable by every user, and its keys are secrets: chmod o-r {p} (or 600)"),
             ));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| unreadable(format!("cannot read PSK file {p}: {e}")))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| unreadable(format!("cannot read PSK file {p}")).because(e))?;
         let mut keys = HashMap::new();
         for (i, line) in text.lines().enumerate() {
             let line = line.trim_end_matches('\r');
@@ -145,7 +146,7 @@ impl PskServer {
     pub fn new(keys: PskKeys) -> Result<PskServer, CredentialError> {
         let keys = Arc::new(keys);
         let setup = |e: openssl::error::ErrorStack| {
-            CredentialError::new(CredentialErrorKind::Setup, format!("OpenSSL PSK setup: {e}"))
+            CredentialError::new(CredentialErrorKind::Setup, "OpenSSL PSK setup").because(e)
         };
         let unknown = unknown_user_slot().map_err(setup)?;
         let user = user_slot().map_err(setup)?;

@@ -130,11 +130,12 @@ const RX_BUFFER: usize = 256 << 10;
 
 fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, CredentialError> {
     let iter = CertificateDer::pem_file_iter(path).map_err(|e| {
-        CredentialError::new(CredentialErrorKind::Unreadable, format!("cannot read {what} {}: {e}", path.display()))
+        CredentialError::new(CredentialErrorKind::Unreadable, format!("cannot read {what} {}", path.display()))
+            .because(e)
     })?;
     let certs: Vec<_> = iter
         .collect::<Result<_, _>>()
-        .map_err(|e| CredentialError::invalid(format!("{what} {} is not valid PEM: {e}", path.display())))?;
+        .map_err(|e| CredentialError::invalid(format!("{what} {} is not valid PEM", path.display())).because(e))?;
     if certs.is_empty() {
         return Err(CredentialError::invalid(format!(
             "{what} {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
@@ -214,14 +215,15 @@ impl Tls {
         let chain = certs(&files.cert, "certificate")?;
         let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| {
             CredentialError::invalid(format!(
-                "cannot read a PEM private key from {}: {e} (PKCS#8, PKCS#1 or SEC1)",
+                "cannot read a PEM private key from {} (PKCS#8, PKCS#1 or SEC1)",
                 files.key.display()
             ))
+            .because(e)
         })?;
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
-            .map_err(|e| CredentialError::new(CredentialErrorKind::Setup, format!("TLS setup: {e}")))?;
+            .map_err(|e| CredentialError::new(CredentialErrorKind::Setup, "TLS setup").because(e))?;
         let builder = match &files.client_ca {
             None => builder.with_no_client_auth(),
             Some(ca) => {
@@ -229,18 +231,18 @@ impl Tls {
                 for c in certs(ca, "CA certificate")? {
                     roots
                         .add(c)
-                        .map_err(|e| CredentialError::invalid(format!("CA certificate {}: {e}", ca.display())))?;
+                        .map_err(|e| CredentialError::invalid(format!("CA certificate {}", ca.display())).because(e))?;
                 }
                 let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                     .build()
-                    .map_err(|e| CredentialError::invalid(format!("CA certificate {}: {e}", ca.display())))?;
+                    .map_err(|e| CredentialError::invalid(format!("CA certificate {}", ca.display())).because(e))?;
                 builder.with_client_cert_verifier(verifier)
             }
         };
         let kind = key_kind(&key);
         let config = builder.with_single_cert(chain, key).map_err(|e| {
             CredentialError::invalid(format!(
-                "{} and {} do not make a usable certificate and key: {e}{}",
+                "{} and {} do not make a usable certificate and key{}",
                 files.cert.display(),
                 files.key.display(),
                 match kind {
@@ -252,6 +254,7 @@ impl Tls {
                     KeyKind::Other(what) => format!(" (the key is {what})"),
                 }
             ))
+            .because(e)
         })?;
         let summary = format!(
             "TLS {} (X.509: {}{})",
