@@ -24,7 +24,7 @@
 
 mod common;
 
-use common::{crash_rounds, soak, text, TempDir};
+use common::crash_rounds;
 use std::time::Instant;
 
 #[test]
@@ -67,18 +67,8 @@ fn a_bitmap_store_that_does_not_mark_its_bitmaps_in_use_is_caught() {
     // raw x threads x {normal, --sync}: the first round of each adds the
     // bitmap after its restart; the kill in its second round leaves it
     // looking cleanly saved and empty. By hand: caught in round 2.
-    let breakage = "bitmap-not-in-use";
-    let dir = TempDir::new(breakage);
     let args = ["--rounds", "8", "--format", "raw", "--engine", "threads", "--jobs", "bitmaps", "--seed", "8"];
-    let out = soak(&dir, &args, &[("VDISK_BREAK", breakage)]);
-    assert!(!out.status.success(), "VDISK_BREAK={breakage} went unnoticed through {args:?}:\n{}", text(&out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    let line = err
-        .lines()
-        .find(|l| l.contains("crash round"))
-        .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
-    assert!(line.contains("came back consistent but short"), "caught, but not by the bitmap's verdict: {line}");
-    eprintln!("VDISK_BREAK={breakage}: {}", &line[..line.len().min(300)]);
+    common::caught("bitmap-not-in-use", &args, "came back consistent but short");
 }
 
 #[test]
@@ -111,16 +101,6 @@ fn sigkill_rounds_during_mirror_and_backup_keep_every_flushed_write() {
 fn a_backup_that_writes_its_scratch_data_into_the_disk_is_caught() {
     // raw x threads x {normal, --sync}, backups only: the first backup ended
     // writes the granules it copied back over the writers' newer data.
-    let breakage = "cbw-into-disk";
-    let dir = TempDir::new(breakage);
     let args = ["--rounds", "8", "--format", "raw", "--engine", "threads", "--jobs", "backup", "--seed", "2"];
-    let out = soak(&dir, &args, &[("VDISK_BREAK", breakage)]);
-    assert!(!out.status.success(), "VDISK_BREAK={breakage} went unnoticed through {args:?}:\n{}", text(&out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    let line = err
-        .lines()
-        .find(|l| l.contains("crash round"))
-        .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
-    assert!(line.contains("hold data never written there or older"), "caught, but not by the judge: {line}");
-    eprintln!("VDISK_BREAK={breakage}: {}", &line[..line.len().min(300)]);
+    common::caught("cbw-into-disk", &args, "hold data never written there or older");
 }

@@ -27,7 +27,7 @@
 
 mod common;
 
-use common::{crash_rounds, soak, text, TempDir};
+use common::crash_rounds;
 use std::time::Instant;
 
 #[test]
@@ -63,8 +63,6 @@ fn a_commit_that_rewrites_the_link_before_the_base_is_durable_is_caught() {
     // link that already names it. By hand it was caught in round 1 or 2 (2
     // seeds); beside other tests, in round 11 once (the commit had not
     // finished before the earlier cuts).
-    let breakage = "commit-link-first";
-    let dir = TempDir::new(breakage);
     let args = [
         "--rounds",
         "24",
@@ -79,22 +77,8 @@ fn a_commit_that_rewrites_the_link_before_the_base_is_durable_is_caught() {
         "--seed",
         "21",
     ];
-    let out = soak(&dir, &args, &[("VDISK_BREAK", breakage)]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "VDISK_BREAK={breakage} went unnoticed through {args:?}:\n{}", text(&out));
-    let line = err
-        .lines()
-        .find(|l| l.contains("crash round"))
-        .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
-    let round: u64 = line
-        .split("crash round ")
-        .nth(1)
-        .and_then(|r| r.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no round number in {line:?}"));
-    assert!(round < 24, "{line}");
-    assert!(line.contains("hold data never written there or older"), "caught, but not by the judge: {line}");
-    eprintln!("VDISK_BREAK={breakage}: caught in round {round}: {}", &line[..line.len().min(300)]);
+    let round = common::caught("commit-link-first", &args, "hold data never written there or older");
+    assert!(round < 24);
 }
 
 #[test]

@@ -467,13 +467,28 @@ pub fn vdisk_bounded(args: &[&str]) -> Output {
 
 /// Runs `vdisk soak --seconds 0 --json --dir DIR ARGS` with `env`.
 pub fn soak(dir: &TempDir, args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(vdisk_bin())
-        .args(["soak", "--seconds", "0", "--json", "--dir"])
-        .arg(&dir.0)
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .expect("run vdisk soak")
+    let mut cmd = Command::new(vdisk_bin());
+    cmd.args(["soak", "--seconds", "0", "--json", "--dir"]).arg(&dir.0).args(args).envs(env.iter().copied());
+    bounded(&mut cmd, Duration::from_secs(600))
+}
+
+/// Runs the soak's rounds `args` on a build broken on purpose
+/// (`VDISK_BREAK=breakage`) and asserts that a round's verdict caught it,
+/// saying `verdict`; the round that did.
+pub fn caught(breakage: &str, args: &[&str], verdict: &str) -> u64 {
+    let dir = TempDir::new(breakage);
+    let out = soak(&dir, args, &[("VDISK_BREAK", breakage)]);
+    assert!(!out.status.success(), "VDISK_BREAK={breakage} went unnoticed through {args:?}:\n{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.contains("crash round"))
+        .unwrap_or_else(|| panic!("VDISK_BREAK={breakage}: failed, but not by a round's verdict:\n{}", text(&out)));
+    let round = line.split("crash round ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse().ok());
+    let round = round.unwrap_or_else(|| panic!("no round number in {line:?}"));
+    assert!(line.contains(verdict), "VDISK_BREAK={breakage}: caught, but not by {verdict:?}: {line}");
+    eprintln!("VDISK_BREAK={breakage}: caught in round {round}: {}", &line[..line.len().min(300)]);
+    round
 }
 
 /// What a passing run of crash rounds did, from its JSON report.
