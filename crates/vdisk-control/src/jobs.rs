@@ -40,6 +40,13 @@ pub fn snapshot(
     }))
 }
 
+/// `export_snapshot` with `rbd_snap`: made unless the request was given up before it started.
+pub fn rbd_snapshot(daemon: &Daemon, name: &str, snap: &str, ticket: &Ticket) -> Result<Value, Error> {
+    let _committing = ticket.go_ahead()?;
+    let (job, image) = daemon.rbd_snapshot(name, snap)?;
+    Ok(json!({"job": job, "name": name, "rbd_snap": format!("{image}@{snap}")}))
+}
+
 /// `export_stream`: started as a job; the answer (its id) comes at once.
 pub fn stream(daemon: &Arc<Daemon>, name: &str, bps: Option<u64>, ticket: &Ticket) -> Result<Value, Error> {
     let _committing = ticket.go_ahead()?;

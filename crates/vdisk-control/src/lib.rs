@@ -348,6 +348,7 @@ fn call(served: &Served, method: Method, ticket: &Ticket) -> Result<Value, Error
         Method::ConfigReload => served.reload.reload_within(ticket).map(|r| json::reload(&r)),
         Method::Bitmap(c) => bitmaps::call(daemon, c, ticket),
         Method::ExportSnapshot { name, overlay, format } => jobs::snapshot(daemon, &name, &overlay, format, ticket),
+        Method::ExportRbdSnapshot { name, snap } => jobs::rbd_snapshot(daemon, &name, &snap, ticket),
         Method::ExportStream { name, bps } => jobs::stream(daemon, &name, bps, ticket),
         Method::ExportCommit(c) => jobs::commit(daemon, c, ticket),
         Method::JobList => Ok(jobs::list(&daemon.jobs())),

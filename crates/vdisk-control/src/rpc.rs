@@ -71,6 +71,11 @@ pub enum Method {
         overlay: String,
         format: Option<String>,
     },
+    /// `export_snapshot` with `rbd_snap`: an RBD snapshot of an RBD export's image.
+    ExportRbdSnapshot {
+        name: String,
+        snap: String,
+    },
     /// Copy the backing chain into the export's qcow2 top and drop the chain (a job).
     ExportStream {
         name: String,
@@ -214,7 +219,7 @@ impl Method {
                 "merge" => "bitmap_merge",
                 _ => "bitmap_list",
             },
-            Method::ExportSnapshot { .. } => "export_snapshot",
+            Method::ExportSnapshot { .. } | Method::ExportRbdSnapshot { .. } => "export_snapshot",
             Method::ExportStream { .. } => "export_stream",
             Method::ExportCommit(_) => "export_commit",
             Method::JobList => "job_list",
@@ -356,9 +361,16 @@ fn add_params(p: &mut Params) -> Result<AddParams, Fault> {
 
 fn snapshot_params(p: &mut Params) -> Result<Method, Fault> {
     let name = p.name()?;
-    let overlay = p.str("overlay")?.ok_or_else(|| bad("\"overlay\" (the new top's path) is required"))?;
     let format = p.one_of("format", &["qcow2", "cow"])?;
-    Ok(Method::ExportSnapshot { name, overlay, format })
+    match (p.str("overlay")?, p.str("rbd_snap")?) {
+        (Some(overlay), None) => Ok(Method::ExportSnapshot { name, overlay, format }),
+        (None, Some(snap)) if format.is_none() => Ok(Method::ExportRbdSnapshot { name, snap }),
+        (None, Some(_)) => Err(bad("\"format\" is an overlay's: an RBD snapshot (\"rbd_snap\") has none")),
+        (Some(_), Some(_)) => Err(bad("give \"overlay\" (a new top) or \"rbd_snap\" (an RBD snapshot), not both")),
+        (None, None) => Err(bad(
+            "\"overlay\" (the new top's path) is required, or \"rbd_snap\" (a snapshot's name) for an RBD export",
+        )),
+    }
 }
 
 fn mirror_params(p: &mut Params) -> Result<Method, Fault> {
@@ -499,6 +511,20 @@ mod tests {
         let add = Method::ExportAdd(AddParams { image: "/x".into(), ..Default::default() });
         assert!(add.changes_state() && Method::ConfigReload.changes_state());
         assert!(!Method::ExportList.changes_state() && !Method::ServerInfo.changes_state());
+    }
+
+    #[test]
+    fn a_snapshot_is_an_overlay_or_an_rbd_snapshot_never_both() {
+        let p = |j: &str| Params(serde_json::from_str(j).unwrap());
+        let m = parse("export_snapshot", p(r#"{"name":"d","rbd_snap":"s1"}"#)).unwrap();
+        assert_eq!(m, Method::ExportRbdSnapshot { name: "d".into(), snap: "s1".into() });
+        for bad in [
+            r#"{"name":"d"}"#,
+            r#"{"name":"d","rbd_snap":"s","overlay":"/o"}"#,
+            r#"{"name":"d","rbd_snap":"s","format":"cow"}"#,
+        ] {
+            assert_eq!(parse("export_snapshot", p(bad)).unwrap_err().code, INVALID_PARAMS, "{bad}");
+        }
     }
 
     #[test]

@@ -83,6 +83,51 @@ impl Daemon {
         r
     }
 
+    /// Makes the RBD snapshot `snap` of RBD export `name`'s image while it
+    /// serves: requests in flight finish and librbd's cache is flushed first,
+    /// so the snapshot holds every write acknowledged before it; the export
+    /// goes on serving the image. The job's id and the image's spec.
+    pub fn rbd_snapshot(&self, name: &str, snap: &str) -> Result<(u64, String), Error> {
+        let job = self.jobs.start("snapshot", name);
+        let r = self.live_change(name, |live| {
+            let refuse = |why: String| Error::invalid(format!("RBD snapshot of export {name:?}: {why}"));
+            let device = live.device.clone();
+            if device.kind() != vdisk_engine::EngineKind::Rbd {
+                return Err(refuse(format!(
+                    "{} is not an RBD image: give --overlay PATH for a new top over it",
+                    live.spec.image.display()
+                )));
+            }
+            if device.read_only() {
+                return Err(refuse("it is served read-only (an RBD snapshot, or --readonly): it never changes".into()));
+            }
+            if snap.is_empty() || snap.len() > 255 || snap.contains(['@', '/']) || snap.chars().any(char::is_control) {
+                return Err(refuse(format!("{snap:?} cannot name a snapshot: 1 to 255 characters, no '@' or '/'")));
+            }
+            if let Some(why) = device.failure() {
+                return Err(Error::failed(format!("RBD snapshot of export {name:?}: its device failed ({why})")));
+            }
+            let failed = |e: vdisk_image::Error| Error::from(e).context(format!("RBD snapshot of export {name:?}"));
+            let guard = device.quiesce(QUIESCE_LIMIT).map_err(failed)?;
+            guard.flush().map_err(failed)?;
+            let image = device.image();
+            let Some(vdisk_image::Storage::Rbd(rbd)) = image.target(0) else {
+                return Err(refuse("its image has no RBD target".into()));
+            };
+            rbd.snap_create(snap).map_err(|e| match e.os_error() {
+                Some(libc::EEXIST) => Error::new(
+                    ErrorKind::Exists,
+                    format!("RBD snapshot of export {name:?}: {}@{snap} exists already: name a new one", rbd.spec()),
+                ),
+                _ => failed(e),
+            })?;
+            log::info!(export:% = name; "export {name:?}: RBD snapshot {}@{snap} made", rbd.spec());
+            Ok(rbd.spec().to_string())
+        });
+        job.finish(&r.as_ref().map(|_| ()).map_err(|e| e.report().to_string()));
+        r.map(|spec| (job.id, spec))
+    }
+
     /// Every job, running and ended (the last [`crate::jobs::KEPT`]), oldest first.
     pub fn jobs(&self) -> Vec<crate::jobs::JobInfo> {
         self.jobs.list()
@@ -207,8 +252,7 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
         live,
         "snapshot",
         name,
-        "it is an RBD image: its snapshots are RBD snapshots (`--rbd-snap NAME`), which vdisk does not make yet (use \
-         `rbd snap create`)",
+        "it is an RBD image: its snapshots are RBD snapshots (`vdisk ctl snapshot EXPORT --rbd-snap NAME`)",
         Some("it is served read-only: its image never changes, so there is nothing to snapshot (copy the file)"),
     )?;
     let top =

@@ -519,8 +519,11 @@ pub enum CtlCommand {
     Snapshot {
         name: String,
         /// The new overlay (must not exist).
-        #[arg(long, value_name = "PATH")]
-        overlay: PathBuf,
+        #[arg(long, value_name = "PATH", required_unless_present = "rbd_snap")]
+        overlay: Option<PathBuf>,
+        /// For an RBD export: make the RBD snapshot NAME of its image instead (the export serves on).
+        #[arg(long, value_name = "NAME", conflicts_with_all = ["overlay", "format"])]
+        rbd_snap: Option<String>,
         #[arg(long, value_enum, default_value_t = OverlayFormatArg::Qcow2)]
         format: OverlayFormatArg,
     },

@@ -119,11 +119,11 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             p = params;
             method
         }
-        CtlCommand::Snapshot { name, overlay, format } => {
-            let overlay = absolute(&overlay)?;
-            let format = format.to_possible_value().expect("every format has a name");
-            p.extend([("name".into(), name.into()), ("overlay".into(), json!(overlay))]);
-            p.insert("format".into(), format.get_name().into());
+        CtlCommand::Snapshot { name, overlay, rbd_snap, format } => {
+            let overlay = overlay.map(|o| absolute(&o).map(|o| json!(o))).transpose()?;
+            let format = overlay.is_some().then(|| format.to_possible_value().expect("named").get_name().into());
+            let snap = rbd_snap.map(Into::into);
+            set(&mut p, [("name", Some(name.into())), ("overlay", overlay), ("rbd_snap", snap), ("format", format)]);
             "export_snapshot"
         }
         CtlCommand::Stream { name, job } => {

@@ -182,29 +182,10 @@ mod tests {
     /// config file and `export_add`: the same [`vdisk_daemon::ExportSpec`].
     #[test]
     fn one_export_spec_from_flags_file_and_json_rpc() {
-        let cli = serve_args(&[
-            "/srv/vm/disk.qcow2",
-            "--export-name",
-            "vm1",
-            "--readonly",
-            "--format",
-            "qcow2",
-            "--backing",
-            "/srv/vm/base.img",
-            "--ignore-backing-mtime",
-            "--ceph-conf",
-            "/etc/ceph/other.conf",
-            "--ceph-id",
-            "vdisk",
-            "--fuse",
-            "/run/vm1.img",
-            "--vhost-user-blk",
-            "/run/vm1.sock",
-            "--num-queues",
-            "4",
-            "--export-allow",
-            "vm1=alice",
-        ]);
+        let flags = "/srv/vm/disk.qcow2 --export-name vm1 --readonly --format qcow2 --backing /srv/vm/base.img \
+                     --ignore-backing-mtime --ceph-conf /etc/ceph/other.conf --ceph-id vdisk --fuse /run/vm1.img \
+                     --vhost-user-blk /run/vm1.sock --num-queues 4 --export-allow vm1=alice";
+        let cli = serve_args(&flags.split_whitespace().collect::<Vec<_>>());
         let cli = crate::serve::export_specs(&cli, None).unwrap().remove(0);
         let toml = "[[export]]\nimage = \"/srv/vm/disk.qcow2\"\nname = \"vm1\"\nreadonly = true\nformat = \"qcow2\"\n\
                     backing = \"/srv/vm/base.img\"\nignore_backing_mtime = true\nceph_conf = \"/etc/ceph/other.conf\"\n\

@@ -89,6 +89,7 @@ table! {
     rbd_get_features: fn(ImageT, *mut u64) -> c_int;
     rbd_stat: fn(ImageT, *mut ImageInfo, usize) -> c_int;
     rbd_flush: fn(ImageT) -> c_int;
+    rbd_snap_create: fn(ImageT, *const c_char) -> c_int;
     rbd_read: fn(ImageT, u64, usize, *mut c_char) -> isize;
     rbd_write: fn(ImageT, u64, usize, *const c_char) -> isize;
     rbd_write_zeroes: fn(ImageT, u64, usize, c_int, c_int) -> isize;

@@ -597,6 +597,21 @@ impl RbdImage {
         Ok(())
     }
 
+    /// Makes the RBD snapshot `name` of the image as it is now (what was
+    /// written before is in it; flush first for what librbd's cache holds).
+    /// An existing name is refused with EEXIST as its cause.
+    pub fn snap_create(&self, name: &str) -> Result<()> {
+        let img = self.img().map_err(|e| Error::io(e, format!("{} is closed", self.spec)))?;
+        let c =
+            std::ffi::CString::new(name).map_err(|_| Error::invalid(format!("snapshot name {name:?} holds a NUL")))?;
+        // SAFETY: an open image and a NUL-terminated name that outlives the call.
+        let rc = unsafe { (self.conn.lib.rbd_snap_create)(img, c.as_ptr()) };
+        if rc < 0 {
+            return Err(Error::io(os_err(rc.into()), format!("cannot make snapshot {name:?} of {}", self.spec)));
+        }
+        Ok(())
+    }
+
     /// An error of an operation on this image, with where it happened.
     pub fn error(&self, what: &str, offset: u64, len: u64, errno: i64) -> Error {
         Error::io(os_err(errno.min(-1)), format!("{what} of {len} bytes at offset {offset} of {}", self.spec))
