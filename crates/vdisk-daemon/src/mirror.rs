@@ -205,7 +205,7 @@ impl Daemon {
             MirrorTarget::Rbd(s) => Some(self.rbd_target(name, s, &o)?),
             _ => None,
         };
-        let made_rbd = rbd.as_ref().and_then(|(t, made)| made.then(|| t.spec.clone()));
+        let made_rbd = rbd.as_ref().and_then(|(t, made)| made.then(|| t.0.spec().clone()));
         let started = self.live_change(name, |live| {
             let rbd_source = vdisk_image::rbd::is_rbd(&live.spec.image)
                 || live.device.kind() == vdisk_engine::EngineKind::Rbd;
@@ -235,7 +235,7 @@ impl Daemon {
                     let (t, made) = rbd.take().expect("opened before");
                     let why = format!(
                         "it writes to the RBD image {}, and a running export cannot be swapped onto RBD here",
-                        t.spec
+                        t.0.spec()
                     );
                     let t: Box<dyn Target> = Box::new(t);
                     Ok((device, t, Pivot::None(why), made))
@@ -346,7 +346,7 @@ impl Daemon {
                 spec.image
             )));
         }
-        Ok((RbdTarget { image, spec }, !o.existing))
+        Ok((RbdTarget(image), !o.existing))
     }
 
     /// Starts an active commit of export `name`'s live top (and every layer

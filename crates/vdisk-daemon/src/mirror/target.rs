@@ -9,7 +9,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vdisk_image::rbd::Spec;
 use vdisk_image::{Extent, Image, RbdImage};
 use vdisk_nbd::remote::Remote;
 
@@ -88,29 +87,26 @@ impl Target for NbdTarget {
 
 /// An RBD image: made by the job at the export's size, or an existing one
 /// at least that large (`--existing`).
-pub struct RbdTarget {
-    pub image: RbdImage,
-    pub spec: Spec,
-}
+pub struct RbdTarget(pub RbdImage);
 
 impl Target for RbdTarget {
     fn write(&mut self, offset: u64, data: &[u8]) -> Result<(), String> {
-        self.image
+        self.0
             .write_at(data, offset)
-            .map_err(|e| format!("writing {} bytes at offset {offset} of {}: {e}", data.len(), self.spec))
+            .map_err(|e| format!("writing {} bytes at offset {offset} of {}: {e}", data.len(), self.0.spec()))
     }
 
     fn zero(&mut self, offset: u64, len: u64) -> Result<(), String> {
-        self.image
+        self.0
             .write_zeroes_at(offset, len)
-            .map_err(|e| format!("zeroing {len} bytes at offset {offset} of {}: {e}", self.spec))
+            .map_err(|e| format!("zeroing {len} bytes at offset {offset} of {}: {e}", self.0.spec()))
     }
 
     fn flush(&mut self) -> Result<(), String> {
-        self.image.flush().map_err(|e| e.report().to_string())
+        self.0.flush().map_err(|e| e.report().to_string())
     }
 
     fn describe(&self) -> String {
-        self.spec.to_string()
+        self.0.spec().to_string()
     }
 }
