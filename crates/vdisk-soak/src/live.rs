@@ -431,18 +431,21 @@ fn mirror(
     if state != "ready" {
         return Err(Stop::Failed(format!("export_mirror to {} (job {id}) ended {state}: {error}", target.display())));
     }
+    // Asks `method` of the ready job and waits for it to end `want`.
+    let end = |ctl: &mut Control, method: &str, did: &str, want: &str| -> Result<(), Stop> {
+        let a = ctl.call(method, json!({"id": id})).map_err(|_| Stop::Gone)?;
+        result(a, &format!("{method} {id} (mirror to {})", target.display()))?;
+        let (state, error) = wait_job(ctl, id, &["running", "ready"]).map_err(|_| Stop::Gone)?;
+        if state != want {
+            let t = target.display();
+            return Err(Stop::Failed(format!("mirror to {t} (job {id}) {did}, ended {state}: {error}")));
+        }
+        Ok(())
+    };
     match rng.below(4) {
         0 | 1 => {
             d.mirror = Some((target.clone(), true));
-            let a = ctl.call("job_pivot", json!({"id": id})).map_err(|_| Stop::Gone)?;
-            result(a, &format!("job_pivot {id} (mirror to {})", target.display()))?;
-            let (state, error) = wait_job(ctl, id, &["running", "ready"]).map_err(|_| Stop::Gone)?;
-            if state != "done" {
-                return Err(Stop::Failed(format!(
-                    "mirror to {} (job {id}) pivoted, ended {state}: {error}",
-                    target.display()
-                )));
-            }
+            end(ctl, "job_pivot", "pivoted", "done")?;
             d.mirror = None;
             d.running = None;
             d.layers = vec![target];
@@ -450,15 +453,7 @@ fn mirror(
             Ok(true)
         }
         2 => {
-            let a = ctl.call("job_cancel", json!({"id": id})).map_err(|_| Stop::Gone)?;
-            result(a, &format!("job_cancel {id} (mirror to {})", target.display()))?;
-            let (state, error) = wait_job(ctl, id, &["running", "ready"]).map_err(|_| Stop::Gone)?;
-            if state != "cancelled" {
-                return Err(Stop::Failed(format!(
-                    "mirror to {} (job {id}) cancelled, ended {state}: {error}",
-                    target.display()
-                )));
-            }
+            end(ctl, "job_cancel", "cancelled", "cancelled")?;
             d.mirror = None;
             d.running = None;
             d.mirrors_cancelled += 1;
