@@ -49,10 +49,17 @@ fn sigkill_rounds_during_snapshot_stream_and_commit_keep_every_flushed_write() {
     let started = Instant::now();
     let r = crash_rounds("crash-jobs", ROUNDS, &["--format", "raw,qcow2", "--jobs", "snapshot,stream,commit,bitmaps"]);
     let live = &r.report["crash"]["live"];
-    let n = |k: &str| live[k].as_u64().unwrap_or_else(|| panic!("no {k} in {}", r.report));
-    assert!(n("snapshots") > 0, "no snapshot was answered: {}", r.report);
-    assert!(n("streams") + n("commits") + n("jobs_restarted") > 0, "no stream or commit ran: {}", r.report);
-    assert!(n("bitmaps_inconsistent") + n("bitmaps_consistent") + n("bitmaps_left_below") > 0, "{}", r.report);
+    assert!(r.live("snapshots") > 0, "no snapshot was answered: {}", r.report);
+    assert!(
+        r.live("streams") + r.live("commits") + r.live("jobs_restarted") > 0,
+        "no stream or commit ran: {}",
+        r.report
+    );
+    assert!(
+        r.live("bitmaps_inconsistent") + r.live("bitmaps_consistent") + r.live("bitmaps_left_below") > 0,
+        "{}",
+        r.report
+    );
     eprintln!(
         "{ROUNDS} crash rounds with live jobs: {} writes acknowledged, {} flushes, {} pinned blocks; {live}; {:?}",
         r.acked,
@@ -82,15 +89,18 @@ fn sigkill_rounds_during_mirror_and_backup_keep_every_flushed_write() {
         &["--format", "raw,qcow2", "--jobs", "snapshot,mirror,backup,bitmaps"],
     );
     let live = &r.report["crash"]["live"];
-    let n = |k: &str| live[k].as_u64().unwrap_or_else(|| panic!("no {k} in {}", r.report));
-    assert!(n("mirrors") > 0, "no mirror was started: {}", r.report);
-    assert!(n("backups") > 0 && n("view_bytes_read") > 0, "no backup view was begun and read: {}", r.report);
-    assert!(n("cuts_mid_mirror") + n("cuts_mid_backup") > 0, "no kill landed in a mirror or a backup: {}", r.report);
+    assert!(r.live("mirrors") > 0, "no mirror was started: {}", r.report);
+    assert!(r.live("backups") > 0 && r.live("view_bytes_read") > 0, "no backup view was begun and read: {}", r.report);
+    assert!(
+        r.live("cuts_mid_mirror") + r.live("cuts_mid_backup") > 0,
+        "no kill landed in a mirror or a backup: {}",
+        r.report
+    );
     eprintln!(
         "{ROUNDS} crash rounds with mirrors and backup views: {} kills mid-mirror, {} mid-backup; {} writes \
          acknowledged, {} flushes; {live}; {:?}",
-        n("cuts_mid_mirror"),
-        n("cuts_mid_backup"),
+        r.live("cuts_mid_mirror"),
+        r.live("cuts_mid_backup"),
         r.acked,
         r.flushes,
         started.elapsed()

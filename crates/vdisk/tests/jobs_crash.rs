@@ -40,11 +40,10 @@ fn power_cuts_during_snapshot_stream_and_commit_keep_every_flushed_write() {
         &["--format", "raw,qcow2", "--power-loss", "mixed", "--jobs", "snapshot,stream,commit,bitmaps"],
     );
     let live = &r.report["crash"]["live"];
-    let n = |k: &str| live[k].as_u64().unwrap_or_else(|| panic!("no {k} in {}", r.report));
-    assert!(n("snapshots") > 0, "no snapshot was answered: {}", r.report);
-    assert!(n("cuts_mid_job") > 0, "no cut landed in a job: {}", r.report);
-    assert!(n("jobs_restarted") > 0, "no interrupted job was started again: {}", r.report);
-    assert!(n("bitmaps_consistent") + n("bitmaps_inconsistent") > 0, "no bitmap was judged: {}", r.report);
+    assert!(r.live("snapshots") > 0, "no snapshot was answered: {}", r.report);
+    assert!(r.live("cuts_mid_job") > 0, "no cut landed in a job: {}", r.report);
+    assert!(r.live("jobs_restarted") > 0, "no interrupted job was started again: {}", r.report);
+    assert!(r.live("bitmaps_consistent") + r.live("bitmaps_inconsistent") > 0, "no bitmap was judged: {}", r.report);
     eprintln!(
         "{ROUNDS} power cuts with live jobs: {} writes acknowledged, {} flushes, {} pinned blocks; {live}; {:?}",
         r.acked,
@@ -91,15 +90,18 @@ fn power_cuts_during_mirror_and_backup_keep_every_flushed_write() {
         &["--format", "raw,qcow2", "--power-loss", "mixed", "--jobs", "snapshot,mirror,backup,bitmaps"],
     );
     let live = &r.report["crash"]["live"];
-    let n = |k: &str| live[k].as_u64().unwrap_or_else(|| panic!("no {k} in {}", r.report));
-    assert!(n("mirrors") > 0, "no mirror was started: {}", r.report);
-    assert!(n("backups") > 0, "no backup view was begun: {}", r.report);
-    assert!(n("cuts_mid_mirror") + n("cuts_mid_backup") > 0, "no cut landed in a mirror or a backup: {}", r.report);
+    assert!(r.live("mirrors") > 0, "no mirror was started: {}", r.report);
+    assert!(r.live("backups") > 0, "no backup view was begun: {}", r.report);
+    assert!(
+        r.live("cuts_mid_mirror") + r.live("cuts_mid_backup") > 0,
+        "no cut landed in a mirror or a backup: {}",
+        r.report
+    );
     eprintln!(
         "{ROUNDS} power cuts with mirrors and backup views: {} mid-mirror, {} mid-backup; {} writes acknowledged, \
          {} flushes; {live}; {:?}",
-        n("cuts_mid_mirror"),
-        n("cuts_mid_backup"),
+        r.live("cuts_mid_mirror"),
+        r.live("cuts_mid_backup"),
         r.acked,
         r.flushes,
         started.elapsed()

@@ -499,6 +499,13 @@ pub struct Rounds {
     pub pinned: u64,
 }
 
+impl Rounds {
+    /// A count of the report's live-operation section ("mirrors", "cuts_mid_job", ...); panics if missing.
+    pub fn live(&self, key: &str) -> u64 {
+        self.report["crash"]["live"][key].as_u64().unwrap_or_else(|| panic!("no {key} in {}", self.report))
+    }
+}
+
 /// Runs `rounds` soak crash rounds with `args` and asserts that every round
 /// passed its verdict and that the verdicts had teeth: the rounds wrote and
 /// flushed, and blocks had to hold one particular generation. (The bounds
