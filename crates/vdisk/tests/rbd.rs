@@ -811,21 +811,8 @@ fn rbd_dirty_bitmaps_live_in_the_image_metadata_and_survive_restarts_not_crashes
     rbd(c, &["snap", "create", &format!("rbd/{img}@s")]);
     let spec = format!("rbd:rbd/{img}");
     let control = dir.path("ctl.sock");
-    let ctl = |args: &[&str]| {
-        let mut all = vec!["ctl", "--control", s(&control)];
-        all.extend_from_slice(args);
-        vdisk(&all)
-    };
-    let ctl_ok = |args: &[&str]| {
-        let out = ctl(args);
-        assert!(out.status.success(), "vdisk ctl {args:?} failed:\n{}", text(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let refused = |args: &[&str], what: &str| {
-        let out = ctl(args);
-        assert_eq!(out.status.code(), Some(1), "vdisk ctl {args:?} should be refused:\n{}", text(&out));
-        assert!(text(&out).contains(what), "vdisk ctl {args:?}: {what:?} not in:\n{}", text(&out));
-    };
+    let ctl_ok = |args: &[&str]| common::control::ctl_ok(&control, args);
+    let refused = |args: &[&str], what: &str| common::control::ctl_refused(&control, args, what);
     let list = || common::json(&ctl_ok(&["--json", "bitmap", "list", &img]));
     let snap = format!("{img}@s");
     let start = || serve(c, &dir, &[&spec, &format!("{spec}@s"), "--control", s(&control)]);
@@ -896,13 +883,7 @@ fn a_1_tib_rbd_image_keeps_its_bitmap_through_a_restart() {
     create(c, &img, "1T");
     let spec = format!("rbd:rbd/{img}");
     let control = dir.path("ctl.sock");
-    let ctl = |args: &[&str]| {
-        let mut all = vec!["ctl", "--control", s(&control)];
-        all.extend_from_slice(args);
-        let out = vdisk(&all);
-        assert!(out.status.success(), "vdisk ctl {args:?} failed:\n{}", text(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let ctl = |args: &[&str]| common::control::ctl_ok(&control, args);
     let server = serve(c, &dir, &[&spec, "--control", s(&control)]);
     ctl(&["bitmap", "add", &img, "big"]);
     let end: u64 = 1 << 40;
@@ -1125,11 +1106,7 @@ fn a_live_rbd_export_takes_rbd_snapshots() {
     let spec = format!("rbd:rbd/{img}:rbd_cache_policy=writeback:rbd_cache_max_dirty_age=60");
     let server = serve(c, &dir, &[&spec, s(&local), "--control", s(&control)]);
     let uri = server.uri(&img);
-    let ctl = |args: &[&str]| {
-        let mut all = vec!["ctl", "--control", s(&control)];
-        all.extend_from_slice(args);
-        vdisk(&all)
-    };
+    let ctl = |args: &[&str]| common::control::ctl(&control, args);
     // After the first flush librbd's cache holds writes back: only the snapshot's own flush saves these.
     qemu_io(&uri, &["write -P 0x10 0 4k", "flush", "write -P 0x11 0 4M"]);
     let out = ctl(&["snapshot", &img, "--rbd-snap", "s1"]);
