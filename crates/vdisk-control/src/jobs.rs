@@ -109,6 +109,7 @@ pub fn list(jobs: &[JobInfo]) -> Value {
                     "elapsed_ms": j.elapsed.as_millis() as u64,
                     "rate": j.rate,
                     "bps": j.bps,
+                    "synchronous": j.synchronous,
                 })
             })
             .collect(),

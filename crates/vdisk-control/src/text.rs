@@ -159,7 +159,10 @@ fn jobs_table(jobs: &[Value]) -> String {
                     0 => "-".to_owned(),
                     b => rate(b),
                 },
-                j["state"].as_str().unwrap_or("").to_owned(),
+                match (j["state"].as_str().unwrap_or(""), j["synchronous"].as_bool() == Some(true)) {
+                    (state, true) => format!("{state}, sync"),
+                    (state, false) => state.to_owned(),
+                },
             ]
         })
         .collect();

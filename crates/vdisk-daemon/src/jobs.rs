@@ -59,6 +59,8 @@ pub struct JobInfo {
     pub rate: u64,
     /// Its own I/O limit in bytes per second (0: none).
     pub bps: u64,
+    /// The guest's writes wait for the job's target (a synchronous mirror).
+    pub synchronous: bool,
 }
 
 /// One job's live record, updated by whoever runs it.
@@ -71,6 +73,7 @@ pub struct Job {
     total: AtomicU64,
     end: Mutex<Option<(JobState, Option<String>, Duration)>>,
     ready: AtomicBool,
+    synchronous: AtomicBool,
     cancel: AtomicBool,
     pivot: AtomicBool,
     /// Why `pivot` is refused, for a job that cannot pivot (set before it is ready).
@@ -99,6 +102,11 @@ impl Job {
     /// Says whether the job has caught up and waits for `pivot` or `cancel`.
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Release);
+    }
+
+    /// Says whether the guest's writes now wait for the job's target.
+    pub fn set_synchronous(&self, on: bool) {
+        self.synchronous.store(on, Ordering::Release);
     }
 
     /// Asks the job to stop and leave the export as it was.
@@ -143,16 +151,7 @@ impl Job {
     /// Counts `bytes` of the job's I/O against its `bps` and sleeps as long
     /// as it is ahead of that rate (in steps, waking early on `cancel`).
     pub fn pace(&self, bytes: u64) {
-        let bps = self.bps();
-        if bps == 0 {
-            return;
-        }
-        let due = {
-            let mut p = self.paced.lock().unwrap();
-            let since = *p.since.get_or_insert_with(Instant::now);
-            p.bytes += bytes;
-            since + Duration::from_secs_f64(p.bytes as f64 / bps as f64)
-        };
+        let Some(due) = self.count(bytes) else { return };
         while !self.cancelled() {
             let now = Instant::now();
             if now >= due {
@@ -160,6 +159,19 @@ impl Job {
             }
             std::thread::sleep((due - now).min(Duration::from_millis(50)));
         }
+    }
+
+    /// Counts `bytes` of the job's I/O against its `bps`: when the job's I/O
+    /// so far may have ended at that rate (None with no limit).
+    pub fn count(&self, bytes: u64) -> Option<Instant> {
+        let bps = self.bps();
+        if bps == 0 {
+            return None;
+        }
+        let mut p = self.paced.lock().unwrap();
+        let since = *p.since.get_or_insert_with(Instant::now);
+        p.bytes += bytes;
+        Some(since + Duration::from_secs_f64(p.bytes as f64 / bps as f64))
     }
 
     /// Ends the job with `result` (its error, if any, is what `jobs` shows);
@@ -176,6 +188,7 @@ impl Job {
     /// The job as `jobs` lists it.
     pub fn info(&self) -> JobInfo {
         let end = self.end.lock().unwrap().clone();
+        let synchronous = end.is_none() && self.synchronous.load(Ordering::Acquire);
         let running = if self.ready.load(Ordering::Acquire) { JobState::Ready } else { JobState::Running };
         let (state, error, elapsed) = end.unwrap_or((running, None, self.started.elapsed()));
         let done = self.done.load(Ordering::Relaxed);
@@ -191,6 +204,7 @@ impl Job {
             state,
             error,
             elapsed,
+            synchronous,
         }
     }
 
@@ -218,6 +232,7 @@ impl Jobs {
             total: AtomicU64::new(0),
             end: Mutex::new(None),
             ready: AtomicBool::new(false),
+            synchronous: AtomicBool::new(false),
             cancel: AtomicBool::new(false),
             pivot: AtomicBool::new(false),
             no_pivot: Mutex::new(None),

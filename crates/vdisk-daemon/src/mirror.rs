@@ -27,6 +27,7 @@
 //! chain's base (the bottom, or a named layer) opened on its own, copying
 //! only runs held above it; its pivot reopens the chain from the base.
 
+pub mod sync;
 pub mod target;
 
 use std::path::{Path, PathBuf};
@@ -46,17 +47,29 @@ use crate::jobs::{Job, Jobs};
 use crate::snapshot::{check_source, QUIESCE_LIMIT};
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
+use sync::{SyncGate, Synced};
 use target::{ImageTarget, NbdTarget, RbdTarget, Target};
 
 /// The most one copy takes at a time.
 pub const CHUNK: u64 = 1 << 20;
-/// The granularity of a copy job's dirty map.
-pub const GRANULARITY: u64 = 64 << 10;
-/// A job is ready once no more than this is dirty after a pass...
+/// The finest granularity of a copy job's dirty map: a guest's 4K write
+/// dirties 4K, so copying it is no more work than the write was.
+pub const GRANULARITY: u64 = 4 << 10;
+/// The most bits a copy job's dirty map has (8 MiB of memory): a disk larger
+/// than 256 GiB gets coarser granules.
+const MAX_BITS: u64 = 1 << 26;
+/// A job is ready once no more than this is dirty after a pass (with the
+/// guest's writes waiting for the target, see [`sync`])...
 pub const READY_BELOW: u64 = 1 << 20;
-/// ...or once passes stop shrinking what is dirty (a guest writing as fast as
-/// the copy) and it is no more than this: the pivot copies it under its quiesce.
+/// ...or, once a stuck target made writes stop waiting for it, when passes
+/// stop shrinking what is dirty and it is no more than this: the pivot
+/// copies it under its quiesce.
 pub const READY_STALLED: u64 = 64 << 20;
+
+/// The granularity of a copy job's dirty map over a disk of `size` bytes.
+pub fn granularity(size: u64) -> u64 {
+    (size / MAX_BITS).next_power_of_two().max(GRANULARITY)
+}
 
 /// Why a copy job refuses an RBD export.
 const RBD_COPY: &str =
@@ -130,7 +143,8 @@ struct Attached {
 
 impl Attached {
     fn new(device: &Device) -> Result<Attached, Error> {
-        let map = DirtyBitmap::new(device.size(), GRANULARITY).map_err(|e| Error::failed(e.report().to_string()))?;
+        let map = DirtyBitmap::new(device.size(), granularity(device.size()))
+            .map_err(|e| Error::failed(e.report().to_string()))?;
         let map = Arc::new(map);
         let observers = device.write_observers().clone();
         observers.add(map.clone());
@@ -179,6 +193,10 @@ struct Copy {
     /// Bytes copied so far, and to copy (what was dirty, as it grew).
     done: u64,
     total: u64,
+    /// Where a synchronous step copies the next dirty run not held for (see `sync_step`).
+    cursor: u64,
+    /// When that copy may go on at the job's `bps` (None: now).
+    due: Option<std::time::Instant>,
 }
 
 impl Daemon {
@@ -570,6 +588,8 @@ impl Copy {
             what,
             done: 0,
             total: 0,
+            cursor: 0,
+            due: None,
         })
     }
 
@@ -658,7 +678,10 @@ impl Copy {
         r.map(|_| ())
     }
 
-    /// Ok(true) once pivoted, Ok(false) once cancelled.
+    /// Ok(true) once pivoted, Ok(false) once cancelled. Passes copy what is
+    /// dirty until they stop gaining on the guest (or little is left); then
+    /// the guest's writes wait for the target ([`sync`]) and the job is
+    /// ready once what was dirty before is copied.
     fn copy_until_done(&mut self, job: &Job) -> Result<bool, Error> {
         self.buf = vec![0u8; CHUNK as usize];
         if !self.mark_source(job)? {
@@ -668,7 +691,7 @@ impl Copy {
         self.total = map.dirty_bytes();
         job.set_total(self.total);
         let mut last_dirty = u64::MAX;
-        let mut ready = false;
+        let mut synced: Option<Synced> = None;
         loop {
             if job.cancelled() {
                 return Ok(false);
@@ -678,15 +701,32 @@ impl Copy {
                     self.failed("the export was removed or replaced (or the server is stopping) while the job ran")
                 );
             }
-            let copied = self.pass(job)?;
+            let gate = synced.as_ref().filter(|s| s.degraded().is_none()).map(|s| s.gate.clone());
+            let copied = match &gate {
+                Some(gate) => self.sync_step(job, gate)?,
+                None => self.pass(job)?,
+            };
             if job.cancelled() {
                 return Ok(false);
             }
             let dirty = map.dirty_bytes();
             self.total = self.total.max(self.done + dirty);
             job.set_total(self.total);
-            if !ready && (dirty <= READY_BELOW || (dirty >= last_dirty && dirty <= READY_STALLED)) {
-                ready = true;
+            if synced.is_none() && (dirty <= READY_BELOW || dirty >= last_dirty) {
+                synced = Some(Synced::attach(&self.device, &self.name, self.what));
+                job.set_synchronous(true);
+                log::info!(export:% = self.name; "export {:?}: {} job {}: the guest's writes now wait for the \
+                    target ({dirty} bytes dirty still to copy)", self.name, self.what, job.id);
+            }
+            let degraded = synced.as_ref().is_some_and(|s| s.degraded().is_some());
+            if degraded {
+                job.set_synchronous(false);
+            }
+            let caught_up = match (&synced, degraded) {
+                (Some(_), false) => dirty <= READY_BELOW,
+                _ => dirty <= READY_BELOW || (dirty >= last_dirty && dirty <= READY_STALLED),
+            };
+            if !self.ready && caught_up {
                 self.ready = true;
                 job.set_ready(true);
                 log::info!(export:% = self.name; "export {:?}: {} job {} is ready ({dirty} bytes dirty)",
@@ -695,12 +735,69 @@ impl Copy {
             last_dirty = dirty;
             // An NBD or RBD target never pivots: `job_pivot` refuses it (see `run`).
             let pivots = !matches!(self.pivot, Pivot::None(_));
-            if ready && pivots && (self.auto_pivot || job.pivot_requested()) {
+            if self.ready && pivots && (self.auto_pivot || job.pivot_requested()) {
                 self.pivot(job)?;
                 return Ok(true);
             }
-            if copied == 0 || ready {
+            if gate.is_none() && (copied == 0 || self.ready) {
                 std::thread::sleep(Duration::from_millis(if copied == 0 { 20 } else { 5 }));
+            }
+        }
+    }
+
+    /// One step with the guest's writes held: copies the dirty granules
+    /// the held writes meet and lets those writes be answered, then one run
+    /// of what else is dirty (at the job's `bps`). Waits briefly for a write
+    /// when there is nothing else to do. Returns the bytes copied.
+    fn sync_step(&mut self, job: &Job, gate: &SyncGate) -> Result<u64, Error> {
+        let map = self.attached.map.clone();
+        let now = std::time::Instant::now();
+        let paced = self.due.filter(|&d| d > now);
+        let idle = Duration::from_millis(20);
+        let wait = match paced {
+            Some(d) => (d - now).min(idle),
+            None if map.dirty_bytes() == 0 => idle,
+            None => Duration::ZERO,
+        };
+        let (mut ranges, through) = gate.pending(wait);
+        ranges.sort_unstable();
+        let mut copied = 0;
+        let mut held = || -> Result<(), Error> {
+            for &(off, len) in &ranges {
+                while let Some((o, l)) = map.take_within(off, len, CHUNK) {
+                    if let Err(e) = self.copy_run(o, l) {
+                        map.set(o, l);
+                        return Err(e);
+                    }
+                    job.add_done(l);
+                    self.done += l;
+                    copied += l;
+                }
+            }
+            Ok(())
+        };
+        let r = held();
+        // Copied or not, the writes are on the source: answered (a failure ends the job).
+        gate.release(through);
+        r?;
+        if paced.is_some_and(|d| d > std::time::Instant::now()) {
+            return Ok(copied);
+        }
+        match map.take_next(self.cursor, CHUNK) {
+            Some((off, len)) => {
+                if let Err(e) = self.copy_run(off, len) {
+                    map.set(off, len);
+                    return Err(e);
+                }
+                job.add_done(len);
+                self.done += len;
+                self.due = job.count(len);
+                self.cursor = off + len;
+                Ok(copied + len)
+            }
+            None => {
+                self.cursor = 0;
+                Ok(copied)
             }
         }
     }

@@ -93,6 +93,7 @@ mod faults {
     }
 }
 mod flight;
+mod gate;
 mod health;
 pub mod inflight;
 mod lent;
@@ -127,6 +128,7 @@ use vdisk_image::{Image, Result};
 pub use crate::core::Core;
 pub use buf::{Buf, ALIGN};
 pub use errlog::{ErrorLog, ERROR_LOG_INTERVAL};
+pub use gate::{answer, Held, WriteGate};
 pub use lent::Lent;
 pub use observe::Observers;
 pub use qos::Limits;
@@ -351,6 +353,13 @@ impl Device {
         &self.observers
     }
 
+    /// Puts `gate` on the device's completed requests (or takes it off with
+    /// None): what it holds back it answers itself (see [`WriteGate`]). The
+    /// gate replaced is opened; the device opens its gate when it stops.
+    pub fn set_write_gate(&self, gate: Option<Arc<dyn WriteGate>>) {
+        self.queue.gate.set(gate);
+    }
+
     /// How many threads the thread engine's shared pool runs at most.
     pub fn thread_pool_size() -> usize {
         pool::global().size()
@@ -433,6 +442,12 @@ impl Device {
         self.stats.submitted(batch.len());
         self.submit_inline_counted(batch, sink, done, started);
         self.stats.completed(done[first..].iter(), started);
+        if let Some(gate) = self.queue.gate.get() {
+            let mut passed: Vec<Held> =
+                done.drain(first..).map(|request| Held { request, sink: sink.clone() }).collect();
+            gate.hold(&mut passed);
+            done.extend(passed.into_iter().map(|h| h.request));
+        }
     }
 
     /// Waits for QoS tokens, unless the device failed.
@@ -579,6 +594,8 @@ impl Device {
     /// Returns the names of those still running then, now detached.
     fn stop_workers(&self, deadline: Option<Instant>) -> Vec<String> {
         self.queue.close();
+        // What a gate holds is answered now; what completes from here on passes.
+        self.queue.gate.set(None);
         let mut left = Vec::new();
         if let Some((att, detached)) = &self.attached {
             // The core worker lets go of the device once its requests are all answered;

@@ -21,6 +21,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 use crate::faults::Faults;
+use crate::gate::{GateSlot, Held};
 use crate::health::{self, Health};
 use crate::wake::EventFd;
 use crate::{Request, Sink, Stats};
@@ -66,6 +67,8 @@ pub(crate) struct Queue {
     inline: AtomicUsize,
     /// Quiesced: consumers take nothing, the inline path queues (see `swap`).
     held: AtomicBool,
+    /// What completed requests pass before their sinks get them (see `gate`).
+    pub gate: GateSlot,
 }
 
 /// A batch the inline path runs: in flight until dropped (a panic included).
@@ -98,6 +101,7 @@ impl Queue {
             taken: AtomicUsize::new(0),
             inline: AtomicUsize::new(0),
             held: AtomicBool::new(false),
+            gate: GateSlot::default(),
         }
     }
 
@@ -340,23 +344,15 @@ impl Queue {
         self.taken.fetch_sub(n, Ordering::SeqCst);
     }
 
-    /// Hands each sink its completed requests in one call. A sink that panics
-    /// fails the device (its own requests are its own to answer) and the
-    /// other sinks still get theirs.
+    /// Hands each sink its completed requests in one call, but for those the
+    /// device's gate holds back. A sink that panics fails the device (its own
+    /// requests are its own to answer) and the other sinks still get theirs.
     fn hand_over(&self, jobs: &mut Vec<Job>) {
-        let mut groups: Vec<(Arc<dyn Sink>, Vec<Request>)> = Vec::new();
-        for (req, sink, _) in jobs.drain(..) {
-            match groups.iter_mut().find(|(s, _)| Arc::ptr_eq(s, &sink)) {
-                Some((_, reqs)) => reqs.push(req),
-                None => groups.push((sink, vec![req])),
-            }
-        }
-        for (sink, reqs) in groups {
-            // AssertUnwindSafe: a sink is Sync and takes concurrent calls anyway; after a
-            // panic the device is failed, so what the sink left behind only sees EIO.
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| sink.complete(reqs))) {
-                self.health.fail(format!("a sink taking its completions panicked ({})", health::panic_message(&*p)));
-            }
+        let mut done: Vec<Held> = jobs.drain(..).map(|(request, sink, _)| Held { request, sink }).collect();
+        self.gate.filter(&mut done);
+        // After a panic the device is failed, so what the sink left behind only sees EIO.
+        if let Some(p) = crate::gate::answer(done).into_iter().next() {
+            self.health.fail(format!("a sink taking its completions panicked ({p})"));
         }
     }
 }

@@ -581,3 +581,67 @@ fn write_observers_see_every_completed_write() {
         rig.dev.shutdown().unwrap();
     }
 }
+
+/// A gate that holds every write that succeeded until the test lets it go.
+#[derive(Default)]
+struct HoldWrites {
+    held: Mutex<Vec<Held>>,
+    open: std::sync::atomic::AtomicBool,
+}
+
+impl WriteGate for HoldWrites {
+    fn hold(&self, done: &mut Vec<Held>) {
+        if self.open.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let mut held = self.held.lock().unwrap();
+        let (writes, rest): (Vec<Held>, Vec<Held>) =
+            done.drain(..).partition(|h| h.request.op().writes() && h.request.error.is_none());
+        held.extend(writes);
+        *done = rest;
+    }
+
+    fn open(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        answer(held);
+    }
+}
+
+/// A write gate holds completed writes, queued or inline, back from their
+/// sink while reads pass; a quiesce does not wait for what it holds; the
+/// writes are answered once it lets them go, and when the device stops.
+#[test]
+fn a_write_gate_holds_writes_until_let_go() {
+    let wait = std::time::Duration::from_millis(300);
+    for (name, cfg, format) in cases() {
+        let rig = Rig::new_as(&format!("gate-{name}"), 4 << 20, false, &cfg, format);
+        let gate = Arc::new(HoldWrites::default());
+        rig.dev.set_write_gate(Some(gate.clone()));
+        rig.dev.submit(vec![write(0, pattern(1, 4096), 1)], &rig.sink);
+        let mut inline = Vec::new();
+        rig.dev.submit_inline(vec![write(1 << 20, pattern(2, 512), 2)], &rig.sink, &mut inline);
+        assert!(inline.is_empty(), "{name}: an inline write is held too");
+        let deadline = std::time::Instant::now() + wait;
+        while gate.held.lock().unwrap().len() < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(gate.held.lock().unwrap().len(), 2, "{name}: both writes are held");
+        let read = rig.run(vec![Request::new(Op::Read, 0, 4096, 3)]);
+        assert_eq!(read[0].tag, 3, "{name}: a read passes the gate");
+        assert!(read[0].buf() == pattern(1, 4096), "{name}: a held write is in the image");
+        assert!(rig.rx.recv_timeout(std::time::Duration::from_millis(50)).is_err(), "{name}: none answered");
+        drop(rig.dev.quiesce(wait).expect("a held write is not in flight"));
+        answer(std::mem::take(&mut *gate.held.lock().unwrap()));
+        let mut tags: Vec<u64> = (0..2).map(|_| rig.rx.recv_timeout(wait).unwrap().tag).collect();
+        tags.sort();
+        assert_eq!(tags, [1, 2], "{name}");
+        rig.dev.submit(vec![write(2 << 20, pattern(3, 4096), 4)], &rig.sink);
+        let deadline = std::time::Instant::now() + wait;
+        while gate.held.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        rig.dev.shutdown().unwrap();
+        assert_eq!(rig.rx.recv_timeout(wait).unwrap().tag, 4, "{name}: stopping answers what the gate holds");
+    }
+}

@@ -497,3 +497,101 @@ fn active_commit_of_a_cow_overlay_into_its_raw_base() {
     assert_same("the base after the commit", &read_file(&img), &after);
     assert_same("what the commit kept", &after[4096..], &view[4096..]);
 }
+
+/// fio writing 4K at random over the whole export at queue depth 32, for at
+/// most a minute (the test stops it sooner with SIGINT).
+fn full_speed_writer(dir: &TempDir, uri: &str) -> std::process::Child {
+    std::process::Command::new("fio")
+        .args(["--name=writer", "--ioengine=nbd", &format!("--uri={uri}"), "--rw=randwrite", "--bs=4k"])
+        .args(["--iodepth=32", "--time_based", "--runtime=60", "--randrepeat=0"])
+        .current_dir(&dir.0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("fio runs")
+}
+
+/// Stops `fio` with SIGINT (it finishes what is in flight) and checks it wrote without error.
+fn stop_writer(fio: std::process::Child) {
+    common::logged::signal(fio.id() as i32, libc::SIGINT);
+    let out = fio.wait_with_output().unwrap();
+    let all = text(&out);
+    assert!(all.contains("err= 0") && all.contains("write: IOPS"), "the writer failed:\n{all}");
+}
+
+/// Against a guest writing at full speed, a mirror's passes never catch up;
+/// then the guest's writes wait for the target (the job says
+/// `synchronous`) and the job gets ready while the guest still writes.
+/// Once the writer stops, the target holds every acknowledged write (it
+/// equals the export's view with no copy pending) and the pivot switches to it.
+#[test]
+fn a_mirror_converges_against_a_full_speed_writer_by_holding_its_writes() {
+    let dir = TempDir::new("mirror-sync");
+    let img = dir.path("disk.img");
+    make_base(&img, 64 * MIB, 31);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let fio = full_speed_writer(&dir, &server.uri("disk"));
+    std::thread::sleep(Duration::from_millis(500));
+    let target = dir.path("target.raw");
+    let id = started_job(&rpc(&control, "export_mirror", json!({"name": "disk", "to": target})));
+    let j = wait_state(&control, id, &["ready", "failed"]);
+    assert_eq!(j["state"], "ready", "{j}");
+    assert_eq!(j["synchronous"], true, "a ready mirror holds the guest's writes: {j}");
+    let table = ctl_ok(&control, &["jobs"]);
+    assert!(table.contains("ready, sync"), "{table}");
+    // Still ready (no pass falls behind) while the guest goes on writing.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(job(&control, id)["state"], "ready");
+    stop_writer(fio);
+    let view = read_export(&dir, &server.uri("disk"), "view.raw");
+    assert_same("the target while the mirror is ready", &read_file(&target), &view);
+    let p = rpc(&control, "job_pivot", json!({"id": id}));
+    assert!(p.get("result").is_some(), "{p}");
+    let j = wait_state(&control, id, &["done", "failed"]);
+    assert_eq!((j["state"].as_str(), j["synchronous"].as_bool()), (Some("done"), Some(false)), "{j}");
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), target.to_str(), "{list}");
+    assert_same("the export after the pivot", &read_export(&dir, &server.uri("disk"), "after.raw"), &view);
+    server.stop();
+}
+
+/// A synchronous mirror whose NBD target stops answering (its server is
+/// stopped) holds a guest's write for at most 5 s: then writes stop
+/// waiting for the target, the job says so (not synchronous), and once the
+/// target answers again the job goes on; cancelled once ready, the target
+/// equals the disk.
+#[test]
+fn a_target_that_stops_answering_does_not_hold_the_guests_writes() {
+    let dir = TempDir::new("mirror-sync-stuck");
+    let img = dir.path("disk.img");
+    make_base(&img, 16 * MIB, 33);
+    let (server, control) = serve(&dir, img.to_str().unwrap());
+    let far_dir = TempDir::new("mirror-sync-stuck-far");
+    let far = far_dir.path("far.img");
+    std::fs::File::create(&far).unwrap().set_len(16 * MIB as u64).unwrap();
+    let second = Server::start(&far_dir, &[far.to_str().unwrap()]);
+    let id = started_job(&rpc(&control, "export_mirror", json!({"name": "disk", "to": second.uri("far")})));
+    let j = wait_state(&control, id, &["ready", "failed"]);
+    assert_eq!((j["state"].as_str(), j["synchronous"].as_bool()), (Some("ready"), Some(true)), "{j}");
+    let pid = second.child.id() as i32;
+    common::logged::signal(pid, libc::SIGSTOP);
+    let started = Instant::now();
+    let out = output("qemu-io", &["-f", "raw", &server.uri("disk"), "-c", "write -P 0x5a 1M 64k"]);
+    let took = started.elapsed();
+    common::logged::signal(pid, libc::SIGCONT);
+    assert!(out.status.success() && !text(&out).contains("failed"), "{}", text(&out));
+    assert!(took < Duration::from_secs(30), "the write took {took:?}");
+    // The job's thread sees it once its write to the target returns.
+    let j = job_until(&control, id, |j| j["synchronous"] == false || j["state"] != "ready");
+    assert_eq!((j["state"].as_str(), j["synchronous"].as_bool()), (Some("ready"), Some(false)), "{j}");
+    // The target answers again: the job catches up in the background, and a cancel sweeps the rest.
+    wait_state(&control, id, &["ready"]);
+    wait_caught_up(&control, id);
+    let view = read_export(&dir, &server.uri("disk"), "view.raw");
+    let c = rpc(&control, "job_cancel", json!({"id": id}));
+    assert!(c.get("result").is_some(), "{c}");
+    assert_eq!(wait_state(&control, id, &["cancelled", "failed"])["state"], "cancelled");
+    assert_same("the NBD target", &read_export(&far_dir, &second.uri("far"), "far.raw"), &view);
+    server.stop();
+    second.stop();
+}

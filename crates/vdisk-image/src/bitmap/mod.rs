@@ -282,10 +282,18 @@ impl DirtyBitmap {
     /// disk's end). A copy job's pass: take, copy, repeat; writes that land
     /// after the take dirty their granules again for the next pass.
     pub fn take_next(&self, from: u64, max: u64) -> Option<(u64, u64)> {
+        self.take_within(from, self.size.saturating_sub(from), max)
+    }
+
+    /// [`DirtyBitmap::take_next`] within the granules that meet `len` bytes
+    /// at `offset`: None when none of them is dirty. What a synchronous
+    /// mirror takes to copy one write's range.
+    pub fn take_within(&self, offset: u64, len: u64, max: u64) -> Option<(u64, u64)> {
         let g = self.granularity();
-        let (start, len) = self.next_run(from / g * g, self.size.saturating_sub(from / g * g), true)?;
-        let max = (max / g).max(1) * g;
-        let len = len.min(max);
+        let start = offset / g * g;
+        let end = offset.saturating_add(len).min(self.size).div_ceil(g).saturating_mul(g);
+        let (start, len) = self.next_run(start, end.saturating_sub(start), true)?;
+        let len = len.min((max / g).max(1) * g);
         self.clear(start, len);
         Some((start, len))
     }

@@ -219,3 +219,23 @@ fn a_drain_loses_no_concurrent_write() {
         }
     }
 }
+
+#[test]
+fn take_within_takes_only_the_granules_a_range_meets() {
+    // Granules 2, 3, 5 and the last, partial one (the disk ends mid-granule).
+    let m = DirtyBitmap::new(10 * G + G / 2, G).unwrap();
+    m.set(2 * G, 2 * G);
+    m.set(5 * G, G);
+    m.set(10 * G, G / 2);
+    assert_eq!(m.take_within(0, 2 * G, G), None, "nothing dirty before granule 2");
+    // A byte range inside granule 3 takes the whole granule, no more.
+    assert_eq!(m.take_within(3 * G + 10, 20, 16 * G), Some((3 * G, G)));
+    assert!(m.get_bit(2) && !m.get_bit(3));
+    // From granule 1 to mid granule 5: granule 2, then 5.
+    assert_eq!(m.take_within(G, 4 * G + 1, 16 * G), Some((2 * G, G)));
+    assert_eq!(m.take_within(G, 4 * G + 1, 16 * G), Some((5 * G, G)));
+    assert_eq!(m.take_within(G, 4 * G + 1, 16 * G), None);
+    // The partial last granule, clipped at the disk's end.
+    assert_eq!(m.take_within(10 * G + 1, 1, 16 * G), Some((10 * G, G / 2)));
+    assert_eq!(m.count(), 0);
+}
