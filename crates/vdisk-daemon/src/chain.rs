@@ -116,8 +116,11 @@ pub fn read(image: &dyn Image, offset: u64, buf: &mut [u8], extents: &mut Vec<Ex
                 let into = &mut buf[at..at + n];
                 let r = match (image.files().get(file), image.target(file)) {
                     (Some(f), _) => f.read_exact_at(into, fo),
-                    (None, Some(vdisk_image::Storage::Rbd(rbd))) => rbd.read_at(into, fo),
-                    (None, _) => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+                    (None, Some(t)) => match t.blocking() {
+                        Some(t) => t.read_at(into, fo),
+                        None => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+                    },
+                    (None, None) => Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
                 };
                 r.map_err(|e| format!("reading {n} bytes at offset {fo} of {}: {e}", image.file_path(file).display()))?
             }

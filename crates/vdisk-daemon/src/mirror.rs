@@ -44,7 +44,7 @@ use vdisk_nbd::remote::{Remote, Uri};
 use crate::chain;
 use crate::daemon::{Changer, Live};
 use crate::jobs::{Job, Jobs};
-use crate::snapshot::{check_source, QUIESCE_LIMIT};
+use crate::snapshot::{check_source, served_remotely, QUIESCE_LIMIT};
 use crate::spec::ImageFormat;
 use crate::{Daemon, Error, ErrorKind};
 use sync::{SyncGate, Synced};
@@ -164,7 +164,10 @@ enum Pivot {
     Mirror { path: PathBuf, format: TargetFormat },
     /// Serve the chain from `base` on; `delete` the layers above it after.
     Commit { base: PathBuf, base_format: Format, above: Vec<PathBuf>, delete: bool },
-    /// No pivot (an NBD or RBD target, an RBD source): why, for `job_pivot`'s refusal.
+    /// Serve the target itself, named `.0` (an NBD URI, an `rbd:` image),
+    /// through the job's own connection to it.
+    Served(String),
+    /// No pivot (an RBD source): why, for `job_pivot`'s refusal.
     None(String),
 }
 
@@ -215,7 +218,7 @@ impl Daemon {
                     o.format.name()
                 )));
             }
-            MirrorTarget::Nbd(uri) => Some(connect(name, uri, o.pivot)?),
+            MirrorTarget::Nbd(uri) => Some(connect(name, uri)?),
             MirrorTarget::File(_) | MirrorTarget::Rbd(_) => None,
         };
         // So is an RBD target (made or opened within the client's deadlines).
@@ -227,8 +230,9 @@ impl Daemon {
         let started = self.live_change(name, |live| {
             let rbd_source = vdisk_image::rbd::is_rbd(&live.spec.image)
                 || live.device.kind() == vdisk_engine::EngineKind::Rbd;
-            let device = if rbd_source {
-                if o.pivot {
+            // An RBD export, or one served from an NBD export: the copy reads it through its device's image.
+            let device = if rbd_source || served_remotely(live) {
+                if rbd_source && o.pivot {
                     return Err(refuse(format!(
                         "--pivot is not supported: the export is the RBD image {} and its device cannot be swapped; \
                          mirror without --pivot (once ready, `cancel` ends the mirror with the target holding the disk)",
@@ -248,15 +252,12 @@ impl Daemon {
                     live.spec.image.display()
                 )
             };
+            let served = |name: &str| if rbd_source { Pivot::None(no_swap()) } else { Pivot::Served(name.to_owned()) };
             match &target {
-                MirrorTarget::Rbd(_) => {
+                MirrorTarget::Rbd(s) => {
                     let (t, made) = rbd.take().expect("opened before");
-                    let why = format!(
-                        "it writes to the RBD image {}, and a running export cannot be swapped onto RBD here",
-                        t.0.spec()
-                    );
                     let t: Box<dyn Target> = Box::new(t);
-                    Ok((device, t, Pivot::None(why), made))
+                    Ok((device, t, served(s), made))
                 }
                 MirrorTarget::Nbd(uri) => {
                     let remote = remote.take().expect("connected before");
@@ -267,11 +268,8 @@ impl Daemon {
                             device.size()
                         )));
                     }
-                    let why = format!(
-                        "it writes to the NBD target {uri}, and the export can only be served from an image file here"
-                    );
                     let t: Box<dyn Target> = Box::new(NbdTarget { remote, uri: uri.clone() });
-                    Ok((device, t, Pivot::None(why), false))
+                    Ok((device, t, served(uri), false))
                 }
                 MirrorTarget::File(path) => {
                     let (t, fresh) = open_file_target(live, name, path, &o, device.size())?;
@@ -314,13 +312,6 @@ impl Daemon {
             return Err(refuse(format!(
                 "the RBD target {target} is written as the disk's bytes: --format {} applies to a new file only",
                 o.format.name()
-            )));
-        }
-        if o.pivot {
-            return Err(refuse(format!(
-                "--pivot to an RBD target ({target}) is not supported: a running export cannot be swapped onto RBD \
-                 here. Mirror without --pivot; once `vdisk ctl jobs` says ready, `cancel` ends the mirror with the \
-                 image holding the disk, and `vdisk ctl add {target}` serves it"
             )));
         }
         let (size, defaults, roots) =
@@ -461,15 +452,8 @@ fn remove_made(name: &str, spec: &Spec) {
 }
 
 /// Opens the NBD export `uri` as a mirror's target.
-fn connect(name: &str, uri: &str, pivot: bool) -> Result<Remote, Error> {
+fn connect(name: &str, uri: &str) -> Result<Remote, Error> {
     let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
-    if pivot {
-        return Err(refuse(format!(
-            "--pivot to an NBD target ({uri}) is not supported: the export can only be served from an image file \
-             here. Mirror without --pivot; once `vdisk ctl jobs` says ready, the target holds the disk and `cancel` \
-             ends the mirror"
-        )));
-    }
     let u = Uri::parse(uri).map_err(refuse)?;
     let remote = Remote::open(&u)
         .map_err(|e| Error::failed(format!("mirror of export {name:?}: cannot open the NBD target {uri}: {e}")))?;
@@ -640,8 +624,8 @@ impl Copy {
             ));
         }
         let mut r = self.copy_until_done(job);
-        if matches!(r, Ok(false)) && self.ready && matches!(self.pivot, Pivot::None(_)) {
-            // Cancelled once ready, with no pivot: the target is the result.
+        if matches!(r, Ok(false)) && self.ready && matches!(self.pivot, Pivot::None(_) | Pivot::Served(_)) {
+            // Cancelled once ready, an NBD or RBD target (or any of an RBD source) is the result.
             r = self.last_sweep(job).map(|()| false);
         }
         if !self.ready && !matches!(r, Ok(true)) {
@@ -662,7 +646,7 @@ impl Copy {
                     Pivot::Commit { base, .. } => {
                         format!("{} holds part of the layers above it (the chain reads the same)", base.display())
                     }
-                    Pivot::None(_) if self.ready => {
+                    Pivot::None(_) | Pivot::Served(_) if self.ready => {
                         format!("{} holds the disk as the export read when it was cancelled", self.target_described())
                     }
                     _ if self.target.is_none() => "the partial target was removed".into(),
@@ -912,7 +896,7 @@ impl Copy {
             let flushed = self.target().flush();
             flushed.map_err(|e| self.failed(format!("{e}; the export serves on unchanged")))?;
             let described = self.target().describe();
-            self.target = None;
+            let target = self.target.take().expect("the target is open until the pivot");
             let (path, format, spec_format) = match &self.pivot {
                 Pivot::Mirror { path, format: TargetFormat::Raw } => (path.clone(), Format::Raw, ImageFormat::Raw),
                 Pivot::Mirror { path, format: TargetFormat::Qcow2 } => {
@@ -922,14 +906,25 @@ impl Copy {
                     let f = if *base_format == Format::Qcow2 { ImageFormat::Qcow2 } else { ImageFormat::Raw };
                     (base.clone(), *base_format, f)
                 }
-                Pivot::None(_) => unreachable!("no pivot to an NBD or RBD target"),
+                Pivot::Served(name) => (PathBuf::from(name), Format::Raw, ImageFormat::Auto),
+                Pivot::None(_) => unreachable!("no pivot: `job_pivot` refuses it"),
             };
-            let read_only = device.read_only();
-            let options =
-                vdisk_image::OpenOptions { format: Some(format), direct: live.direct, read_only, ..Default::default() };
-            let swapped = vdisk_image::open(&path, &options)
-                .map_err(|e| e.report().to_string())
-                .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
+            let opened = match &self.pivot {
+                // The job's own connection (NBD) or handle (RBD) serves from now on.
+                Pivot::Served(_) => target.into_served(device.size()).map_err(|e| e.to_string()),
+                _ => {
+                    drop(target);
+                    let read_only = device.read_only();
+                    let options = vdisk_image::OpenOptions {
+                        format: Some(format),
+                        direct: live.direct,
+                        read_only,
+                        ..Default::default()
+                    };
+                    vdisk_image::open(&path, &options).map(|o| o.image).map_err(|e| e.report().to_string())
+                }
+            };
+            let swapped = opened.and_then(|image| guard.replace_image(image).map_err(|e| e.report().to_string()));
             if let Err(e) = swapped {
                 return Err(self.failed(format!(
                     "{described} holds the disk, but could not be served ({e}): the export serves on from its old \

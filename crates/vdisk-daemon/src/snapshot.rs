@@ -210,6 +210,13 @@ pub(crate) fn check_source(
     if vdisk_image::rbd::is_rbd(&live.spec.image) || device.kind() == vdisk_engine::EngineKind::Rbd {
         return Err(refuse(rbd));
     }
+    if served_remotely(live) {
+        return Err(refuse(&format!(
+            "it is served from the NBD export {} (a mirror pivoted onto it), which has no image files here: mirror \
+             it to a file (with --pivot) first",
+            live.spec.image.display()
+        )));
+    }
     if let Some(read_only) = changes {
         if device.read_only() {
             return Err(refuse(read_only));
@@ -225,6 +232,11 @@ pub(crate) fn check_source(
         return Err(Error::failed(format!("{what} of export {name:?}: its device failed ({why})")));
     }
     Ok(device)
+}
+
+/// The export is served from another server's NBD export (a mirror's pivot onto it).
+pub(crate) fn served_remotely(live: &Live) -> bool {
+    vdisk_nbd::remote::Uri::is_nbd(&live.spec.image.to_string_lossy())
 }
 
 fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, job: u64) -> Result<Snapshot, Error> {

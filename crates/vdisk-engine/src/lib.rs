@@ -252,6 +252,10 @@ impl Device {
         if rbd::uses_librbd(&*image) {
             return Self::spawn(core, name, &image, config, EngineKind::Rbd);
         }
+        // Blocking calls to a target that is not a file are the thread engine's.
+        if blocking_image(&*image) {
+            return Self::spawn(core, name, &image, config, EngineKind::Threads);
+        }
         // An image that pins its reads until they are performed needs them
         // mapped and performed in one thread (see `Image::pins_reads`).
         if config.kind == EngineKind::Uring && !image.pins_reads() {
@@ -639,9 +643,10 @@ fn flush_image(image: &Arc<dyn Image>) -> Result<()> {
     plan::Planner::new(image.clone(), false, false).flush()
 }
 
-/// The image is on Ceph RBD (served by the RBD engine).
-fn on_rbd(image: &dyn Image) -> bool {
-    rbd::uses_librbd(image)
+/// The image has a target that is not a file (an RBD image, an NBD export):
+/// the file engines perform its I/O with the target's blocking calls.
+pub(crate) fn blocking_image(image: &dyn Image) -> bool {
+    image.target(image.files().len()).is_some()
 }
 
 /// Runs `f` (which must not panic the caller: a panic is its error), on a

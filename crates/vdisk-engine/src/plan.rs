@@ -251,6 +251,10 @@ impl Planner {
     /// # Safety
     /// `segs` are (parts of) `run`'s, under [`Planner::perform`]'s contract.
     unsafe fn perform_segs(&self, run: &Run, segs: &[Segment], offset: u64) -> Result<()> {
+        if let Some(target) = self.blocking_target(run.file) {
+            // SAFETY: the caller's contract.
+            return unsafe { perform_blocking(target, run, segs, offset) }.map_err(|e| self.run_error(run, e));
+        }
         let file = self.file_of(run);
         let r = if run.write {
             // SAFETY: the segments point into data of live requests (the caller's contract).
@@ -301,6 +305,17 @@ impl Planner {
         let file = self.file_of(run);
         // SAFETY: the run's segments point into data of live requests (the caller's contract).
         Ok(unsafe { sys::preadv_nowait(file, &run.segs, run.offset) }? == run.len())
+    }
+
+    /// Target `file`'s blocking calls, when it is not a file (an RBD image or
+    /// an NBD export the device was switched onto: see [`Storage::blocking`]).
+    ///
+    /// [`Storage::blocking`]: vdisk_image::Storage::blocking
+    pub fn blocking_target(&self, file: usize) -> Option<&dyn vdisk_image::BlockTarget> {
+        if file < self.image.files().len() {
+            return None;
+        }
+        self.image.target(file).and_then(|t| t.blocking())
     }
 
     /// The file a run goes to: the O_DIRECT twin for a direct run.
@@ -376,13 +391,17 @@ impl Planner {
         self.image.map_write(offset, len, &mut self.extents)?;
         for ext in &self.extents {
             let Extent::Data { file: f, offset, len } = *ext else { continue };
-            let file = &self.image.files()[f];
             let at = |e| {
                 Error::io(e, format!("{} of {len} bytes at offset {offset} of {}", req.op().name(), self.describe(f)))
                     .op(req.op().name())
                     .at(offset)
                     .path(self.image.file_path(f))
             };
+            if let Some(target) = self.blocking_target(f) {
+                target.write_zeroes_at(offset, len).map_err(at)?;
+                continue;
+            }
+            let file = &self.image.files()[f];
             match req.op() {
                 Op::WriteZeroes { no_hole, fast_zero, .. } => self.zeros.zero(f, file, offset, len, no_hole, fast_zero),
                 _ => self.zeros.trim(f, file, offset, len),
@@ -490,6 +509,36 @@ impl Planner {
     pub fn flush_error(&self, e: std::io::Error) -> Error {
         Error::io(e, format!("flush of {}", self.describe(0)))
     }
+}
+
+/// Performs `segs` of `run` at `offset` with `target`'s blocking calls, one
+/// segment at a time; a durable write is followed by the target's sync.
+///
+/// # Safety
+/// As for [`Planner::perform`]: the segments point into live requests' data
+/// that nothing else touches until this returns, and no two overlap.
+unsafe fn perform_blocking(
+    target: &dyn vdisk_image::BlockTarget,
+    run: &Run,
+    segs: &[Segment],
+    mut offset: u64,
+) -> std::io::Result<()> {
+    for seg in segs {
+        if run.write {
+            // SAFETY: the caller's contract: `seg` is readable memory of its length.
+            let data = unsafe { std::slice::from_raw_parts(seg.ptr, seg.len) };
+            target.write_at(data, offset)?;
+        } else {
+            // SAFETY: the caller's contract: `seg` is writable memory of its length, touched by nothing else.
+            let data = unsafe { std::slice::from_raw_parts_mut(seg.ptr, seg.len) };
+            target.read_at(data, offset)?;
+        }
+        offset += seg.len as u64;
+    }
+    if run.write && run.dsync && !skips_data_sync() {
+        target.sync()?;
+    }
+    Ok(())
 }
 
 /// True only in a test build told to skip the data sync (VDISK_BREAK=skip-data-sync).

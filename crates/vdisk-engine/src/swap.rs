@@ -33,7 +33,11 @@ pub(crate) struct Current {
 
 impl Current {
     pub fn new(image: Arc<dyn Image>, kind: EngineKind, inline_allowed: bool) -> Current {
-        let inline = if !inline_allowed || !image.direct_files().is_empty() || kind == EngineKind::Rbd {
+        let inline = if !inline_allowed
+            || !image.direct_files().is_empty()
+            || kind == EngineKind::Rbd
+            || crate::blocking_image(&*image)
+        {
             Inline::Never
         } else if image.files().iter().all(sys::in_memory) {
             Inline::All
@@ -133,7 +137,9 @@ impl Quiesced<'_> {
     }
 
     /// Serves `new` from now on (the held requests and all later ones). It
-    /// must have the device's size; an RBD device or image is refused. The
+    /// must have the device's size; an RBD engine's device is refused (an
+    /// RBD image or NBD export on a file engine is served with its blocking
+    /// calls, `Storage::blocking`). The
     /// old image is dropped once nothing holds it (its files closed).
     pub fn replace_image(&self, new: Arc<dyn Image>) -> Result<()> {
         let dev = self.dev;
@@ -146,10 +152,10 @@ impl Quiesced<'_> {
                 old.image.size()
             )));
         }
-        if dev.kind == EngineKind::Rbd || crate::on_rbd(&*new) {
+        if dev.kind == EngineKind::Rbd {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("device {:?}: an image on RBD cannot be swapped under a running device", dev.name),
+                format!("device {:?}: the RBD engine's image cannot be swapped under a running device", dev.name),
             ));
         }
         dev.slot.set(Current::new(new, dev.kind, dev.inline_allowed));

@@ -69,7 +69,7 @@ impl Backend for Blocking {
     }
 
     fn sync(&mut self, planner: &Planner, key: u64) -> std::io::Result<bool> {
-        if crate::plan::skips_data_sync() || planner.image.files().is_empty() {
+        if crate::plan::skips_data_sync() || planner.image.target(0).is_none() {
             return Ok(false);
         }
         self.syncs.push(key);
@@ -91,9 +91,14 @@ impl Backend for Blocking {
             return;
         }
         // After every data call of the batch: one fdatasync of file 0 (the only
-        // one writes reach) for all its FLUSHes.
+        // one writes reach), or a sync of a target that is not a file, for all its FLUSHes.
         let image = self.image.take().expect("set with the first sync");
-        let res = match crate::sys::fdatasync(&image.files()[0]) {
+        let synced = match image.target(0) {
+            Some(vdisk_image::Storage::File(f)) => crate::sys::fdatasync(f),
+            Some(other) => other.sync(),
+            None => Ok(()),
+        };
+        let res = match synced {
             Ok(()) => 0,
             Err(e) => -i64::from(e.raw_os_error().unwrap_or(libc::EIO)),
         };

@@ -215,7 +215,15 @@ impl CoreWorker {
             let open = d.queue.try_take(d.batch, &mut self.new);
             if !self.new.is_empty() {
                 d.lane.planner.refresh();
-                self.f.start(&mut d.lane, id, &mut self.new)?;
+                if crate::blocking_image(&*d.lane.planner.image) {
+                    // Switched onto a target that is not a file (a mirror's pivot onto
+                    // RBD or NBD): its blocking calls, in this thread (see `threads`).
+                    let mut reqs: Vec<&mut crate::Request> = self.new.iter_mut().map(|(r, _, _)| r).collect();
+                    d.lane.planner = crate::threads::execute(d.lane.planner.clone(), &mut reqs);
+                    d.lane.done.append(&mut self.new);
+                } else {
+                    self.f.start(&mut d.lane, id, &mut self.new)?;
+                }
             }
             d.lane.settle();
             d.queue.deliver(&mut d.lane.done);

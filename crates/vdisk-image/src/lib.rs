@@ -16,6 +16,7 @@ mod opening;
 pub mod qcow2;
 pub mod raw;
 pub mod rbd;
+pub mod remote;
 #[cfg(test)]
 mod testing;
 mod window;
@@ -29,6 +30,7 @@ pub use opening::{detect, detect_bytes, detect_file, open, Backing, Format, Open
 pub use qcow2::Qcow2Image;
 pub use raw::RawImage;
 pub use rbd::RbdImage;
+pub use remote::RemoteImage;
 
 /// Where one piece of a request lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +56,10 @@ impl Extent {
 
 /// What target number `i` of an image's mapping is: where the bytes of an
 /// [`Extent::Data`] naming it live. The engine moves a file's bytes with its
-/// own calls (blocking or io_uring) and an RBD image's with librbd's AIO.
+/// own calls (blocking or io_uring), an RBD image's with librbd's AIO on the
+/// RBD engine, and those of any target that is not a file with its blocking
+/// calls ([`Storage::blocking`]) on the file engines (an export switched
+/// onto an RBD image or an NBD export by a mirror's pivot).
 #[derive(Clone, Copy)]
 pub enum Storage<'a> {
     /// A file (the same number in [`Image::files`], and in
@@ -62,14 +67,26 @@ pub enum Storage<'a> {
     File(&'a File),
     /// An image on Ceph RBD.
     Rbd(&'a RbdImage),
+    /// Storage reached by blocking calls only (an NBD export: [`RemoteImage`]).
+    Remote(&'a dyn BlockTarget),
 }
 
-impl Storage<'_> {
-    /// Makes what was written to it durable (fdatasync; librbd's flush).
+impl<'a> Storage<'a> {
+    /// Makes what was written to it durable (fdatasync; librbd's flush; NBD FLUSH).
     pub fn sync(&self) -> std::io::Result<()> {
         match self {
             Storage::File(f) => f.sync_data(),
-            Storage::Rbd(r) => r.flush().map_err(|e| std::io::Error::from_raw_os_error(e.errno().max(1))),
+            Storage::Rbd(r) => BlockTarget::sync(*r),
+            Storage::Remote(t) => t.sync(),
+        }
+    }
+
+    /// The target's blocking calls; None for a file (moved by the engine's own calls).
+    pub fn blocking(&self) -> Option<&'a dyn BlockTarget> {
+        match *self {
+            Storage::File(_) => None,
+            Storage::Rbd(r) => Some(r),
+            Storage::Remote(t) => Some(t),
         }
     }
 
@@ -81,6 +98,17 @@ impl Storage<'_> {
             r.close();
         }
     }
+}
+
+/// A disk's bytes reached by blocking positional calls rather than a file
+/// descriptor: an RBD image, an NBD export. Each call does all it is asked
+/// or fails.
+pub trait BlockTarget: Send + Sync {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()>;
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()>;
+    fn write_zeroes_at(&self, offset: u64, len: u64) -> std::io::Result<()>;
+    /// Makes every write it acknowledged durable.
+    fn sync(&self) -> std::io::Result<()>;
 }
 
 /// The allocation state of a run of the disk, as block-status queries report it.

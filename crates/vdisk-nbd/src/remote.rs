@@ -297,6 +297,91 @@ impl Remote {
     }
 }
 
+/// A remote export as a disk to serve from ([`vdisk_image::BlockTarget`]):
+/// what a mirror's pivot onto an NBD target switches its export to. Each
+/// call takes an idle connection (or opens one), so the engine's threads
+/// reach the server in parallel; a connection that failed is dropped (its
+/// stream may be out of step). A server that does not offer multi-conn
+/// gets one connection, so that a FLUSH covers every write it answered.
+pub struct RemoteDisk {
+    uri: Uri,
+    multi_conn: bool,
+    idle: std::sync::Mutex<Vec<Remote>>,
+    /// Connections open now (idle or in use): at most one without multi-conn.
+    open: std::sync::Mutex<usize>,
+    freed: std::sync::Condvar,
+}
+
+impl RemoteDisk {
+    /// The export `first` has open (at `uri`), reached through `first` and more like it.
+    pub fn new(uri: Uri, first: Remote) -> RemoteDisk {
+        RemoteDisk {
+            uri,
+            multi_conn: first.flags & TF_CAN_MULTI_CONN != 0,
+            idle: std::sync::Mutex::new(vec![first]),
+            open: std::sync::Mutex::new(1),
+            freed: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Runs `f` on a connection of its own.
+    fn with<T>(&self, f: impl FnOnce(&mut Remote) -> io::Result<T>) -> io::Result<T> {
+        let mut conn = loop {
+            if let Some(c) = self.idle.lock().unwrap().pop() {
+                break c;
+            }
+            let mut open = self.open.lock().unwrap();
+            if self.multi_conn || *open == 0 {
+                *open += 1;
+                drop(open);
+                match Remote::open(&self.uri) {
+                    Ok(c) => break c,
+                    Err(e) => {
+                        *self.open.lock().unwrap() -= 1;
+                        return Err(e);
+                    }
+                }
+            }
+            // The one connection is in use: wait until it is back (or gone).
+            let _ = self.freed.wait_timeout(open, Duration::from_millis(50)).unwrap();
+        };
+        let r = f(&mut conn);
+        if r.is_ok() {
+            self.idle.lock().unwrap().push(conn);
+        } else {
+            drop(conn);
+            *self.open.lock().unwrap() -= 1;
+        }
+        self.freed.notify_one();
+        r
+    }
+}
+
+impl vdisk_image::BlockTarget for RemoteDisk {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        for (i, chunk) in buf.chunks_mut(MAX_CHUNK as usize).enumerate() {
+            let at = offset + (i as u64) * MAX_CHUNK;
+            let data = self.with(|c| c.read(at, chunk.len() as u32))?;
+            chunk.copy_from_slice(&data);
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.with(|c| c.write(offset, buf))
+    }
+
+    fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.with(|c| c.zero(offset, len))
+    }
+
+    /// With multi-conn a FLUSH on any connection covers them all; without,
+    /// there is only one.
+    fn sync(&self) -> io::Result<()> {
+        self.with(|c| c.flush())
+    }
+}
+
 impl Drop for Remote {
     fn drop(&mut self) {
         if !self.open {

@@ -238,8 +238,6 @@ fn mirror_to_a_second_vdisk_over_nbd() {
     let addr = format!("127.0.0.1:{}", free_port());
     let second = Server::start(&far_dir, &[far.to_str().unwrap(), "--listen", &addr]);
     let to = format!("nbd://{addr}/far");
-    let out = ctl(&control, &["mirror", "disk", "--to", &to, "--pivot"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--pivot to an NBD target"), "{}", text(&out));
     let out = ctl(&control, &["mirror", "disk", "--to", &to, "--format", "qcow2"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("applies to a new file only"), "{}", text(&out));
     let out = ctl(&control, &["mirror", "disk", "--to", &format!("nbd://{addr}/nope")]);
@@ -254,18 +252,40 @@ fn mirror_to_a_second_vdisk_over_nbd() {
     stop.store(true, Ordering::SeqCst);
     fio.join().expect("every fio verify passed");
     wait_caught_up(&control, id);
-    let p = rpc(&control, "job_pivot", json!({"id": id}));
-    assert!(refused(&p).contains("cannot pivot"), "{p}");
     let view = read_export(&dir, &server.uri("disk"), "view.raw");
     let c = rpc(&control, "job_cancel", json!({"id": id}));
     assert!(c.get("result").is_some(), "{c}");
     assert_eq!(wait_state(&control, id, &["cancelled", "failed"])["state"], "cancelled");
     let copied = read_export(&far_dir, &second.uri("far"), "far-view.raw");
     assert_same("the NBD target", &copied, &view);
-    server.stop();
-    second.stop();
     let same = run("qemu-img", &["compare", "-f", "raw", "-F", "raw", far.to_str().unwrap(), img.to_str().unwrap()]);
     assert!(same.contains("Images are identical"), "{same}");
+
+    // Again with --pivot, under fio verify: from then on the export is served from the second vdisk.
+    let fio = fio_until(dir.0.clone(), server.uri("disk"), stop.clone());
+    stop.store(false, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(300));
+    let said = ctl_ok(&control, &["mirror", "disk", "--to", &to, "--pivot", "--wait"]);
+    assert!(said.contains("done"), "{said}");
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!((list[0]["image"].as_str(), list[0]["format"].as_str()), (Some(to.as_str()), Some("nbd")), "{list}");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    fio.join().expect("every fio verify passed, through the pivot onto NBD");
+    // Writes go to the second vdisk; the first one's file is left as it was at the pivot.
+    qemu_io(&server.uri("disk"), &["write -P 0x6b 3M 64k"]);
+    let served = read_export(&dir, &server.uri("disk"), "served.raw");
+    assert_same("the second vdisk", &read_export(&far_dir, &second.uri("far"), "far-after.raw"), &served);
+    let out = ctl(&control, &["snapshot", "disk", "--overlay", dir.path("o.qcow2").to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("served from the NBD export"), "{}", text(&out));
+    // And back to a file of its own, with pivot.
+    let home = dir.path("home.raw");
+    ctl_ok(&control, &["mirror", "disk", "--to", home.to_str().unwrap(), "--pivot", "--wait"]);
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!(list[0]["image"].as_str(), home.to_str(), "{list}");
+    server.stop();
+    second.stop();
+    assert_same("the file mirrored back", &read_file(&home), &served);
 }
 
 /// A tmpfs of `size` mounted on `dir`, unmounted when dropped.

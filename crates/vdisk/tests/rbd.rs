@@ -930,9 +930,8 @@ fn last_job(control: &Path) -> u64 {
 
 /// `vdisk ctl mirror` of a file export to `rbd:rbd/NAME` while fio verifies
 /// on the export: the image is made at the export's size; once ready and
-/// caught up (fio stopped), a pivot is refused (no swap onto RBD) and a
-/// cancel leaves the image holding the disk: `rbd export` reads the export's
-/// bytes. A second mirror into that image with `--existing` works; one into
+/// caught up (fio stopped), a cancel leaves the image holding the disk:
+/// `rbd export` reads the export's bytes. A second mirror into that image with `--existing` works; one into
 /// an image too small is refused, naming it; the refusals come first.
 #[test]
 fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
@@ -953,7 +952,6 @@ fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
             text(&out)
         );
     };
-    refused(&["mirror", "disk", "--to", &to, "--pivot"], "--pivot to an RBD target");
     refused(&["mirror", "disk", "--to", &to, "--format", "qcow2"], "applies to a new file only");
     refused(&["mirror", "disk", "--to", &to, "--existing"], "does not exist");
     let small = name("small");
@@ -979,8 +977,6 @@ fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
     stop.store(true, Ordering::SeqCst);
     fio.join().expect("every fio verify passed");
     mirror_caught_up(&control, id);
-    let p = common::control::ctl(&control, &["pivot", &id.to_string()]);
-    assert!(!p.status.success() && text(&p).contains("cannot be swapped onto RBD"), "{}", text(&p));
     let view = common::read_export(&dir, &uri, "view.raw");
     common::control::ctl_ok(&control, &["cancel", &id.to_string()]);
     let j = common::control::job_until(&control, id, |j| j["state"] != "ready");
@@ -1001,6 +997,37 @@ fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
     assert_same("the RBD target, again", &export(c, &dir, &format!("rbd/{img}")), &view);
     server.stop();
     assert_same("the export's own file", &read_file(&disk), &view);
+}
+
+/// `vdisk ctl mirror --pivot` of a file export to a new RBD image while fio
+/// verifies on the export: once ready the export switches to the image (its
+/// file engine performs the I/O with librbd's blocking calls), fio goes on
+/// verifying through it, and `rbd export` reads what the export serves.
+#[test]
+fn mirror_of_a_file_export_to_an_rbd_image_with_pivot() {
+    let (c, _g) = shared();
+    let dir = TempDir::new("rbd-mirror-pivot");
+    let disk = dir.path("disk.img");
+    let data = common::make_base(&disk, 32 * MIB, 35);
+    let control = dir.path("ctl.sock");
+    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    let uri = server.uri("disk");
+    let to = format!("rbd:rbd/{}", name("mirrorpivot"));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fio = common::control::fio_until(dir.0.clone(), uri.clone(), stop.clone());
+    std::thread::sleep(Duration::from_millis(300));
+    let said = common::control::ctl_ok(&control, &["mirror", "disk", "--to", &to, "--pivot", "--wait"]);
+    assert!(said.contains("done"), "{said}");
+    let list = common::json(&common::control::ctl_ok(&control, &["list", "--json"]));
+    assert_eq!((list[0]["image"].as_str(), list[0]["format"].as_str()), (Some(to.as_str()), Some("rbd")), "{list}");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    fio.join().expect("every fio verify passed, through the pivot onto RBD");
+    qemu_io(&uri, &["write -P 0x4d 5M 64k", "read -P 0x4d 5M 64k"]);
+    let view = common::read_export(&dir, &uri, "view.raw");
+    server.stop();
+    assert_same("the RBD image", &export(c, &dir, &to["rbd:".len()..]), &view);
+    assert_eq!(read_file(&disk).len(), data.len(), "the export's old file is left");
 }
 
 /// A mirror to RBD cancelled before it is ready removes the image it made;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vdisk_image::{Extent, Image, RbdImage};
-use vdisk_nbd::remote::Remote;
+use vdisk_nbd::remote::{Remote, RemoteDisk, Uri};
 
 use crate::chain;
 
@@ -23,6 +23,12 @@ pub trait Target: Send {
     fn flush(&mut self) -> Result<(), String>;
     /// The target for messages ("/x/y.qcow2 (qcow2)", "nbd://h:p/name").
     fn describe(&self) -> String;
+    /// The target as an image an export of `size` bytes can be served from
+    /// (a pivot onto it), through the job's own connection; an image file is
+    /// opened anew instead (as the export opens its images).
+    fn into_served(self: Box<Self>, _size: u64) -> Result<Arc<dyn Image>, String> {
+        Err(format!("{} is opened anew to be served", self.describe()))
+    }
 }
 
 /// An image file opened on its own, read-write, written through its own
@@ -83,6 +89,12 @@ impl Target for NbdTarget {
     fn describe(&self) -> String {
         self.uri.clone()
     }
+
+    fn into_served(self: Box<Self>, size: u64) -> Result<Arc<dyn Image>, String> {
+        let uri = Uri::parse(&self.uri)?;
+        let disk = RemoteDisk::new(uri, self.remote);
+        Ok(Arc::new(vdisk_image::RemoteImage::new(&self.uri, size, false, "nbd", Box::new(disk))))
+    }
 }
 
 /// An RBD image: made by the job at the export's size, or an existing one
@@ -108,5 +120,17 @@ impl Target for RbdTarget {
 
     fn describe(&self) -> String {
         self.0.spec().to_string()
+    }
+
+    fn into_served(self: Box<Self>, size: u64) -> Result<Arc<dyn Image>, String> {
+        if self.0.size() != size {
+            return Err(format!(
+                "the RBD image {} is {} bytes and the export {size}: only an image of the same size can be served in \
+                 its place",
+                self.0.spec(),
+                self.0.size()
+            ));
+        }
+        Ok(Arc::new(self.0))
     }
 }

@@ -618,6 +618,24 @@ impl RbdImage {
     }
 }
 
+impl crate::BlockTarget for RbdImage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        RbdImage::read_at(self, buf, offset)
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        RbdImage::write_at(self, buf, offset)
+    }
+
+    fn write_zeroes_at(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        RbdImage::write_zeroes_at(self, offset, len)
+    }
+
+    fn sync(&self) -> std::io::Result<()> {
+        self.flush().map_err(|e| std::io::Error::from_raw_os_error(e.errno().max(1)))
+    }
+}
+
 impl Image for RbdImage {
     fn format(&self) -> &'static str {
         "rbd"
