@@ -15,14 +15,16 @@
 //! of the pivot, must see nothing in flight, and it does.
 //!
 //! A mirror writes a new raw or qcow2 file (an existing one with
-//! `existing`), an NBD export of the same size (no pivot to it: an NBD
-//! target has no image to serve from here), or an RBD image the job makes
-//! at the export's size (an existing one at least that large with
-//! `existing`; no pivot to it either: an export cannot be swapped onto the
-//! RBD engine). The source may be an RBD export too, without pivot (its
-//! device cannot be swapped). A mirror with no pivot that is cancelled once
-//! ready copies what is still dirty and flushes the target (it then holds
-//! the disk as the export read at that moment); cancelled before ready, an
+//! `existing`), an NBD export of the same size, or an RBD image the job
+//! makes at the export's size (an existing one at least that large with
+//! `existing`). A pivot onto a file opens it as the export opens images; a
+//! pivot onto NBD or RBD serves from the job's own connection or handle
+//! ([`target::Target::into_served`]; the file engines perform its I/O with
+//! blocking calls). The source may be an RBD export too, without pivot (its
+//! device cannot be swapped), or an export served from NBD. A mirror to NBD
+//! or RBD (or of an RBD export) cancelled once ready copies what is still
+//! dirty and flushes the target (it then holds the disk as the export read
+//! at that moment); cancelled before ready, an
 //! RBD image the job made is removed. An active commit writes the
 //! chain's base (the bottom, or a named layer) opened on its own, copying
 //! only runs held above it; its pivot reopens the chain from the base.
@@ -353,6 +355,13 @@ impl Daemon {
                 image.size(),
                 spec.pool,
                 spec.image
+            )));
+        }
+        if o.pivot && image.size() != size {
+            return Err(refuse(format!(
+                "the RBD image {spec} is {} bytes and the export {size}: --pivot serves the export from it, which \
+                 needs the same size (mirror without --pivot, or into an image of the export's size)",
+                image.size()
             )));
         }
         Ok((RbdTarget(image), !o.existing))

@@ -560,8 +560,8 @@ pub enum CtlCommand {
     Cancel { job: u64 },
     /// Switch a ready mirror or active commit's export to what it made.
     Pivot { job: u64 },
-    /// Copy the export, live, to a new raw or qcow2 file, an NBD export or an RBD image; with --pivot (files
-    /// only), serve from it once the copy has caught up.
+    /// Copy the export, live, to a new raw or qcow2 file, an NBD export or an RBD image; with --pivot, serve
+    /// from it once the copy has caught up.
     Mirror {
         name: String,
         /// The target: a new file's path, nbd://HOST[:PORT]/NAME, nbd+unix:///NAME?socket=PATH, or
