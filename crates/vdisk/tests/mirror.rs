@@ -225,6 +225,18 @@ fn active_commit_refusals_change_nothing() {
     server.stop();
 }
 
+/// A second vdisk serving `far.img`, a new raw file of `size` bytes, as
+/// export "far" (with `extra` arguments): its directory, file and server.
+fn second_vdisk(tag: &str, size: usize, extra: &[&str]) -> (TempDir, PathBuf, Server) {
+    let far_dir = TempDir::new(tag);
+    let far = far_dir.path("far.img");
+    std::fs::File::create(&far).unwrap().set_len(size as u64).unwrap();
+    let mut args = vec![far.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let second = Server::start(&far_dir, &args);
+    (far_dir, far, second)
+}
+
 #[test]
 fn mirror_to_a_second_vdisk_over_nbd() {
     let dir = TempDir::new("mirror-nbd");
@@ -232,11 +244,8 @@ fn mirror_to_a_second_vdisk_over_nbd() {
     make_base(&img, 32 * MIB, 21);
     let (server, control) = serve(&dir, img.to_str().unwrap());
     // The second vdisk: a new raw file of the same size, on TCP.
-    let far_dir = TempDir::new("mirror-nbd-far");
-    let far = far_dir.path("far.img");
-    std::fs::File::create(&far).unwrap().set_len(32 * MIB as u64).unwrap();
     let addr = format!("127.0.0.1:{}", free_port());
-    let second = Server::start(&far_dir, &[far.to_str().unwrap(), "--listen", &addr]);
+    let (far_dir, far, second) = second_vdisk("mirror-nbd-far", 32 * MIB, &["--listen", &addr]);
     let to = format!("nbd://{addr}/far");
     let out = ctl(&control, &["mirror", "disk", "--to", &to, "--format", "qcow2"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("applies to a new file only"), "{}", text(&out));
@@ -465,10 +474,7 @@ fn an_nbd_target_that_goes_away_or_a_removed_export_fails_the_job_clearly() {
     make_base(&img, 16 * MIB, 37);
     let (server, control) = serve(&dir, img.to_str().unwrap());
     let uri = server.uri("disk");
-    let far_dir = TempDir::new("mirror-gone-far");
-    let far = far_dir.path("far.img");
-    std::fs::File::create(&far).unwrap().set_len(16 * MIB as u64).unwrap();
-    let second = Server::start(&far_dir, &[far.to_str().unwrap()]);
+    let (_far_dir, _far, second) = second_vdisk("mirror-gone-far", 16 * MIB, &[]);
     let to = second.uri("far");
     // Slow (1 MiB/s over 16 MiB): the target goes while the job copies.
     let id = started_job(&rpc(&control, "export_mirror", json!({"name": "disk", "to": to, "bps": MIB})));
@@ -586,10 +592,7 @@ fn a_target_that_stops_answering_does_not_hold_the_guests_writes() {
     let img = dir.path("disk.img");
     make_base(&img, 16 * MIB, 33);
     let (server, control) = serve(&dir, img.to_str().unwrap());
-    let far_dir = TempDir::new("mirror-sync-stuck-far");
-    let far = far_dir.path("far.img");
-    std::fs::File::create(&far).unwrap().set_len(16 * MIB as u64).unwrap();
-    let second = Server::start(&far_dir, &[far.to_str().unwrap()]);
+    let (far_dir, _far, second) = second_vdisk("mirror-sync-stuck-far", 16 * MIB, &[]);
     let id = started_job(&rpc(&control, "export_mirror", json!({"name": "disk", "to": second.uri("far")})));
     let j = wait_state(&control, id, &["ready", "failed"]);
     assert_eq!((j["state"].as_str(), j["synchronous"].as_bool()), (Some("ready"), Some(true)), "{j}");

@@ -928,6 +928,25 @@ fn last_job(control: &Path) -> u64 {
     jobs.as_array().unwrap().last().unwrap()["id"].as_u64().unwrap()
 }
 
+/// A file export "disk" of 32 MiB of data made from `seed`, served with a
+/// control socket: its directory, file, data, control socket and server.
+struct FileExport {
+    dir: TempDir,
+    disk: PathBuf,
+    data: Vec<u8>,
+    control: PathBuf,
+    server: Server,
+}
+
+fn file_export(c: &Cluster, tag: &str, seed: u64) -> FileExport {
+    let dir = TempDir::new(tag);
+    let disk = dir.path("disk.img");
+    let data = common::make_base(&disk, 32 * MIB, seed);
+    let control = dir.path("ctl.sock");
+    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    FileExport { dir, disk, data, control, server }
+}
+
 /// `vdisk ctl mirror` of a file export to `rbd:rbd/NAME` while fio verifies
 /// on the export: the image is made at the export's size; once ready and
 /// caught up (fio stopped), a cancel leaves the image holding the disk:
@@ -936,11 +955,7 @@ fn last_job(control: &Path) -> u64 {
 #[test]
 fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
     let (c, _g) = shared();
-    let dir = TempDir::new("rbd-mirror-to");
-    let disk = dir.path("disk.img");
-    common::make_base(&disk, 32 * MIB, 31);
-    let control = dir.path("ctl.sock");
-    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    let FileExport { dir, disk, data: _, control, server } = file_export(c, "rbd-mirror-to", 31);
     let uri = server.uri("disk");
     let img = name("mirrorto");
     let to = format!("rbd:rbd/{img}");
@@ -1006,11 +1021,7 @@ fn mirror_of_a_file_export_to_an_rbd_image_under_fio_verify() {
 #[test]
 fn mirror_of_a_file_export_to_an_rbd_image_with_pivot() {
     let (c, _g) = shared();
-    let dir = TempDir::new("rbd-mirror-pivot");
-    let disk = dir.path("disk.img");
-    let data = common::make_base(&disk, 32 * MIB, 35);
-    let control = dir.path("ctl.sock");
-    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    let FileExport { dir, disk, data, control, server } = file_export(c, "rbd-mirror-pivot", 35);
     let uri = server.uri("disk");
     let to = format!("rbd:rbd/{}", name("mirrorpivot"));
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1036,11 +1047,7 @@ fn mirror_of_a_file_export_to_an_rbd_image_with_pivot() {
 #[test]
 fn mirror_to_rbd_cancelled_midway_and_to_a_cluster_that_is_not_there() {
     let (c, _g) = shared();
-    let dir = TempDir::new("rbd-mirror-cancel");
-    let disk = dir.path("disk.img");
-    let data = common::make_base(&disk, 32 * MIB, 33);
-    let control = dir.path("ctl.sock");
-    let server = serve(c, &dir, &[s(&disk), "--control", s(&control)]);
+    let FileExport { dir, data, control, server, .. } = file_export(c, "rbd-mirror-cancel", 33);
     let uri = server.uri("disk");
     let img = name("mirrorcancel");
     let to = format!("rbd:rbd/{img}");

@@ -128,3 +128,76 @@ fn a_job_runs_its_own_requests_while_the_guest_waits() {
         rig.dev.shutdown().unwrap();
     }
 }
+
+/// A disk in memory reached by blocking calls only (as an NBD export is).
+#[derive(Clone, Default)]
+struct MemTarget {
+    bytes: Arc<std::sync::Mutex<Vec<u8>>>,
+    syncs: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl vdisk_image::BlockTarget for MemTarget {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let b = self.bytes.lock().unwrap();
+        buf.copy_from_slice(&b[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.bytes.lock().unwrap()[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+
+    fn write_zeroes_at(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.bytes.lock().unwrap()[offset as usize..(offset + len) as usize].fill(0);
+        Ok(())
+    }
+
+    fn sync(&self) -> std::io::Result<()> {
+        self.syncs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A file device swapped onto an image whose target is not a file (a
+/// mirror's pivot onto NBD or RBD) serves it on every engine with the
+/// target's blocking calls: reads, writes (inline submissions too), FUA,
+/// WRITE_ZEROES, TRIM and FLUSH reach it.
+#[test]
+fn a_device_swapped_onto_a_blocking_target_serves_it() {
+    for (name, cfg) in configs() {
+        let rig = Rig::new(&format!("swap-blocking-{name}"), 4 << 20, false, &cfg);
+        let mem = MemTarget::default();
+        *mem.bytes.lock().unwrap() = pattern(9, 4 << 20);
+        let image = vdisk_image::RemoteImage::new("mem://disk", 4 << 20, false, "mem", Box::new(mem.clone()));
+        let guard = rig.dev.quiesce(Duration::from_secs(5)).unwrap();
+        guard.replace_image(Arc::new(image)).unwrap();
+        drop(guard);
+        let zero = Op::WriteZeroes { fua: false, no_hole: false, fast_zero: false };
+        let done = rig.run(vec![
+            write(0, pattern(1, 8192), 0),
+            fua_write(1 << 20, pattern(2, 4096), 1, true),
+            Request::new(zero, 2 << 20, 65536, 2),
+            Request::new(Op::Trim { fua: false }, 3 << 20, 65536, 3),
+        ]);
+        assert!(
+            done.iter().all(|r| r.error.is_none()),
+            "{name}: {:?}",
+            done.iter().map(|r| &r.error).collect::<Vec<_>>()
+        );
+        rig.run_inline(vec![write(8192, pattern(3, 4096), 4)]);
+        let syncs = mem.syncs.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(syncs >= 1, "{name}: the FUA write synced the target");
+        assert!(rig.run(vec![Request::new(Op::Flush, 0, 0, 5)])[0].error.is_none(), "{name}");
+        assert!(mem.syncs.load(std::sync::atomic::Ordering::SeqCst) > syncs, "{name}: a FLUSH syncs the target");
+        let back = rig.run(vec![Request::new(Op::Read, 0, 12288, 6), Request::new(Op::Read, 2 << 20, 4096, 7)]);
+        let mut want = pattern(1, 8192);
+        want.extend(pattern(3, 4096));
+        assert!(back[0].buf() == &want[..], "{name}: reads come from the target");
+        assert!(back[1].buf().iter().all(|&b| b == 0), "{name}: zeroed on the target");
+        let b = mem.bytes.lock().unwrap().clone();
+        assert!(b[1 << 20..(1 << 20) + 4096] == pattern(2, 4096)[..], "{name}");
+        assert!(b[3 << 20..(3 << 20) + 65536].iter().all(|&x| x == 0), "{name}: trimmed on the target");
+        rig.dev.shutdown().unwrap();
+    }
+}
