@@ -202,6 +202,10 @@ struct Copy {
     cursor: u64,
     /// When that copy may go on at the job's `bps` (None: now).
     due: Option<std::time::Instant>,
+    /// A synchronous sweep from offset 0 found nothing dirty besides the held writes.
+    clean: bool,
+    /// What was dirty when last counted, and when (counting reads the whole map).
+    counted: Option<(std::time::Instant, u64)>,
 }
 
 impl Daemon {
@@ -220,7 +224,10 @@ impl Daemon {
                     o.format.name()
                 )));
             }
-            MirrorTarget::Nbd(uri) => Some(connect(name, uri)?),
+            MirrorTarget::Nbd(uri) => {
+                let roots = self.live_change(name, |live| Ok(live.roots.clone()))?;
+                Some(connect(name, uri, roots)?)
+            }
             MirrorTarget::File(_) | MirrorTarget::Rbd(_) => None,
         };
         // So is an RBD target (made or opened within the client's deadlines).
@@ -460,10 +467,16 @@ fn remove_made(name: &str, spec: &Spec) {
     }
 }
 
-/// Opens the NBD export `uri` as a mirror's target.
-fn connect(name: &str, uri: &str) -> Result<Remote, Error> {
+/// Opens the NBD export `uri` as a mirror's target; with image `roots`, the
+/// files its TLS credentials name must lie beneath them.
+fn connect(name: &str, uri: &str, roots: Option<Arc<vdisk_image::files::Roots>>) -> Result<Remote, Error> {
     let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
     let u = Uri::parse(uri).map_err(refuse)?;
+    let credentials = u.tls.iter().flat_map(|t| [&t.certificates, &t.psk_file]).flatten();
+    for path in credentials.filter(|_| roots.is_some()) {
+        vdisk_image::files::confined(roots.clone(), || vdisk_image::files::check_confined(path))
+            .map_err(|e| refuse(format!("the TLS credentials of {uri}: {}", e.report())))?;
+    }
     let remote = Remote::open(&u)
         .map_err(|e| Error::failed(format!("mirror of export {name:?}: cannot open the NBD target {uri}: {e}")))?;
     if remote.flags & vdisk_nbd::proto::TF_READ_ONLY != 0 {
@@ -583,6 +596,8 @@ impl Copy {
             total: 0,
             cursor: 0,
             due: None,
+            clean: false,
+            counted: None,
         })
     }
 
@@ -702,7 +717,7 @@ impl Copy {
             if job.cancelled() {
                 return Ok(false);
             }
-            let dirty = map.dirty_bytes();
+            let dirty = if gate.is_some() { self.dirty_held(&map) } else { map.dirty_bytes() };
             self.total = self.total.max(self.done + dirty);
             job.set_total(self.total);
             if synced.is_none() && (dirty <= READY_BELOW || dirty >= last_dirty) {
@@ -749,7 +764,7 @@ impl Copy {
         let idle = Duration::from_millis(20);
         let wait = match paced {
             Some(d) => (d - now).min(idle),
-            None if map.dirty_bytes() == 0 => idle,
+            None if self.clean => idle,
             None => Duration::ZERO,
         };
         let (mut ranges, through) = gate.pending(wait);
@@ -786,11 +801,32 @@ impl Copy {
                 self.done += len;
                 self.due = job.count(len);
                 self.cursor = off + len;
+                self.clean = false;
                 Ok(copied + len)
             }
+            // Nothing from the cursor on: clean if the sweep began at 0, else sweep again from 0.
             None => {
+                self.clean = self.cursor == 0;
                 self.cursor = 0;
                 Ok(copied)
+            }
+        }
+    }
+
+    /// What is dirty besides the held writes, while they are held: none once
+    /// a sweep found nothing; else counted at most every 100 ms (a count reads
+    /// the whole map, up to 8 MiB, and steps come as fast as the guest writes).
+    fn dirty_held(&mut self, map: &DirtyBitmap) -> u64 {
+        if self.clean {
+            return 0;
+        }
+        let now = std::time::Instant::now();
+        match self.counted {
+            Some((at, n)) if now.duration_since(at) < Duration::from_millis(100) => n,
+            _ => {
+                let n = map.dirty_bytes();
+                self.counted = Some((now, n));
+                n
             }
         }
     }

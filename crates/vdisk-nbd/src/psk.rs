@@ -190,6 +190,40 @@ impl PskServer {
     }
 }
 
+/// A TLS-PSK client session over `sock` as `username`, with that user's
+/// key from psktool-style `file` (libnbd's `tls-psk-file`): the handshake is
+/// done when this returns. What a mirror to an `nbds://USER@...` target uses.
+pub fn connect<S: Read + Write>(sock: S, file: &Path, username: &str) -> io::Result<SslStream<S>> {
+    let keys = PskKeys::load(file).map_err(io::Error::other)?;
+    let key = keys
+        .0
+        .get(username.as_bytes())
+        .cloned()
+        .ok_or_else(|| io::Error::other(format!("PSK file {} has no key for user {username:?}", file.display())))?;
+    let mut identity = username.as_bytes().to_vec();
+    identity.push(0);
+    let setup = io::Error::other;
+    let mut b = SslContextBuilder::new(SslMethod::tls_client()).map_err(setup)?;
+    b.set_min_proto_version(Some(SslVersion::TLS1_2)).map_err(setup)?;
+    b.set_cipher_list(TLS12_SUITES).map_err(setup)?;
+    b.set_ciphersuites(TLS13_SUITES).map_err(setup)?;
+    b.set_psk_client_callback(move |_ssl, _hint, id_out, key_out| {
+        if identity.len() > id_out.len() || key.len() > key_out.len() {
+            return Ok(0);
+        }
+        id_out[..identity.len()].copy_from_slice(&identity);
+        key_out[..key.len()].copy_from_slice(&key);
+        Ok(key.len())
+    });
+    let mut ssl = Ssl::new(&b.build()).map_err(setup)?;
+    ssl.set_connect_state();
+    let mut stream = SslStream::new(ssl, sock).map_err(setup)?;
+    stream.do_handshake().map_err(|e| {
+        io::Error::other(format!("the TLS-PSK handshake failed (is the key for {username:?} the server's?): {e}"))
+    })?;
+    Ok(stream)
+}
+
 /// OpenSSL's transport: ciphertext in from the socket, ciphertext out to it.
 #[derive(Default)]
 struct MemIo {

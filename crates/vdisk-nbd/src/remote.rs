@@ -1,7 +1,8 @@
 //! A small NBD client for writing to another server's export: the target of
 //! a mirror (vdisk-daemon `mirror`). It connects over TCP (`nbd://HOST[:PORT]/NAME`)
 //! or a unix socket (`nbd+unix:///NAME?socket=PATH`), does the fixed newstyle
-//! handshake with NBD_OPT_GO (no TLS, no structured replies), and sends one
+//! handshake with NBD_OPT_GO (after NBD_OPT_STARTTLS for an `nbds` URI: X.509
+//! with rustls, as libnbd's `tls-certificates`; no structured replies), and sends one
 //! request at a time with simple replies: WRITE, FLUSH (when the export
 //! offers it), WRITE_ZEROES (when offered; written zeros otherwise), READ.
 //! Every socket operation has a timeout, so a server that goes away fails
@@ -11,7 +12,7 @@
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::proto::*;
@@ -28,36 +29,87 @@ pub enum Address {
     Unix(PathBuf),
 }
 
-/// A parsed `nbd://` or `nbd+unix://` URI.
+/// A parsed `nbd://`, `nbds://`, `nbd+unix://` or `nbds+unix://` URI.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Uri {
     pub address: Address,
     pub export: String,
+    /// TLS (NBD_OPT_STARTTLS) for an `nbds` URI.
+    pub tls: Option<UriTls>,
+}
+
+/// How an `nbds` URI's connection proves the server (libnbd's query parameters).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UriTls {
+    /// `tls-certificates=DIR`: `ca-cert.pem`, the CA the server's certificate
+    /// must come from, and `client-cert.pem` with `client-key.pem` if the
+    /// server asks the client for one (qemu's and libnbd's layout).
+    pub certificates: Option<PathBuf>,
+    /// `tls-hostname=NAME`: the name the server's certificate must carry
+    /// (by default the URI's host; `localhost` over a unix socket).
+    pub hostname: Option<String>,
+    /// `tls-psk-file=FILE`: pre-shared keys (psktool's `username:hexkey`
+    /// lines) instead of certificates, for the URI's user (`nbds://USER@...`,
+    /// or `tls-username=USER`).
+    pub psk_file: Option<PathBuf>,
+    pub username: Option<String>,
 }
 
 impl Uri {
     /// True when `s` looks like an NBD URI (and is no file name).
     pub fn is_nbd(s: &str) -> bool {
-        s.starts_with("nbd://") || s.starts_with("nbd+unix://")
+        ["nbd://", "nbds://", "nbd+unix://", "nbds+unix://"].iter().any(|p| s.starts_with(p))
     }
 
-    /// Parses `nbd://HOST[:PORT][/NAME]` (port 10809 by default) or
-    /// `nbd+unix:///[NAME]?socket=PATH`.
+    /// Parses `nbd[s]://HOST[:PORT][/NAME]` (port 10809 by default) or
+    /// `nbd[s]+unix:///[NAME]?socket=PATH`; an `nbds` URI may add
+    /// `tls-certificates=DIR` and `tls-hostname=NAME` to its query.
     pub fn parse(s: &str) -> Result<Uri, String> {
         let bad = |why: &str| {
-            format!("{s:?} is not an NBD URI ({why}): use nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH")
+            format!(
+                "{s:?} is not an NBD URI ({why}): use nbd://HOST[:PORT]/NAME or nbd+unix:///NAME?socket=PATH \
+                 (nbds:// and nbds+unix:// for TLS, with ?tls-certificates=DIR)"
+            )
         };
-        if let Some(rest) = s.strip_prefix("nbd+unix://") {
-            let (path, query) = rest.split_once('?').ok_or_else(|| bad("no ?socket=PATH"))?;
-            let export = path.strip_prefix('/').unwrap_or(path).to_owned();
-            let socket = query
-                .split('&')
-                .find_map(|kv| kv.strip_prefix("socket="))
-                .filter(|p| !p.is_empty())
-                .ok_or_else(|| bad("no ?socket=PATH"))?;
-            return Ok(Uri { address: Address::Unix(PathBuf::from(socket)), export });
+        let (scheme, rest) = s.split_once("://").ok_or_else(|| bad("no scheme"))?;
+        let (unix, tls) = match scheme {
+            "nbd" => (false, false),
+            "nbds" => (false, true),
+            "nbd+unix" => (true, false),
+            "nbds+unix" => (true, true),
+            _ => return Err(bad("it starts with none of nbd://, nbds://, nbd+unix://, nbds+unix://")),
+        };
+        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let mut socket = None;
+        let mut t = UriTls::default();
+        for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            match k {
+                "socket" if unix && !v.is_empty() => socket = Some(PathBuf::from(v)),
+                "tls-certificates" if tls && !v.is_empty() => t.certificates = Some(PathBuf::from(v)),
+                "tls-hostname" if tls && !v.is_empty() => t.hostname = Some(v.to_owned()),
+                "tls-psk-file" if tls && !v.is_empty() => t.psk_file = Some(PathBuf::from(v)),
+                "tls-username" if tls && !v.is_empty() => t.username = Some(v.to_owned()),
+                k if k.starts_with("tls-") && !tls => return Err(bad(&format!("{k} needs an nbds URI"))),
+                k => return Err(bad(&format!("the query parameter {k:?} is not known here"))),
+            }
         }
-        let rest = s.strip_prefix("nbd://").ok_or_else(|| bad("it starts with neither nbd:// nor nbd+unix://"))?;
+        // The user of a PSK key: `USER@` before the host (or before `/` for a unix socket).
+        let rest = match rest.split_once('/').map(|(a, _)| a).unwrap_or(rest).split_once('@') {
+            Some((user, _)) => {
+                if t.username.is_none() && !user.is_empty() {
+                    t.username = Some(user.to_owned());
+                }
+                &rest[user.len() + 1..]
+            }
+            None => rest,
+        };
+        let tls = tls.then_some(t);
+        if unix {
+            let export = rest.strip_prefix('/').unwrap_or(rest).to_owned();
+            let socket = socket.ok_or_else(|| bad("no ?socket=PATH"))?;
+            return Ok(Uri { address: Address::Unix(socket), export, tls });
+        }
         let (hostport, export) = rest.split_once('/').unwrap_or((rest, ""));
         let (host, port) = if let Some(h) = hostport.strip_prefix('[') {
             let (h, p) = h.split_once(']').ok_or_else(|| bad("an unclosed [ in the host"))?;
@@ -75,7 +127,16 @@ impl Uri {
             None => 10809,
             Some(p) => p.parse().map_err(|_| bad("the port is not a number"))?,
         };
-        Ok(Uri { address: Address::Tcp { host, port }, export: export.to_owned() })
+        Ok(Uri { address: Address::Tcp { host, port }, export: export.to_owned(), tls })
+    }
+
+    /// The name the server's certificate must carry.
+    fn tls_hostname(&self, t: &UriTls) -> String {
+        match (&t.hostname, &self.address) {
+            (Some(h), _) => h.clone(),
+            (None, Address::Tcp { host, .. }) => host.clone(),
+            (None, Address::Unix(_)) => "localhost".to_owned(),
+        }
     }
 }
 
@@ -142,8 +203,84 @@ impl Remote {
             }
         };
         let mut me = Remote { sock, size: 0, flags: 0, cookie: 0, open: false };
-        me.handshake(&uri.export)?;
+        me.handshake(uri)?;
         Ok(me)
+    }
+
+    /// NBD_OPT_STARTTLS, then the TLS handshake: the connection goes on encrypted.
+    fn start_tls(&mut self, uri: &Uri, t: &UriTls) -> io::Result<()> {
+        if let Some(file) = &t.psk_file {
+            return self.start_tls_psk(file, t.username.as_deref());
+        }
+        let config = crate::tls::client_config(t.certificates.as_deref()).map_err(io::Error::other)?;
+        let name = uri.tls_hostname(t);
+        let server_name = rustls::pki_types::ServerName::try_from(name.clone())
+            .map_err(|e| io::Error::other(format!("{name:?} is not a name a certificate can carry: {e}")))?;
+        self.starttls()?;
+        let conn = rustls::ClientConnection::new(config, server_name).map_err(io::Error::other)?;
+        let plain = std::mem::replace(&mut self.sock, Box::new(io::Cursor::new(Vec::new())));
+        let mut tls = rustls::StreamOwned::new(conn, plain);
+        while tls.conn.is_handshaking() {
+            tls.conn
+                .complete_io(&mut tls.sock)
+                .map_err(|e| io::Error::new(e.kind(), format!("the TLS handshake with the server failed: {e}")))?;
+        }
+        self.sock = Box::new(tls);
+        Ok(())
+    }
+
+    /// NBD_OPT_STARTTLS, then a TLS-PSK handshake as `username`.
+    #[cfg(feature = "psk")]
+    fn start_tls_psk(&mut self, file: &Path, username: Option<&str>) -> io::Result<()> {
+        let username = username.ok_or_else(|| {
+            io::Error::other("tls-psk-file needs the key's user: nbds://USER@HOST/NAME, or ?tls-username=USER")
+        })?;
+        self.starttls()?;
+        let plain = std::mem::replace(&mut self.sock, Box::new(io::Cursor::new(Vec::new())));
+        self.sock = Box::new(crate::psk::connect(plain, file, username)?);
+        Ok(())
+    }
+
+    #[cfg(not(feature = "psk"))]
+    fn start_tls_psk(&mut self, _file: &Path, _username: Option<&str>) -> io::Result<()> {
+        Err(io::Error::other("this vdisk was built without TLS-PSK (the `psk` feature): use tls-certificates"))
+    }
+
+    /// NBD_OPT_STARTTLS: Ok once the server said the TLS handshake may start.
+    fn starttls(&mut self) -> io::Result<()> {
+        self.send_opt(OPT_STARTTLS, &[])?;
+        let (typ, body) = self.opt_reply(OPT_STARTTLS)?;
+        if typ != REP_ACK {
+            let why = String::from_utf8_lossy(&body).into_owned();
+            return Err(io::Error::other(format!(
+                "the server does not offer TLS (NBD_OPT_STARTTLS answered {typ:#x}{}): use an nbd:// URI",
+                if why.is_empty() { String::new() } else { format!(": {why}") }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sends option `opt` with `data`.
+    fn send_opt(&mut self, opt: u32, data: &[u8]) -> io::Result<()> {
+        let mut msg = Vec::with_capacity(16 + data.len());
+        msg.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        msg.extend_from_slice(&opt.to_be_bytes());
+        msg.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        msg.extend_from_slice(data);
+        self.sock.write_all(&msg)
+    }
+
+    /// One reply to option `opt`: its type and body.
+    fn opt_reply(&mut self, opt: u32) -> io::Result<(u32, Vec<u8>)> {
+        let head = self.read_n(20)?;
+        if u64_at(&head, 0) != OPT_REPLY_MAGIC || u32_at(&head, 8) != opt {
+            return Err(broken("the server's option reply is malformed"));
+        }
+        let (typ, len) = (u32_at(&head, 12), u32_at(&head, 16) as usize);
+        if len > 1 << 20 {
+            return Err(broken(format!("the server's option reply is {len} bytes long")));
+        }
+        Ok((typ, self.read_n(len)?))
     }
 
     fn read_n(&mut self, n: usize) -> io::Result<Vec<u8>> {
@@ -152,7 +289,8 @@ impl Remote {
         Ok(b)
     }
 
-    fn handshake(&mut self, export: &str) -> io::Result<()> {
+    fn handshake(&mut self, uri: &Uri) -> io::Result<()> {
+        let export = uri.export.as_str();
         let hello = self.read_n(18)?;
         if u64_at(&hello, 0) != NBDMAGIC || u64_at(&hello, 8) != IHAVEOPT {
             return Err(broken("the server does not speak newstyle NBD (bad greeting magic)"));
@@ -166,27 +304,17 @@ impl Remote {
             client |= FLAG_C_NO_ZEROES;
         }
         self.sock.write_all(&client.to_be_bytes())?;
+        if let Some(t) = &uri.tls {
+            self.start_tls(uri, t)?;
+        }
         let mut data = Vec::with_capacity(6 + export.len());
         data.extend_from_slice(&(export.len() as u32).to_be_bytes());
         data.extend_from_slice(export.as_bytes());
         data.extend_from_slice(&0u16.to_be_bytes());
-        let mut msg = Vec::with_capacity(16 + data.len());
-        msg.extend_from_slice(&IHAVEOPT.to_be_bytes());
-        msg.extend_from_slice(&OPT_GO.to_be_bytes());
-        msg.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        msg.extend_from_slice(&data);
-        self.sock.write_all(&msg)?;
+        self.send_opt(OPT_GO, &data)?;
         let mut have_export = false;
         loop {
-            let head = self.read_n(20)?;
-            if u64_at(&head, 0) != OPT_REPLY_MAGIC || u32_at(&head, 8) != OPT_GO {
-                return Err(broken("the server's option reply is malformed"));
-            }
-            let (typ, len) = (u32_at(&head, 12), u32_at(&head, 16) as usize);
-            if len > 1 << 20 {
-                return Err(broken(format!("the server's option reply is {len} bytes long")));
-            }
-            let body = self.read_n(len)?;
+            let (typ, body) = self.opt_reply(OPT_GO)?;
             match typ {
                 REP_ACK if have_export => {
                     self.open = true;
@@ -203,7 +331,7 @@ impl Remote {
                     let why = String::from_utf8_lossy(&body).into_owned();
                     let what = match t {
                         REP_ERR_UNKNOWN => "no such export",
-                        REP_ERR_TLS_REQD => "the server requires TLS",
+                        REP_ERR_TLS_REQD => "the server requires TLS (use nbds://...?tls-certificates=DIR)",
                         REP_ERR_POLICY => "the server refuses this client",
                         REP_ERR_UNSUP => "the server does not support NBD_OPT_GO",
                         _ => "the server refused the export",
@@ -414,5 +542,22 @@ mod tests {
         assert!(Uri::parse("nbd://:5/d").unwrap_err().contains("no host"));
         assert!(Uri::parse("nbd://h:x/d").unwrap_err().contains("port"));
         assert!(Uri::is_nbd("nbd://h/d") && !Uri::is_nbd("/tmp/nbd://x"));
+        assert!(Uri::parse("nbd://h/d").unwrap().tls.is_none());
+        let u = Uri::parse("nbds+unix:///d?socket=/run/a.sock&tls-certificates=/pki&tls-hostname=far").unwrap();
+        let t = u.tls.clone().unwrap();
+        assert_eq!((t.certificates.as_deref(), t.hostname.as_deref()), (Some(Path::new("/pki")), Some("far")));
+        assert_eq!(u.address, Address::Unix("/run/a.sock".into()));
+        let u = Uri::parse("nbds://10.0.0.1:10810/disk?tls-certificates=/pki").unwrap();
+        assert_eq!((u.export.as_str(), u.tls_hostname(u.tls.as_ref().unwrap()).as_str()), ("disk", "10.0.0.1"));
+        assert!(Uri::is_nbd("nbds://h/d") && Uri::is_nbd("nbds+unix:///d?socket=/s"));
+        assert!(Uri::parse("nbd://h/d?tls-certificates=/pki").unwrap_err().contains("needs an nbds URI"));
+        assert!(Uri::parse("nbds://h/d?bogus=1").unwrap_err().contains("\"bogus\" is not known"));
+        let u = Uri::parse("nbds+unix://alice@/disk?socket=/s&tls-psk-file=/k/keys.psk").unwrap();
+        let t = u.tls.unwrap();
+        assert_eq!((u.export.as_str(), t.username.as_deref()), ("disk", Some("alice")));
+        assert_eq!(t.psk_file.as_deref(), Some(Path::new("/k/keys.psk")));
+        let u = Uri::parse("nbds://bob@far:10810/d?tls-psk-file=/k").unwrap();
+        assert_eq!(u.address, Address::Tcp { host: "far".into(), port: 10810 });
+        assert_eq!(u.tls.unwrap().username.as_deref(), Some("bob"));
     }
 }

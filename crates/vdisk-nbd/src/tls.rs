@@ -145,6 +145,42 @@ fn certs(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>, Creden
     Ok(certs)
 }
 
+/// A TLS client's settings from a directory in qemu's and libnbd's layout:
+/// the server's certificate must come from `ca-cert.pem`; `client-cert.pem`
+/// with `client-key.pem`, if there, is shown to a server that asks for one.
+/// What a mirror to an `nbds://` target connects with ([`crate::remote`]).
+pub fn client_config(dir: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, CredentialError> {
+    let dir = dir.ok_or_else(|| {
+        CredentialError::invalid(
+            "an nbds:// URI needs ?tls-certificates=DIR, a directory holding ca-cert.pem (the CA the server's \
+             certificate comes from) and, if the server asks for one, client-cert.pem and client-key.pem",
+        )
+    })?;
+    let ca = dir.join("ca-cert.pem");
+    let mut roots = RootCertStore::empty();
+    for c in certs(&ca, "CA certificate")? {
+        roots.add(c).map_err(|e| CredentialError::invalid(format!("CA certificate {}", ca.display())).because(e))?;
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| CredentialError::new(CredentialErrorKind::Setup, "TLS setup").because(e))?
+        .with_root_certificates(roots);
+    let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
+    if !cert.exists() {
+        return Ok(Arc::new(builder.with_no_client_auth()));
+    }
+    let chain = certs(&cert, "client certificate")?;
+    let key = PrivateKeyDer::from_pem_file(&key).map_err(|e| {
+        CredentialError::invalid(format!("cannot read a PEM private key from {}", key.display())).because(e)
+    })?;
+    let config = builder.with_client_auth_cert(chain, key).map_err(|e| {
+        CredentialError::invalid(format!("{} and its key do not make a usable client certificate", cert.display()))
+            .because(e)
+    })?;
+    Ok(Arc::new(config))
+}
+
 /// What a private key is, as far as an error message needs to say.
 #[derive(Debug, PartialEq, Eq)]
 enum KeyKind {

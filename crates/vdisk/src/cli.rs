@@ -564,7 +564,8 @@ pub enum CtlCommand {
     /// from it once the copy has caught up.
     Mirror {
         name: String,
-        /// The target: a new file's path, nbd://HOST[:PORT]/NAME, nbd+unix:///NAME?socket=PATH, or
+        /// The target: a new file's path, nbd://HOST[:PORT]/NAME, nbd+unix:///NAME?socket=PATH (nbds://,
+        /// nbds+unix:// over TLS, with ?tls-certificates=DIR or USER@ and ?tls-psk-file=FILE, as libnbd), or
         /// rbd:POOL/IMAGE[:conf=PATH][:id=NAME] (made at the export's size).
         #[arg(long, value_name = "TARGET")]
         to: String,

@@ -647,6 +647,36 @@ mod psk {
     /// GnuTLS limited to TLS 1.2 PSK suites (its default is TLS 1.3 external PSK).
     const TLS12_ONLY: &str = ",priority=NORMAL:-VERS-ALL:+VERS-TLS1.2:+ECDHE-PSK:+DHE-PSK:+PSK";
 
+    /// A mirror with pivot to a vdisk that serves TLS-PSK only, as libnbd
+    /// names it (`nbds+unix://USER@/NAME?socket=..&tls-psk-file=FILE`); a
+    /// wrong key is refused before anything starts.
+    #[test]
+    fn mirror_to_a_vdisk_that_requires_tls_psk() {
+        let dir = TempDir::new("mirror-tls-psk");
+        let key = random_key();
+        let keys = psk_dir(&dir, "server", &[("alice", &key)]);
+        let far_img = dir.path("disk.img");
+        create_image(&far_img, "16M");
+        let far = Server::start(&dir, &[s(&far_img), "--tls=require", "--tls-psk", s(&keys.join("keys.psk"))]);
+        let src_dir = TempDir::new("mirror-tls-psk-src");
+        let disk = src_dir.path("disk.img");
+        make_base(&disk, 16 * MIB, 43);
+        let ctl_sock = src_dir.path("ctl.sock");
+        let src = Server::start(&src_dir, &[s(&disk), "--control", s(&ctl_sock)]);
+        let wrong = psk_dir(&dir, "wrong", &[("alice", &random_key())]);
+        let out = common::control::ctl(&ctl_sock, &["mirror", "disk", "--to", &psk_uri(&far, "alice", &wrong)]);
+        assert!(!out.status.success() && text(&out).contains("TLS-PSK handshake failed"), "{}", text(&out));
+        let client = psk_dir(&dir, "client", &[("alice", &key)]);
+        let to = psk_uri(&far, "alice", &client);
+        let said = common::control::ctl_ok(&ctl_sock, &["mirror", "disk", "--to", &to, "--pivot", "--wait"]);
+        assert!(said.contains("done"), "{said}");
+        qemu_io(&src.uri("disk"), &["write -P 0x78 2M 64k", "read -P 0x78 2M 64k"]);
+        let served = read_export(&src_dir, &src.uri("disk"), "served.raw");
+        src.stop();
+        far.stop();
+        assert_same("the PSK-only vdisk's image", &read_file(&far_img), &served);
+    }
+
     #[test]
     fn psk_allow_lists_admit_the_users_they_name() {
         let dir = TempDir::new("tls-psk-allow");
@@ -847,4 +877,39 @@ fn rsa_keys_of_odd_sizes_are_served_and_small_ones_refused_with_the_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(err.contains("RSA with a 1024-bit modulus") && err.contains("2048 to 8192"), "unclear refusal: {err}");
+}
+
+/// A mirror to a second vdisk that serves TLS only: `vdisk ctl mirror
+/// --to nbds+unix:///disk?socket=..&tls-certificates=DIR` connects with the
+/// client directory of the CA that signed the server's certificate, and
+/// with `--pivot` the export is served from the second vdisk over TLS from
+/// then on. A plain URI, or a directory of another CA, is refused before
+/// anything starts, saying why.
+#[test]
+fn mirror_to_a_vdisk_that_requires_tls() {
+    let (dir, pki, far_img) = pki_and_disk("mirror-tls", "16M");
+    let far = Server::start(&dir, &[s(&far_img), "--tls=require", "--tls-certificates", s(&pki.server)]);
+    let src_dir = TempDir::new("mirror-tls-src");
+    let disk = src_dir.path("disk.img");
+    make_base(&disk, 16 * MIB, 41);
+    let ctl_sock = src_dir.path("ctl.sock");
+    let src = Server::start(&src_dir, &[s(&disk), "--control", s(&ctl_sock)]);
+    let refused = |to: &str, what: &str| {
+        let out = common::control::ctl(&ctl_sock, &["mirror", "disk", "--to", to]);
+        assert!(!out.status.success() && text(&out).contains(what), "mirror to {to}: {what:?} not in:\n{}", text(&out));
+    };
+    refused(&format!("nbd+unix:///disk?socket={}", far.socket.display()), "requires TLS");
+    let other = Pki::new(&dir, "b");
+    refused(&nbds_uri(&far, "disk", &other.client), "TLS handshake");
+    refused(&format!("nbds+unix:///disk?socket={}", far.socket.display()), "tls-certificates=DIR");
+    let jobs = json(&common::control::ctl_ok(&ctl_sock, &["jobs", "--json"]));
+    assert_eq!(jobs.as_array().map(|j| j.len()), Some(0), "nothing started: {jobs}");
+    let to = nbds_uri(&far, "disk", &pki.client);
+    let said = common::control::ctl_ok(&ctl_sock, &["mirror", "disk", "--to", &to, "--pivot", "--wait"]);
+    assert!(said.contains("done"), "{said}");
+    qemu_io(&src.uri("disk"), &["write -P 0x77 1M 64k", "read -P 0x77 1M 64k"]);
+    let served = read_export(&src_dir, &src.uri("disk"), "served.raw");
+    src.stop();
+    far.stop();
+    assert_same("the TLS-only vdisk's image", &read_file(&far_img), &served);
 }
