@@ -55,7 +55,7 @@ use crate::health::{self, ABANDON_WAIT};
 use crate::mailbox::{Command, Inbox, Shared};
 use crate::queue::Job;
 use crate::ring::Ring;
-use crate::uring_ops::{self, DevState, Uring, UringFlight, CANCEL, DELAY, WAKE};
+use crate::uring_ops::{self, DevState, Offload, Uring, UringFlight, CANCEL, DELAY, WAKE};
 
 pub(crate) struct CoreWorker {
     shared: Arc<Shared>,
@@ -194,6 +194,7 @@ impl CoreWorker {
                         closed: false,
                         failed_at: None,
                         touched: false,
+                        offload: None,
                     };
                     self.devices.insert(id, d);
                 }
@@ -217,10 +218,25 @@ impl CoreWorker {
                 d.lane.planner.refresh();
                 if crate::blocking_image(&*d.lane.planner.image) {
                     // Switched onto a target that is not a file (a mirror's pivot onto
-                    // RBD or NBD): its blocking calls, in this thread (see `threads`).
-                    let mut reqs: Vec<&mut crate::Request> = self.new.iter_mut().map(|(r, _, _)| r).collect();
-                    d.lane.planner = crate::threads::execute(d.lane.planner.clone(), &mut reqs);
-                    d.lane.done.append(&mut self.new);
+                    // RBD or NBD): its blocking calls, on the device's own thread.
+                    if d.offload.is_none() {
+                        let (q, a) = (d.queue.clone(), d.attachment.clone());
+                        match Offload::start(&self.shared.name, q, d.lane.planner.clone(), a) {
+                            Ok(o) => d.offload = Some(o),
+                            Err(e) => d.queue.health().fail(format!("no thread for its blocking calls ({e})")),
+                        }
+                    }
+                    let jobs = std::mem::take(&mut self.new);
+                    let sent = match &d.offload {
+                        Some(o) => o.send(jobs),
+                        None => Err(jobs),
+                    };
+                    if let Err(mut back) = sent {
+                        if !d.failed() {
+                            d.queue.health().fail("the thread of its blocking calls is gone".to_owned());
+                        }
+                        d.queue.fail(&mut back);
+                    }
                 } else {
                     self.f.start(&mut d.lane, id, &mut self.new)?;
                 }
@@ -240,7 +256,8 @@ impl CoreWorker {
     /// Lets go of a stopped device once nothing of it is in flight.
     pub(crate) fn maybe_detach(&mut self, id: u64) {
         let Some(d) = self.devices.get(&id) else { return };
-        if d.lane.in_flight > 0 || !d.lane.done.is_empty() || !(d.closed || d.queue.is_drained()) {
+        let away = d.offload.as_ref().is_some_and(|o| o.away.load(Ordering::SeqCst) > 0);
+        if d.lane.in_flight > 0 || away || !d.lane.done.is_empty() || !(d.closed || d.queue.is_drained()) {
             return;
         }
         let d = self.devices.remove(&id).expect("present");

@@ -31,6 +31,72 @@ pub(crate) const CANCEL: u64 = u64::MAX - 1;
 /// user_data of the timeouts a `delay` fault links ahead of an operation (tests only).
 pub(crate) const DELAY: u64 = u64::MAX - 2;
 
+/// Where a core worker sends the batches of a device whose image has a
+/// target that is not a file (switched onto an RBD image or an NBD export:
+/// [`crate::blocking_image`]): a thread of the device's own performs them
+/// with the target's blocking calls and delivers them, so the worker (and
+/// every other device on it) never waits for a remote server. The thread
+/// ends when the device lets go of its worker (the sender is dropped).
+pub(crate) struct Offload {
+    tx: std::sync::mpsc::Sender<Vec<Job>>,
+    /// Requests sent to the thread and not yet delivered: the worker lets
+    /// go of the device only once none is left.
+    pub away: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Offload {
+    /// Starts the thread for the device `name` of `queue`, told apart on its worker by `attachment`.
+    pub fn start(
+        name: &str,
+        queue: Arc<Queue>,
+        planner: Planner,
+        attachment: Arc<Attachment>,
+    ) -> std::io::Result<Self> {
+        use std::panic::{catch_unwind, AssertUnwindSafe};
+        use std::sync::atomic::Ordering;
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<Job>>();
+        let away = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let left = away.clone();
+        std::thread::Builder::new().name(format!("{name}-blocking")).spawn(move || {
+            let mut planner = planner;
+            for mut jobs in rx {
+                let n = jobs.len();
+                let served = catch_unwind(AssertUnwindSafe(|| {
+                    let mut p = planner.clone();
+                    p.refresh();
+                    let mut reqs: Vec<&mut crate::Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
+                    crate::threads::execute(p, &mut reqs)
+                }));
+                match served {
+                    Ok(p) => {
+                        planner = p;
+                        queue.deliver(&mut jobs);
+                    }
+                    Err(p) => {
+                        let cause = format!("its blocking calls hit a {}", crate::health::panic_message(&*p));
+                        queue.health().fail(cause);
+                        queue.fail(&mut jobs);
+                    }
+                }
+                left.fetch_sub(n, Ordering::SeqCst);
+                // The worker looks at the device again (it may be waiting to let go of it).
+                crate::queue::Server::notify(&*attachment);
+            }
+        })?;
+        Ok(Offload { tx, away })
+    }
+
+    /// Hands `jobs` to the thread; Err gives them back if it is gone.
+    pub fn send(&self, jobs: Vec<Job>) -> Result<(), Vec<Job>> {
+        let n = jobs.len();
+        self.away.fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+        self.tx.send(jobs).map_err(|e| {
+            self.away.fetch_sub(n, std::sync::atomic::Ordering::SeqCst);
+            e.0
+        })
+    }
+}
+
 /// A device as its core worker sees it.
 pub(crate) struct DevState {
     /// Its planner and what of it is in the table or done.
@@ -47,6 +113,8 @@ pub(crate) struct DevState {
     pub failed_at: Option<Instant>,
     /// Completions came for it in this reap.
     pub touched: bool,
+    /// Its blocking lane, once its image needed one.
+    pub offload: Option<Offload>,
 }
 
 impl DevState {

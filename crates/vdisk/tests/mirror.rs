@@ -618,3 +618,36 @@ fn a_target_that_stops_answering_does_not_hold_the_guests_writes() {
     server.stop();
     second.stop();
 }
+
+/// An export pivoted onto an NBD export whose server then stops answering
+/// waits for it alone: another export on the same I/O core thread
+/// (`--io-threads 1`) serves on, and the stalled write completes once the
+/// server is continued.
+#[test]
+fn an_export_served_from_a_stopped_nbd_server_does_not_hold_up_the_others() {
+    let dir = TempDir::new("mirror-pivot-stall");
+    let img = dir.path("disk.img");
+    make_base(&img, 16 * MIB, 45);
+    let other = dir.path("other.img");
+    make_base(&other, 4 * MIB, 46);
+    let (server, control) = serve_ctl(&dir, img.to_str().unwrap(), &[other.to_str().unwrap(), "--io-threads", "1"]);
+    let (_far_dir, far, second) = second_vdisk("mirror-pivot-stall-far", 16 * MIB, &[]);
+    ctl_ok(&control, &["mirror", "disk", "--to", &second.uri("far"), "--pivot", "--wait"]);
+    let pid = second.child.id() as i32;
+    common::logged::signal(pid, libc::SIGSTOP);
+    let uri = server.uri("disk");
+    let stalled = std::thread::spawn(move || qemu_io(&uri, &["write -P 0x3e 0 64k", "flush"]));
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    qemu_io(&server.uri("other"), &["write -P 0x3f 0 64k", "read -P 0x3f 0 64k", "flush"]);
+    let took = started.elapsed();
+    assert!(!stalled.is_finished(), "the write to the stopped server's export did not wait for it");
+    common::logged::signal(pid, libc::SIGCONT);
+    stalled.join().expect("the stalled write completes once the server answers");
+    assert!(took < Duration::from_secs(20), "the other export waited {took:?}");
+    server.stop();
+    second.stop();
+    let mut want = base_data(16 * MIB, 45);
+    want[..65536].fill(0x3e);
+    assert_same("the far export", &read_file(&far), &want);
+}
