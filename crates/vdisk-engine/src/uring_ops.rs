@@ -65,17 +65,17 @@ impl Offload {
                     let mut p = planner.clone();
                     p.refresh();
                     let mut reqs: Vec<&mut crate::Request> = jobs.iter_mut().map(|(r, _, _)| r).collect();
-                    crate::threads::execute(p, &mut reqs)
+                    let p = crate::threads::execute(p, &mut reqs);
+                    queue.deliver(&mut jobs);
+                    p
                 }));
                 match served {
-                    Ok(p) => {
-                        planner = p;
-                        queue.deliver(&mut jobs);
-                    }
+                    Ok(p) => planner = p,
                     Err(p) => {
+                        // A panic leaves the batch undelivered (a delivery checks before it hands over).
                         let cause = format!("its blocking calls hit a {}", crate::health::panic_message(&*p));
                         queue.health().fail(cause);
-                        queue.fail(&mut jobs);
+                        let _ = catch_unwind(AssertUnwindSafe(|| queue.fail(&mut jobs)));
                     }
                 }
                 left.fetch_sub(n, Ordering::SeqCst);
