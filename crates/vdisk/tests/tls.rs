@@ -658,23 +658,13 @@ mod psk {
         let far_img = dir.path("disk.img");
         create_image(&far_img, "16M");
         let far = Server::start(&dir, &[s(&far_img), "--tls=require", "--tls-psk", s(&keys.join("keys.psk"))]);
-        let src_dir = TempDir::new("mirror-tls-psk-src");
-        let disk = src_dir.path("disk.img");
-        make_base(&disk, 16 * MIB, 43);
-        let ctl_sock = src_dir.path("ctl.sock");
-        let src = Server::start(&src_dir, &[s(&disk), "--control", s(&ctl_sock)]);
+        let src = mirror_source("mirror-tls-psk-src", 43);
         let wrong = psk_dir(&dir, "wrong", &[("alice", &random_key())]);
-        let out = common::control::ctl(&ctl_sock, &["mirror", "disk", "--to", &psk_uri(&far, "alice", &wrong)]);
+        let out = common::control::ctl(&src.1, &["mirror", "disk", "--to", &psk_uri(&far, "alice", &wrong)]);
         assert!(!out.status.success() && text(&out).contains("TLS-PSK handshake failed"), "{}", text(&out));
         let client = psk_dir(&dir, "client", &[("alice", &key)]);
         let to = psk_uri(&far, "alice", &client);
-        let said = common::control::ctl_ok(&ctl_sock, &["mirror", "disk", "--to", &to, "--pivot", "--wait"]);
-        assert!(said.contains("done"), "{said}");
-        qemu_io(&src.uri("disk"), &["write -P 0x78 2M 64k", "read -P 0x78 2M 64k"]);
-        let served = read_export(&src_dir, &src.uri("disk"), "served.raw");
-        src.stop();
-        far.stop();
-        assert_same("the PSK-only vdisk's image", &read_file(&far_img), &served);
+        pivot_and_check(src, far, &to, &far_img);
     }
 
     #[test]
@@ -879,6 +869,31 @@ fn rsa_keys_of_odd_sizes_are_served_and_small_ones_refused_with_the_reason() {
     assert!(err.contains("RSA with a 1024-bit modulus") && err.contains("2048 to 8192"), "unclear refusal: {err}");
 }
 
+/// A plain vdisk serving "disk" (16 MiB of data from `seed`) with a
+/// control socket, the source of a mirror: its directory, control socket and server.
+fn mirror_source(tag: &str, seed: u64) -> (TempDir, PathBuf, Server) {
+    let dir = TempDir::new(tag);
+    let disk = dir.path("disk.img");
+    make_base(&disk, 16 * MIB, seed);
+    let control = dir.path("ctl.sock");
+    let server = Server::start(&dir, &[s(&disk), "--control", s(&control)]);
+    (dir, control, server)
+}
+
+/// Mirrors `src`'s "disk" to `to` with `--pivot`, writes through the export
+/// (now served from `far`), stops both servers and checks that `far_img`
+/// holds what the export served.
+fn pivot_and_check(src: (TempDir, PathBuf, Server), far: Server, to: &str, far_img: &Path) {
+    let (src_dir, control, src) = src;
+    let said = common::control::ctl_ok(&control, &["mirror", "disk", "--to", to, "--pivot", "--wait"]);
+    assert!(said.contains("done"), "{said}");
+    qemu_io(&src.uri("disk"), &["write -P 0x77 1M 64k", "read -P 0x77 1M 64k"]);
+    let served = read_export(&src_dir, &src.uri("disk"), "served.raw");
+    src.stop();
+    far.stop();
+    assert_same(&format!("the image behind {to}"), &read_file(far_img), &served);
+}
+
 /// A mirror to a second vdisk that serves TLS only: `vdisk ctl mirror
 /// --to nbds+unix:///disk?socket=..&tls-certificates=DIR` connects with the
 /// client directory of the CA that signed the server's certificate, and
@@ -889,11 +904,8 @@ fn rsa_keys_of_odd_sizes_are_served_and_small_ones_refused_with_the_reason() {
 fn mirror_to_a_vdisk_that_requires_tls() {
     let (dir, pki, far_img) = pki_and_disk("mirror-tls", "16M");
     let far = Server::start(&dir, &[s(&far_img), "--tls=require", "--tls-certificates", s(&pki.server)]);
-    let src_dir = TempDir::new("mirror-tls-src");
-    let disk = src_dir.path("disk.img");
-    make_base(&disk, 16 * MIB, 41);
-    let ctl_sock = src_dir.path("ctl.sock");
-    let src = Server::start(&src_dir, &[s(&disk), "--control", s(&ctl_sock)]);
+    let src = mirror_source("mirror-tls-src", 41);
+    let ctl_sock = src.1.clone();
     let refused = |to: &str, what: &str| {
         let out = common::control::ctl(&ctl_sock, &["mirror", "disk", "--to", to]);
         assert!(!out.status.success() && text(&out).contains(what), "mirror to {to}: {what:?} not in:\n{}", text(&out));
@@ -905,11 +917,5 @@ fn mirror_to_a_vdisk_that_requires_tls() {
     let jobs = json(&common::control::ctl_ok(&ctl_sock, &["jobs", "--json"]));
     assert_eq!(jobs.as_array().map(|j| j.len()), Some(0), "nothing started: {jobs}");
     let to = nbds_uri(&far, "disk", &pki.client);
-    let said = common::control::ctl_ok(&ctl_sock, &["mirror", "disk", "--to", &to, "--pivot", "--wait"]);
-    assert!(said.contains("done"), "{said}");
-    qemu_io(&src.uri("disk"), &["write -P 0x77 1M 64k", "read -P 0x77 1M 64k"]);
-    let served = read_export(&src_dir, &src.uri("disk"), "served.raw");
-    src.stop();
-    far.stop();
-    assert_same("the TLS-only vdisk's image", &read_file(&far_img), &served);
+    pivot_and_check(src, far, &to, &far_img);
 }
