@@ -741,7 +741,7 @@ impl Copy {
                     self.name, self.what, job.id);
             }
             last_dirty = dirty;
-            // An NBD or RBD target never pivots: `job_pivot` refuses it (see `run`).
+            // A mirror of an RBD export never pivots: `job_pivot` refuses it (see `run`).
             let pivots = !matches!(self.pivot, Pivot::None(_));
             if self.ready && pivots && (self.auto_pivot || job.pivot_requested()) {
                 self.pivot(job)?;
@@ -773,12 +773,7 @@ impl Copy {
         let mut held = || -> Result<(), Error> {
             for &(off, len) in &ranges {
                 while let Some((o, l)) = map.take_within(off, len, CHUNK) {
-                    if let Err(e) = self.copy_run(o, l) {
-                        map.set(o, l);
-                        return Err(e);
-                    }
-                    job.add_done(l);
-                    self.done += l;
+                    self.copy_taken(job, o, l)?;
                     copied += l;
                 }
             }
@@ -793,12 +788,7 @@ impl Copy {
         }
         match map.take_next(self.cursor, CHUNK) {
             Some((off, len)) => {
-                if let Err(e) = self.copy_run(off, len) {
-                    map.set(off, len);
-                    return Err(e);
-                }
-                job.add_done(len);
-                self.done += len;
+                self.copy_taken(job, off, len)?;
                 self.due = job.count(len);
                 self.cursor = off + len;
                 self.clean = false;
@@ -871,12 +861,7 @@ impl Copy {
         let mut from = 0;
         let mut copied = 0;
         while let Some((off, len)) = map.take_next(from, CHUNK) {
-            if let Err(e) = self.copy_run(off, len) {
-                map.set(off, len);
-                return Err(e);
-            }
-            job.add_done(len);
-            self.done += len;
+            self.copy_taken(job, off, len)?;
             job.pace(len);
             copied += len;
             from = off + len;
@@ -885,6 +870,18 @@ impl Copy {
             }
         }
         Ok(copied)
+    }
+
+    /// Copies a run taken from the dirty map and counts it; a run that
+    /// fails is marked dirty again.
+    fn copy_taken(&mut self, job: &Job, off: u64, len: u64) -> Result<(), Error> {
+        if let Err(e) = self.copy_run(off, len) {
+            self.attached.map.set(off, len);
+            return Err(e);
+        }
+        job.add_done(len);
+        self.done += len;
+        Ok(())
     }
 
     fn copy_run(&mut self, off: u64, len: u64) -> Result<(), Error> {
@@ -909,9 +906,7 @@ impl Copy {
         let map = self.attached.map.clone();
         let mut from = 0;
         while let Some((off, len)) = map.take_next(from, CHUNK) {
-            self.copy_run(off, len)?;
-            job.add_done(len);
-            self.done += len;
+            self.copy_taken(job, off, len)?;
             from = off + len;
         }
         self.total = self.total.max(self.done);
@@ -932,9 +927,7 @@ impl Copy {
             let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| self.failed(e.report()))?;
             let map = self.attached.map.clone();
             while let Some((off, len)) = map.take_next(0, CHUNK) {
-                self.copy_run(off, len)?;
-                job.add_done(len);
-                self.done += len;
+                self.copy_taken(job, off, len)?;
             }
             self.total = self.total.max(self.done);
             job.set_total(self.total);
