@@ -1,8 +1,10 @@
-//! A small NBD client for writing to another server's export: the target of
-//! a mirror (vdisk-daemon `mirror`). It connects over TCP (`nbd://HOST[:PORT]/NAME`)
+//! A small NBD client for another server's export: the target of a mirror
+//! (vdisk-daemon `mirror`), and the disk an export serves from once a
+//! mirror pivots onto it ([`RemoteDisk`]). It connects over TCP (`nbd://HOST[:PORT]/NAME`)
 //! or a unix socket (`nbd+unix:///NAME?socket=PATH`), does the fixed newstyle
 //! handshake with NBD_OPT_GO (after NBD_OPT_STARTTLS for an `nbds` URI: X.509
-//! with rustls, as libnbd's `tls-certificates`; no structured replies), and sends one
+//! with rustls, as libnbd's `tls-certificates`, or TLS-PSK with OpenSSL, as
+//! its `tls-psk-file`; no structured replies), and sends one
 //! request at a time with simple replies: WRITE, FLUSH (when the export
 //! offers it), WRITE_ZEROES (when offered; written zeros otherwise), READ.
 //! Every socket operation has a timeout, so a server that goes away fails
