@@ -717,9 +717,12 @@ impl Copy {
             if job.cancelled() {
                 return Ok(false);
             }
-            let dirty = if gate.is_some() { self.dirty_held(&map) } else { map.dirty_bytes() };
-            self.total = self.total.max(self.done + dirty);
-            job.set_total(self.total);
+            let (dirty, fresh) = if gate.is_some() { self.dirty_held(&map) } else { (map.dirty_bytes(), true) };
+            if fresh {
+                // Only a fresh count: a stale one would count again what was copied since.
+                self.total = self.total.max(self.done + dirty);
+                job.set_total(self.total);
+            }
             if synced.is_none() && (dirty <= READY_BELOW || dirty >= last_dirty) {
                 synced = Some(Synced::attach(&self.device, &self.name, self.what));
                 job.set_synchronous(true);
@@ -803,20 +806,21 @@ impl Copy {
         }
     }
 
-    /// What is dirty besides the held writes, while they are held: none once
-    /// a sweep found nothing; else counted at most every 100 ms (a count reads
-    /// the whole map, up to 8 MiB, and steps come as fast as the guest writes).
-    fn dirty_held(&mut self, map: &DirtyBitmap) -> u64 {
+    /// What is dirty besides the held writes, while they are held, and
+    /// whether that was counted just now: none once a sweep found nothing;
+    /// else counted at most every 100 ms (a count reads the whole map, up to
+    /// 8 MiB, and steps come as fast as the guest writes).
+    fn dirty_held(&mut self, map: &DirtyBitmap) -> (u64, bool) {
         if self.clean {
-            return 0;
+            return (0, true);
         }
         let now = std::time::Instant::now();
         match self.counted {
-            Some((at, n)) if now.duration_since(at) < Duration::from_millis(100) => n,
+            Some((at, n)) if now.duration_since(at) < Duration::from_millis(100) => (n, false),
             _ => {
                 let n = map.dirty_bytes();
                 self.counted = Some((now, n));
-                n
+                (n, true)
             }
         }
     }
