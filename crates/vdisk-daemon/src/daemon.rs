@@ -828,6 +828,18 @@ fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec,
     for p in [&mut spec.fuse, &mut spec.vhost_user_blk].into_iter().flatten() {
         *p = roots.check_new(p).map_err(|e| Error::image(ErrorKind::Invalid, &e))?;
     }
+    // Another server's NBD export, over TCP: a host the control socket's
+    // clients might not reach themselves. Its unix sockets are checked at the open.
+    let uri = spec.image.to_str().filter(|s| vdisk_nbd::remote::Uri::is_nbd(s));
+    if let Some(Ok(u)) = uri.map(vdisk_nbd::remote::Uri::parse) {
+        if matches!(u.address, vdisk_nbd::remote::Address::Tcp { .. }) {
+            return Err(Error::invalid(format!(
+                "{}: with image roots, an NBD export may be added only over a unix socket beneath them (serve a TCP \
+                 one from the command line)",
+                spec.image.display()
+            )));
+        }
+    }
     let named = formats::rbd_spec(&spec.image, &Default::default()).ok().flatten().and_then(|s| s.options.conf);
     for conf in [spec.ceph_conf.clone(), named].into_iter().flatten() {
         vdisk_image::files::confined(Some(roots.clone()), || vdisk_image::files::check_confined(&conf))

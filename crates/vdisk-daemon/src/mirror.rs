@@ -43,11 +43,11 @@ use vdisk_image::rbd::Spec;
 use vdisk_image::{Format, Image, Qcow2Image, RbdImage};
 use vdisk_nbd::remote::{Remote, Uri};
 
-use crate::chain;
 use crate::daemon::{Changer, Live};
 use crate::jobs::{Job, Jobs};
 use crate::snapshot::{check_source, served_remotely, QUIESCE_LIMIT};
 use crate::spec::ImageFormat;
+use crate::{chain, formats};
 use crate::{Daemon, Error, ErrorKind};
 use sync::{SyncGate, Synced};
 use target::{ImageTarget, NbdTarget, RbdTarget, Target};
@@ -467,17 +467,12 @@ fn remove_made(name: &str, spec: &Spec) {
     }
 }
 
-/// Opens the NBD export `uri` as a mirror's target; with image `roots`, the
-/// files its TLS credentials name must lie beneath them.
+/// Opens the NBD export `uri` as a mirror's target; with image `roots`, its
+/// unix socket and the files its TLS credentials name must lie beneath them.
 fn connect(name: &str, uri: &str, roots: Option<Arc<vdisk_image::files::Roots>>) -> Result<Remote, Error> {
     let refuse = |why: String| Error::invalid(format!("mirror of export {name:?}: {why}"));
-    let u = Uri::parse(uri).map_err(refuse)?;
-    let credentials = u.tls.iter().flat_map(|t| [&t.certificates, &t.psk_file]).flatten();
-    for path in credentials.filter(|_| roots.is_some()) {
-        vdisk_image::files::confined(roots.clone(), || vdisk_image::files::check_confined(path))
-            .map_err(|e| refuse(format!("the TLS credentials of {uri}: {}", e.report())))?;
-    }
-    let remote = Remote::open(&u)
+    let (_, remote) = vdisk_image::files::confined(roots, || formats::connect_nbd(uri)).map_err(refuse)?;
+    let remote = remote
         .map_err(|e| Error::failed(format!("mirror of export {name:?}: cannot open the NBD target {uri}: {e}")))?;
     if remote.flags & vdisk_nbd::proto::TF_READ_ONLY != 0 {
         return Err(refuse(format!("the NBD target {uri} is read-only")));

@@ -292,8 +292,10 @@ pub enum EngineArg {
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Images to serve, one export each: files, or rbd:POOL/IMAGE[@SNAP] on Ceph
-    /// (qemu's spelling, with :conf=PATH:id=NAME; a snapshot is served read-only).
+    /// Images to serve, one export each: files, rbd:POOL/IMAGE[@SNAP] on Ceph
+    /// (qemu's spelling, with :conf=PATH:id=NAME; a snapshot is served read-only),
+    /// or another server's NBD export (nbd://HOST[:PORT]/NAME,
+    /// nbd+unix:///NAME?socket=PATH, nbds://... with libnbd's tls-* parameters).
     pub images: Vec<PathBuf>,
     /// Read server settings and exports from a TOML file (README: Running under
     /// systemd). A flag on the command line wins over the same [server] key;
@@ -466,7 +468,8 @@ pub struct QosArgs {
 pub enum CtlCommand {
     /// Serve one more image (the same checks as at start; nothing is left half-started on failure).
     Add {
-        /// The image (made absolute here, so the server finds it whatever its directory).
+        /// The image: a file (made absolute here, so the server finds it whatever
+        /// its directory), rbd:POOL/IMAGE or an NBD URI, as for `vdisk serve`.
         image: PathBuf,
         /// Export name (default: the image's file stem); a name in use is refused.
         #[arg(long)]

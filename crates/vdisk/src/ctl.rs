@@ -65,13 +65,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
     let mut p = Map::new();
     let method = match c {
         CtlCommand::Add { image, name, readonly, format, backing, fuse, vhost_user_blk, num_queues, qos } => {
-            let image = if vdisk_image::rbd::is_rbd(&image) {
-                image // rbd:POOL/IMAGE is no path
-            } else {
-                std::path::absolute(&image)
-                    .map_err(|e| Error::invalid(image.display().to_string()).at(&image).because(e))?
-            };
-            p.insert("image".into(), json!(image));
+            p.insert("image".into(), json!(absolute(&image)?));
             // The wire spells a format as the command line does.
             let format = format.to_possible_value().expect("every format has a name");
             p.insert("format".into(), format.get_name().into());
@@ -146,8 +140,7 @@ fn request(c: CtlCommand) -> Result<(&'static str, Map<String, Value>), Error> {
             "job_pivot"
         }
         CtlCommand::Mirror { name, to, format, pivot, existing, job } => {
-            let named = vdisk_nbd::remote::Uri::is_nbd(&to) || vdisk_image::rbd::is_rbd(Path::new(&to));
-            let to = if named { to } else { absolute(Path::new(&to))?.display().to_string() };
+            let to = absolute(Path::new(&to))?.display().to_string();
             let format = format.to_possible_value().expect("every format has a name");
             let given =
                 [("name", Some(name.into())), ("to", Some(to.into())), ("format", Some(format.get_name().into()))];

@@ -11,8 +11,13 @@ use serde_json::{json, Map, Value};
 use vdisk_daemon::size::parse_size;
 use vdisk_daemon::Error;
 
-/// `path` made absolute, as the server (whose working directory is not ours) needs it.
+/// `path` made absolute, as the server (whose working directory is not ours)
+/// needs it; an `rbd:POOL/IMAGE` name or an NBD URI is no path and goes as it is.
 pub fn absolute(path: &Path) -> Result<PathBuf, Error> {
+    let named = path.to_str().is_some_and(vdisk_nbd::remote::Uri::is_nbd) || vdisk_image::rbd::is_rbd(path);
+    if named {
+        return Ok(path.to_owned());
+    }
     std::path::absolute(path).map_err(|e| Error::invalid(path.display().to_string()).at(path).because(e))
 }
 

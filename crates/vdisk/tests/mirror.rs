@@ -297,6 +297,45 @@ fn mirror_to_a_second_vdisk_over_nbd() {
     assert_same("the file mirrored back", &read_file(&home), &served);
 }
 
+/// Another server's NBD export served as an image (`vdisk serve nbd://...`,
+/// `vdisk ctl add nbd+unix://...`), as a pivot leaves one: so a daemon
+/// restarted after a pivot onto NBD serves the same disk again.
+#[test]
+fn an_nbd_export_is_served_as_an_image() {
+    let far_dir = TempDir::new("relay-far");
+    let far = far_dir.path("far.img");
+    make_base(&far, 16 * MIB, 23);
+    let dir = TempDir::new("relay");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let inside = dir.path("far.sock");
+    let args = ["serve", s(&far), "--listen", &addr, "--socket", s(&inside)];
+    let second = Server::spawn(&args, inside.clone());
+    // Over TCP, named after the far export; with image roots, which bind only the control socket.
+    let (relay, control) = serve_ctl(&dir, &format!("nbd://{addr}/far"), &["--image-root", s(&dir.0)]);
+    let list = json(&ctl_ok(&control, &["list", "--json"]));
+    assert_eq!((list[0]["name"].as_str(), list[0]["format"].as_str()), (Some("far"), Some("nbd")), "{list}");
+    let stop = Arc::new(AtomicBool::new(true));
+    fio_until(dir.0.clone(), relay.uri("far"), stop).join().expect("fio verify through the relay");
+    let via = read_export(&dir, &relay.uri("far"), "via.raw");
+    assert_same("the far export read through the relay", &via, &read_export(&dir, &second.uri("far"), "far.raw"));
+    // The control socket may add one only over a unix socket beneath the roots.
+    let unix = |sock: &Path| format!("nbd+unix:///far?socket={}", sock.display());
+    ctl_refused(&control, &["add", &format!("nbd://{addr}/far"), "--name", "tcp"], "only over a unix socket");
+    ctl_refused(&control, &["add", &unix(&far_dir.path("x.sock")), "--name", "out"], "outside the image roots");
+    ctl_ok(&control, &["add", &unix(&inside), "--name", "unix", "--readonly"]);
+    assert_same("the read-only relay", &read_export(&dir, &relay.uri("unix"), "unix.raw"), &via);
+    let out = output("qemu-io", &["-f", "raw", "-c", "write 0 4k", &relay.uri("unix")]);
+    assert!(!out.status.success() && text(&out).contains("Permission denied"), "{}", text(&out));
+    // Jobs that would write a chain beneath it are refused; a mirror away works.
+    ctl_refused(&control, &["snapshot", "far", "--overlay", s(&dir.path("o.qcow2"))], "served from the NBD export");
+    ctl_refused(&control, &["stream", "far"], "its top is nbd");
+    let home = dir.path("home.raw");
+    ctl_ok(&control, &["mirror", "far", "--to", s(&home), "--pivot", "--wait"]);
+    relay.stop();
+    second.stop();
+    assert_same("the file mirrored home", &read_file(&home), &via);
+}
+
 /// A tmpfs of `size` mounted on `dir`, unmounted when dropped.
 struct Mounted(PathBuf);
 
