@@ -445,13 +445,15 @@ impl Device {
         let (started, first) = (std::time::Instant::now(), done.len());
         self.stats.submitted(batch.len());
         self.submit_inline_counted(batch, sink, done, started);
-        self.stats.completed(done[first..].iter(), started);
-        if let Some(gate) = self.queue.gate.get() {
-            let mut passed: Vec<Held> =
-                done.drain(first..).map(|request| Held { request, sink: sink.clone() }).collect();
-            gate.hold(&mut passed);
-            done.extend(passed.into_iter().map(|h| h.request));
-        }
+        let Some(gate) = self.queue.gate.get() else {
+            return self.stats.completed(done[first..].iter(), started);
+        };
+        let held = |request| Held::new(request, sink.clone(), started, self.stats.clone());
+        let mut passed: Vec<Held> = done.drain(first..).map(held).collect();
+        gate.hold(&mut passed);
+        // Counted complete as they pass; what the gate holds, once answered.
+        self.stats.completed(passed.iter().map(|h| &h.request), started);
+        done.extend(passed.into_iter().map(|h| h.request));
     }
 
     /// Waits for QoS tokens, unless the device failed.

@@ -324,13 +324,6 @@ impl Queue {
             let e = self.health.error();
             jobs.iter_mut().for_each(|(r, _, _)| health::failed(r, &e));
         }
-        let mut at = 0;
-        while at < jobs.len() {
-            let started = jobs[at].2;
-            let end = at + jobs[at..].iter().take_while(|j| j.2 == started).count();
-            self.stats.completed(jobs[at..end].iter().map(|j| &j.0), started);
-            at = end;
-        }
         // Under `faults`: none of it may still be with a backend (the sink may free it).
         #[cfg(feature = "faults")]
         for (r, _, _) in jobs.iter_mut() {
@@ -344,11 +337,13 @@ impl Queue {
         self.taken.fetch_sub(n, Ordering::SeqCst);
     }
 
-    /// Hands each sink its completed requests in one call, but for those the
-    /// device's gate holds back. A sink that panics fails the device (its own
-    /// requests are its own to answer) and the other sinks still get theirs.
+    /// Counts complete and hands each sink its completed requests in one
+    /// call, but for those the device's gate holds back. A sink that panics
+    /// fails the device (its own requests are its own to answer) and the
+    /// other sinks still get theirs.
     fn hand_over(&self, jobs: &mut Vec<Job>) {
-        let mut done: Vec<Held> = jobs.drain(..).map(|(request, sink, _)| Held { request, sink }).collect();
+        let held = |(request, sink, started)| Held::new(request, sink, started, self.stats.clone());
+        let mut done: Vec<Held> = jobs.drain(..).map(held).collect();
         self.gate.filter(&mut done);
         // After a panic the device is failed, so what the sink left behind only sees EIO.
         if let Some(p) = crate::gate::answer(done).into_iter().next() {

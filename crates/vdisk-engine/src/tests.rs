@@ -632,10 +632,16 @@ fn a_write_gate_holds_writes_until_let_go() {
         assert!(read[0].buf() == pattern(1, 4096), "{name}: a held write is in the image");
         assert!(rig.rx.recv_timeout(std::time::Duration::from_millis(50)).is_err(), "{name}: none answered");
         drop(rig.dev.quiesce(wait).expect("a held write is not in flight"));
+        let before = rig.dev.stats();
+        assert_eq!((before.write_ops, before.in_flight), (0, 2), "{name}: held writes are not answered yet");
+        std::thread::sleep(std::time::Duration::from_millis(20));
         answer(std::mem::take(&mut *gate.held.lock().unwrap()));
         let mut tags: Vec<u64> = (0..2).map(|_| rig.rx.recv_timeout(wait).unwrap().tag).collect();
         tags.sort();
         assert_eq!(tags, [1, 2], "{name}");
+        let after = rig.dev.stats();
+        assert_eq!((after.write_ops, after.in_flight, after.read_ops), (2, 0, 1), "{name}: counted once answered");
+        assert!(after.write_latency.p50 >= 20_000, "{name}: the time held is latency: {:?}", after.write_latency);
         rig.dev.submit(vec![write(2 << 20, pattern(3, 4096), 4)], &rig.sink);
         let deadline = std::time::Instant::now() + wait;
         while gate.held.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
