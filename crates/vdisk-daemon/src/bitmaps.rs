@@ -12,7 +12,17 @@
 //! device's last flush, clearing the in-use marks. A bitmap found in use (the
 //! image was not closed cleanly) is inconsistent: listed, never served, and
 //! every operation but `remove` is refused, as qemu refuses them.
+//!
+//! The bitmaps belong to the export, not to one file: when a live operation
+//! changes its top (a snapshot, a pivot, a stream or commit that reopens it),
+//! [`swap_top`] saves them closed where they are (under the quiesce: the layer
+//! left behind keeps a consistent copy as of then, and a reopened file opens
+//! them cleanly), and once the device serves the new top they are kept by it
+//! (its own store, or a sidecar beside it), marked in use, from the maps the
+//! device went on marking. An image that keeps none (another server's NBD
+//! export) leaves them in memory only, and says so.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use vdisk_engine::Device;
@@ -54,6 +64,9 @@ pub enum BitmapOp {
 }
 
 struct State {
+    /// Where the set is saved; None: nowhere, since the top changed to an
+    /// image that keeps none.
+    keeper: Option<Keeper>,
     set: Vec<StoredBitmap>,
     /// Closed by a clean stop: no change is made after it.
     closed: bool,
@@ -61,11 +74,35 @@ struct State {
     kept: bool,
 }
 
+/// Where an image keeps bitmaps: its own store (qcow2, RBD) or a sidecar file beside it.
+struct Keeper {
+    image: Arc<dyn Image>,
+    sidecar: Option<SidecarStore>,
+}
+
+impl Keeper {
+    /// Where `image` (named `path`) keeps bitmaps; None: it keeps none (an
+    /// RBD snapshot, another server's NBD export).
+    fn of(image: Arc<dyn Image>, path: &Path, read_only: bool) -> Option<Keeper> {
+        let sidecar = match image.bitmap_store() {
+            Some(_) => None,
+            None if matches!(image.format(), "rbd" | "nbd") => return None,
+            None => Some(SidecarStore::new(sidecar::default_path(path), image.size(), read_only)),
+        };
+        Some(Keeper { image, sidecar })
+    }
+
+    fn store(&self) -> &dyn BitmapStore {
+        match &self.sidecar {
+            Some(s) => s,
+            None => self.image.bitmap_store().expect("an image with its own store"),
+        }
+    }
+}
+
 /// One export's bitmaps.
 pub struct ExportBitmaps {
     export: String,
-    image: Arc<dyn Image>,
-    sidecar: Option<SidecarStore>,
     device: Arc<Device>,
     read_only: bool,
     state: Mutex<State>,
@@ -80,25 +117,18 @@ impl ExportBitmaps {
         image_path: &std::path::Path,
         device: &Arc<Device>,
     ) -> Result<Option<Self>, Error> {
-        let image = device.image().clone();
         let read_only = device.read_only();
-        let sidecar = match image.bitmap_store() {
-            Some(_) => None,
-            None if image.format() == "rbd" => return Ok(None),
-            None => Some(SidecarStore::new(sidecar::default_path(image_path), device.size(), read_only)),
-        };
-        let mut me = ExportBitmaps {
-            export: export.to_owned(),
-            image,
-            sidecar,
-            device: device.clone(),
-            read_only,
-            state: Mutex::new(State { set: Vec::new(), closed: false, kept: false }),
-        };
-        let set = me
+        let Some(keeper) = Keeper::of(device.image().clone(), image_path, read_only) else { return Ok(None) };
+        let set = keeper
             .store()
             .open_session()
             .map_err(|e| Error::failed(format!("cannot open the dirty bitmaps of export {export:?}")).because(e))?;
+        let mut me = ExportBitmaps {
+            export: export.to_owned(),
+            device: device.clone(),
+            read_only,
+            state: Mutex::new(State { keeper: Some(keeper), set: Vec::new(), closed: false, kept: false }),
+        };
         for b in set.iter().filter(|b| b.inconsistent) {
             log::warn!(export:% = export; "export {export:?}: bitmap {:?} is inconsistent (the image was not \
                 closed cleanly): not served; `vdisk ctl bitmap remove {export} {}` drops it", b.name, b.name);
@@ -108,13 +138,6 @@ impl ExportBitmaps {
         st.set = set;
         me.observe(&me.state.lock().unwrap().set);
         Ok(Some(me))
-    }
-
-    fn store(&self) -> &dyn BitmapStore {
-        match &self.sidecar {
-            Some(s) => s,
-            None => self.image.bitmap_store().expect("an image with its own store"),
-        }
     }
 
     /// Makes the device mark exactly the enabled consistent bitmaps.
@@ -161,10 +184,9 @@ impl ExportBitmaps {
             self.device.write_observers().remove(&b.map);
         }
         // An image that never had a bitmap is not written to (no sidecar made, no qcow2 header rewritten).
-        if self.read_only || !st.kept {
-            return Ok(());
-        }
-        self.store()
+        let Some(keeper) = st.keeper.as_ref().filter(|_| !self.read_only && st.kept) else { return Ok(()) };
+        keeper
+            .store()
             .save(&st.set, true)
             .map_err(|e| Error::failed(format!("cannot save the dirty bitmaps of export {:?}", self.export)).because(e))
     }
@@ -252,7 +274,8 @@ impl ExportBitmaps {
         }
         self.observe(&st.set);
         st.kept = true;
-        if let Err(e) = self.store().save(&st.set, false) {
+        let saved = st.keeper.as_ref().map_or(Ok(()), |k| k.store().save(&st.set, false));
+        if let Err(e) = saved {
             if let Some((m, old, enabled)) = undo {
                 m.clear_all();
                 m.merge(&old).ok();
@@ -266,4 +289,64 @@ impl ExportBitmaps {
         }
         Ok(())
     }
+
+    /// Before the export's top is swapped, its device quiesced: the bitmaps
+    /// are saved closed where they are kept (the module doc).
+    fn hand_over(&self) {
+        let st = self.state.lock().unwrap();
+        let Some(keeper) = st.keeper.as_ref().filter(|_| !st.closed && !self.read_only && st.kept) else { return };
+        if let Err(e) = keeper.store().save(&st.set, true) {
+            log::warn!(export:% = self.export; "export {:?}: cannot save its dirty bitmaps before its top changes: {}",
+                self.export, e.report());
+        }
+    }
+
+    /// After a swap of the export's top (done or failed): the image the
+    /// device serves now, named `path`, keeps the bitmaps, marked in use.
+    fn follow(&self, path: &Path) {
+        let mut st = self.state.lock().unwrap();
+        if st.closed {
+            return;
+        }
+        let image = self.device.image().clone();
+        let moved = st.keeper.as_ref().is_none_or(|k| !std::ptr::addr_eq(Arc::as_ptr(&k.image), Arc::as_ptr(&image)));
+        let export = &self.export;
+        if moved {
+            st.keeper = Keeper::of(image, path, self.read_only);
+            match &st.keeper {
+                None if !st.set.is_empty() => log::warn!(export:% = export; "export {export:?}: {} keeps no dirty \
+                    bitmaps: its bitmaps are kept in memory only (served, but lost when it stops)", path.display()),
+                None => {}
+                // What the new top held before is replaced by the export's set.
+                Some(k) => match k.store().open_session() {
+                    Ok(found) => st.kept |= !found.is_empty(),
+                    Err(e) => log::warn!(export:% = export; "export {export:?}: the dirty bitmaps of {}: {}",
+                        path.display(), e.report()),
+                },
+            }
+        }
+        let Some(keeper) = st.keeper.as_ref().filter(|_| !self.read_only && st.kept) else { return };
+        if let Err(e) = keeper.store().save(&st.set, false) {
+            log::warn!(export:% = export; "export {export:?}: cannot save its dirty bitmaps in {} ({}): they are \
+                kept in memory, and the next bitmap change or a clean stop saves them", path.display(), e.report());
+        }
+    }
+}
+
+/// Swaps an export's top: `swap` opens the new one and puts it under the
+/// device, which the caller has quiesced; the export's `bitmaps`, if any,
+/// go with it (the module doc). `path` names the top after a swap that succeeds.
+pub(crate) fn swap_top<T, E>(
+    bitmaps: Option<&ExportBitmaps>,
+    path: &Path,
+    swap: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
+    if let Some(b) = bitmaps {
+        b.hand_over();
+    }
+    let r = swap();
+    if let Some(b) = bitmaps {
+        b.follow(path);
+    }
+    r
 }

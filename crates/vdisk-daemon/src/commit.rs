@@ -28,6 +28,7 @@ use std::time::SystemTime;
 use vdisk_engine::Device;
 use vdisk_image::{Format, Image, OpenOptions};
 
+use crate::bitmaps::{swap_top, ExportBitmaps};
 use crate::chain::{self, chain_of, same_file, Layer};
 use crate::daemon::Live;
 use crate::jobs::Job;
@@ -248,7 +249,8 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         Ok(None) => return Err(gone()),
         Err(e) => return Err(failed(format!("{e}; the chain is as it was, commit again"))),
     };
-    if !swap_at_end(daemon, name, &device, job, gone, || swap(&device, &chain, top, base, direct, name))? {
+    let swap = |bitmaps: Option<&ExportBitmaps>| swap(&device, &chain, (top, base), direct, name, bitmaps);
+    if !swap_at_end(daemon, name, &device, job, gone, swap)? {
         return Ok(());
     }
     log::info!(export:% = name; "export {name:?}: commit: {copied} bytes of {} merged into {}; {} now backs onto it",
@@ -344,7 +346,14 @@ fn copy(
 /// Under the change lock: quiesce, flush, rewrite the link of the layer
 /// above the top to name the base (durably), reopen the live top's chain
 /// and swap. If the new chain cannot be served, the old link is written back.
-fn swap(device: &Device, chain: &[Layer], top: usize, base: usize, direct: bool, name: &str) -> Result<(), Error> {
+fn swap(
+    device: &Device,
+    chain: &[Layer],
+    (top, base): (usize, usize),
+    direct: bool,
+    name: &str,
+    bitmaps: Option<&ExportBitmaps>,
+) -> Result<(), Error> {
     let failed = |why: String| Error::failed(format!("commit of export {name:?}: {why}"));
     let (above, base_layer, live) = (&chain[top - 1], &chain[base], &chain[0]);
     let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.report().to_string()))?;
@@ -355,9 +364,11 @@ fn swap(device: &Device, chain: &[Layer], top: usize, base: usize, direct: bool,
     let served = device.image();
     chain::relock(&*served, &live.path, libc::LOCK_UN);
     let options = OpenOptions { format: Some(live.format), direct, ..Default::default() };
-    let swapped = vdisk_image::open(&live.path, &options)
-        .map_err(|e| e.report().to_string())
-        .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
+    let swapped = swap_top(bitmaps, &live.path, || {
+        vdisk_image::open(&live.path, &options)
+            .map_err(|e| e.report().to_string())
+            .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()))
+    });
     if let Err(e) = swapped {
         let back = restore(&above.path, &old);
         chain::relock(&*served, &live.path, libc::LOCK_EX);

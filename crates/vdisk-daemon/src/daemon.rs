@@ -227,6 +227,8 @@ pub(crate) struct Live {
     pub direct: bool,
     /// Where files the operation makes or opens must lie (a control request's image roots).
     pub roots: Option<Arc<Roots>>,
+    /// Its dirty bitmaps, which follow a change of its top ([`crate::bitmaps::swap_top`]).
+    pub bitmaps: Option<Arc<ExportBitmaps>>,
 }
 
 /// The daemon's export table and change lock, for a job thread that outlives
@@ -250,7 +252,8 @@ impl Changer {
             let exports = self.exports.lock().unwrap();
             let e = exports.iter().find(|e| e.name == name).ok_or_else(|| not_found(name))?;
             let (direct, roots) = (self.direct, self.roots.clone());
-            Live { device: e.device.clone(), spec: e.spec.clone(), format: e.format, direct, roots }
+            let bitmaps = e.bitmaps.clone();
+            Live { device: e.device.clone(), spec: e.spec.clone(), format: e.format, direct, roots, bitmaps }
         };
         let r = f(&mut live)?;
         if let Some(e) = self.exports.lock().unwrap().iter_mut().find(|e| e.name == name) {
@@ -860,8 +863,8 @@ impl Daemon {
         match self.export_bitmaps(export) {
             None => Err(Error::new(ErrorKind::NotFound, format!("no export {export:?} (`vdisk ctl list` shows them)"))),
             Some(None) => Err(Error::invalid(format!(
-                "export {export:?} is an RBD snapshot: it keeps no dirty bitmaps (they are kept in the RBD \
-                 image's metadata; export the image itself)"
+                "export {export:?} keeps no dirty bitmaps: it is an RBD snapshot (the RBD image keeps them in its \
+                 metadata: export the image itself) or another server's NBD export (keep them on that server)"
             ))),
             Some(Some(b)) => Ok(b),
         }

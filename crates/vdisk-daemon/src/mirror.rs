@@ -43,6 +43,7 @@ use vdisk_image::rbd::Spec;
 use vdisk_image::{Format, Image, Qcow2Image, RbdImage};
 use vdisk_nbd::remote::{Remote, Uri};
 
+use crate::bitmaps::swap_top;
 use crate::daemon::{Changer, Live};
 use crate::jobs::{Job, Jobs};
 use crate::snapshot::{check_source, served_remotely, QUIESCE_LIMIT};
@@ -946,22 +947,24 @@ impl Copy {
                 Pivot::Served(name) => (PathBuf::from(name), Format::Raw, ImageFormat::Auto),
                 Pivot::None(_) => unreachable!("no pivot: `job_pivot` refuses it"),
             };
-            let opened = match &self.pivot {
-                // The job's own connection (NBD) or handle (RBD) serves from now on.
-                Pivot::Served(_) => target.into_served(device.size()).map_err(|e| e.to_string()),
-                _ => {
-                    drop(target);
-                    let read_only = device.read_only();
-                    let options = vdisk_image::OpenOptions {
-                        format: Some(format),
-                        direct: live.direct,
-                        read_only,
-                        ..Default::default()
-                    };
-                    vdisk_image::open(&path, &options).map(|o| o.image).map_err(|e| e.report().to_string())
-                }
-            };
-            let swapped = opened.and_then(|image| guard.replace_image(image).map_err(|e| e.report().to_string()));
+            let swapped = swap_top(live.bitmaps.as_deref(), &path, || {
+                let opened = match &self.pivot {
+                    // The job's own connection (NBD) or handle (RBD) serves from now on.
+                    Pivot::Served(_) => target.into_served(device.size()).map_err(|e| e.to_string()),
+                    _ => {
+                        drop(target);
+                        let read_only = device.read_only();
+                        let options = vdisk_image::OpenOptions {
+                            format: Some(format),
+                            direct: live.direct,
+                            read_only,
+                            ..Default::default()
+                        };
+                        vdisk_image::open(&path, &options).map(|o| o.image).map_err(|e| e.report().to_string())
+                    }
+                };
+                opened.and_then(|image| guard.replace_image(image).map_err(|e| e.report().to_string()))
+            });
             if let Err(e) = swapped {
                 return Err(self.failed(format!(
                     "{described} holds the disk, but could not be served ({e}): the export serves on from its old \

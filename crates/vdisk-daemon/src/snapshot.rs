@@ -16,6 +16,7 @@ use vdisk_engine::Device;
 use vdisk_image::qcow2::{CreateOptions, DEFAULT_CLUSTER_BITS};
 use vdisk_image::{CowImage, Format, Qcow2Image};
 
+use crate::bitmaps::swap_top;
 use crate::chain;
 use crate::daemon::Live;
 use crate::spec::ImageFormat;
@@ -326,9 +327,11 @@ fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, 
     let relock = |op: i32| chain::relock(&*old, &top, op);
     relock(libc::LOCK_SH);
     let options = vdisk_image::OpenOptions { format: Some(forced), direct: live.direct, ..Default::default() };
-    let swapped = vdisk_image::open(overlay, &options)
-        .map_err(|e| e.report().to_string())
-        .and_then(|opened| guard.replace_image(opened.image).map_err(|e| e.report().to_string()));
+    let swapped = swap_top(live.bitmaps.as_deref(), overlay, || {
+        vdisk_image::open(overlay, &options)
+            .map_err(|e| e.report().to_string())
+            .and_then(|opened| guard.replace_image(opened.image).map_err(|e| e.report().to_string()))
+    });
     if let Err(e) = swapped {
         relock(libc::LOCK_EX);
         let _ = std::fs::remove_file(overlay);

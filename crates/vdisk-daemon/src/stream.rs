@@ -25,6 +25,7 @@ use std::sync::{Arc, Weak};
 use vdisk_engine::{Buf, Command, Device, Op, Request};
 use vdisk_image::Format;
 
+use crate::bitmaps::{swap_top, ExportBitmaps};
 use crate::chain;
 use crate::daemon::Live;
 use crate::jobs::Job;
@@ -151,7 +152,7 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
         // Outside the quiesce: the guest is never held for the pace.
         job.pace(here);
     }
-    if swap_at_end(daemon, name, &device, job, gone, || finish(&device, &top, direct, name))? {
+    if swap_at_end(daemon, name, &device, job, gone, |bitmaps| finish(&device, &top, direct, name, bitmaps))? {
         log::info!(export:% = name;
             "export {name:?}: stream: {copied} bytes copied; {} has no backing file now", top.display());
     }
@@ -168,7 +169,7 @@ pub(crate) fn swap_at_end(
     device: &Arc<Device>,
     job: &Job,
     gone: impl Fn() -> Error,
-    swap: impl FnOnce() -> Result<(), Error>,
+    swap: impl FnOnce(Option<&ExportBitmaps>) -> Result<(), Error>,
 ) -> Result<bool, Error> {
     let daemon = daemon.upgrade().ok_or_else(&gone)?;
     let swapped = daemon.live_change(name, |live| {
@@ -178,7 +179,7 @@ pub(crate) fn swap_at_end(
         if job.cancelled() {
             return Ok(false);
         }
-        swap()?;
+        swap(live.bitmaps.as_deref())?;
         Ok(true)
     });
     match swapped {
@@ -188,7 +189,7 @@ pub(crate) fn swap_at_end(
 }
 
 /// Under the change lock, every run the top's: quiesce, flush, drop the link, reopen the top alone, swap.
-fn finish(device: &Device, top: &Path, direct: bool, name: &str) -> Result<(), Error> {
+fn finish(device: &Device, top: &Path, direct: bool, name: &str, bitmaps: Option<&ExportBitmaps>) -> Result<(), Error> {
     let failed = |why: String| Error::failed(format!("stream of export {name:?}: {why}"));
     let guard = device.quiesce(QUIESCE_LIMIT).map_err(|e| failed(e.report().to_string()))?;
     guard.flush().map_err(|e| failed(format!("flushing {}: {}; the chain is as it was", top.display(), e.report())))?;
@@ -196,9 +197,11 @@ fn finish(device: &Device, top: &Path, direct: bool, name: &str) -> Result<(), E
     let old = device.image();
     chain::relock(&*old, top, libc::LOCK_UN);
     let options = vdisk_image::OpenOptions { format: Some(Format::Qcow2), direct, ..Default::default() };
-    let swapped = vdisk_image::open(top, &options)
-        .map_err(|e| e.report().to_string())
-        .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()));
+    let swapped = swap_top(bitmaps, top, || {
+        vdisk_image::open(top, &options)
+            .map_err(|e| e.report().to_string())
+            .and_then(|o| guard.replace_image(o.image).map_err(|e| e.report().to_string()))
+    });
     if let Err(e) = swapped {
         chain::relock(&*old, top, libc::LOCK_EX);
         return Err(failed(format!(

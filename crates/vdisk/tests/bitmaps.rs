@@ -164,3 +164,77 @@ fn raw_bitmaps_track_writes_persist_and_survive_restarts() {
 fn qcow2_bitmaps_track_writes_persist_and_qemu_reads_them() {
     round_trip("qcow2");
 }
+
+/// The dirty runs of 64 KiB granules written at `offsets` (4 KiB each, in separate granules).
+fn runs(offsets: &[u64]) -> Vec<(u64, u64)> {
+    offsets.iter().map(|&o| (o, G)).collect()
+}
+
+/// An export's bitmaps are the export's, not its top file's: through a
+/// live snapshot, a mirror with pivot onto a raw file and a stream that
+/// reopens the top, the device's bitmap keeps every write; each layer left
+/// behind keeps a consistent copy as of when it was left (qemu-nbd serves
+/// it), the new top keeps the bitmap from then on (a restart serves the
+/// same bits), and no layer is ever found "not saved cleanly".
+#[test]
+fn bitmaps_follow_the_export_through_snapshot_pivot_and_stream() {
+    use common::logged::LoggedServer;
+    let dir = TempDir::new("bitmaps-follow");
+    let img = dir.path("disk.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", s(&img), &SIZE.to_string()]);
+    let control = dir.path("ctl.sock");
+    let socket = dir.path("nbd.sock");
+    let start = |image: &Path, tag: &str| {
+        LoggedServer::start(
+            &dir,
+            tag,
+            &[s(image), "--export-name", "disk", "--control", s(&control), "--socket", s(&socket)],
+        )
+    };
+    let uri = format!("nbd+unix:///disk?socket={}", socket.display());
+    let write = |at: u64| common::nbdsh(&uri, &format!("h.pwrite(b'\\x07' * 4096, {at})\nh.flush()"));
+    let (a, b, c, d) = (0, 1 << 20, 2 << 20, 3 << 20);
+    let mut server = start(&img, "first");
+    ctl_ok(&control, &["bitmap", "add", "disk", "b0", "--granularity", "64K"]);
+    write(a);
+    let s1 = dir.path("s1.qcow2");
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", s(&s1)]);
+    write(b);
+    let m = dir.path("m.raw");
+    ctl_ok(&control, &["mirror", "disk", "--to", s(&m), "--pivot", "--wait"]);
+    write(c);
+    assert_eq!(nbdinfo_dirty(&uri, "b0"), runs(&[a, b, c]), "one bitmap through snapshot and pivot");
+    let log = server.log();
+    assert!(server.stop(std::time::Duration::from_secs(30)).is_some_and(|st| st.success()), "{log}");
+    // The layers left behind: a consistent copy each, as of when they were left.
+    run("qemu-img", &["check", "-q", s(&img)]);
+    run("qemu-img", &["check", "-q", s(&s1)]);
+    assert_eq!(qemu_nbd_dirty(&dir, &img, "b0"), runs(&[a]), "the first top, left at the snapshot");
+    assert_eq!(qemu_nbd_dirty(&dir, &s1, "b0"), runs(&[a, b]), "the overlay, left at the pivot");
+    assert!(dir.path("m.raw.bitmaps").exists(), "the raw top keeps it in its sidecar");
+
+    // Served again from the raw top: the same bitmap, consistent.
+    let mut server = start(&m, "second");
+    assert_eq!(list(&control)[0]["inconsistent"], false);
+    assert_eq!(nbdinfo_dirty(&uri, "b0"), runs(&[a, b, c]), "after a restart on the new top");
+    // A stream reopens its top (the same file): the bitmap goes on in it.
+    let s2 = dir.path("s2.qcow2");
+    ctl_ok(&control, &["snapshot", "disk", "--overlay", s(&s2)]);
+    write(d);
+    ctl_ok(&control, &["stream", "disk", "--wait"]);
+    let dirty = nbdinfo_dirty(&uri, "b0");
+    assert!(runs(&[a, b, c, d]).iter().all(|r| dirty.iter().any(|x| x.0 <= r.0 && r.0 < x.0 + x.1)), "{dirty:?}");
+    let log = server.log();
+    assert!(server.stop(std::time::Duration::from_secs(30)).is_some_and(|st| st.success()), "{log}");
+    assert!(!log.contains("not saved cleanly"), "a layer was found with its bitmaps in use:\n{log}");
+    run("qemu-img", &["check", "-q", s(&s2)]);
+    let info = common::json(&run("qemu-img", &["info", "--output=json", s(&s2)]));
+    assert!(info.get("backing-filename").is_none(), "streamed: {info}");
+    let bitmaps = &info["format-specific"]["data"]["bitmaps"];
+    assert_eq!(bitmaps[0]["name"].as_str(), Some("b0"), "{info}");
+    assert!(!bitmaps[0]["flags"].to_string().contains("in-use"), "{bitmaps}");
+    let server = start(&s2, "third");
+    assert_eq!(list(&control)[0]["inconsistent"], false);
+    assert_eq!(nbdinfo_dirty(&uri, "b0"), dirty, "after a restart on the streamed top");
+    drop(server);
+}
