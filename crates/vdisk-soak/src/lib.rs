@@ -314,7 +314,7 @@ fn crash_phase(
                 "  live operations: {} snapshots, {} streams, {} commits done; {} cuts mid-job ({} in a snapshot, {} in a \
                  stream, {} in a commit), {} jobs started \
                  again and finished, {} restarts on an unanswered snapshot's overlay; bitmaps after a cut: {} \
-                 consistent and covering, {} marked inconsistent, {} left below a snapshot",
+                 consistent and covering, {} marked inconsistent, {} lost to a cut mid-swap",
                 l.snapshots,
                 l.streams,
                 l.commits,
@@ -326,7 +326,7 @@ fn crash_phase(
                 l.unanswered_snapshot_tops,
                 l.bitmaps_consistent,
                 l.bitmaps_inconsistent,
-                l.bitmaps_left_below
+                l.bitmaps_lost_at_swap
             );
             if jobs.ops.iter().any(|o| matches!(o, live::Op::Mirror | live::Op::BackupView)) {
                 println!(

@@ -112,8 +112,9 @@ pub struct LiveStats {
     pub bitmaps_consistent: u64,
     /// Bitmaps found marked inconsistent after a cut.
     pub bitmaps_inconsistent: u64,
-    /// Bitmaps left on a layer that is no longer the top (a snapshot came).
-    pub bitmaps_left_below: u64,
+    /// Bitmaps not on a new top after a cut caught its swap (between the
+    /// swap and the new top's first save of them).
+    pub bitmaps_lost_at_swap: u64,
     /// Mirrors started, pivoted (seen done), cancelled (seen cancelled).
     pub mirrors: u64,
     pub pivots: u64,
@@ -145,7 +146,7 @@ impl LiveStats {
             "cuts_mid_stream": self.cuts_mid[1], "cuts_mid_commit": self.cuts_mid[2], "jobs_restarted": self.jobs_restarted,
             "unanswered_snapshot_tops": self.unanswered_snapshot_tops,
             "bitmaps_consistent": self.bitmaps_consistent, "bitmaps_inconsistent": self.bitmaps_inconsistent,
-            "bitmaps_left_below": self.bitmaps_left_below,
+            "bitmaps_lost_at_swap": self.bitmaps_lost_at_swap,
             "cuts_mid_mirror": self.cuts_mid[3], "cuts_mid_backup": self.cuts_mid[4],
             "mirrors": self.mirrors, "pivots": self.pivots, "mirrors_cancelled": self.mirrors_cancelled,
             "pivots_unanswered": self.pivots_unanswered, "unanswered_pivot_on_target": self.unanswered_pivot_on_target,
@@ -743,12 +744,14 @@ fn check_bitmap(
 ) -> Result<(), String> {
     let next_asked = std::mem::take(&mut chain.next_asked);
     let Some((on, then)) = chain.bitmap.take() else { return Ok(()) };
-    if on != chain.top() {
-        stats.bitmaps_left_below += 1;
-        return Ok(());
-    }
+    // A snapshot or pivot since: the bitmap followed the export onto its new top.
+    let moved = on != chain.top();
     let a = ctl.call("bitmap_list", json!({"export": export}))?;
     let listed = |name: &str| a["result"].as_array().and_then(|l| l.iter().find(|b| b["name"] == name).cloned());
+    if moved && listed(BITMAP).is_none() && listed(NEXT_BITMAP).is_none() {
+        stats.bitmaps_lost_at_swap += 1;
+        return Ok(());
+    }
     let Some(b) = listed(BITMAP) else {
         return Err(format!(
             "bitmap {BITMAP:?} of {} (added, then saved by a clean stop) is gone after the cut: {a}",

@@ -56,7 +56,7 @@ fn sigkill_rounds_during_snapshot_stream_and_commit_keep_every_flushed_write() {
         r.report
     );
     assert!(
-        r.live("bitmaps_inconsistent") + r.live("bitmaps_consistent") + r.live("bitmaps_left_below") > 0,
+        r.live("bitmaps_inconsistent") + r.live("bitmaps_consistent") + r.live("bitmaps_lost_at_swap") > 0,
         "{}",
         r.report
     );
