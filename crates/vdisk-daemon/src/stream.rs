@@ -138,7 +138,8 @@ fn run(daemon: &Weak<Daemon>, name: &str, plan: Plan, job: &Job) -> Result<(), E
                 }
                 let data = Buf::from_slice(read.buf());
                 let write = Request::new(Command::Write { data: data.into(), fua: false }, at, n, 0);
-                if let Some(e) = guard.execute(vec![write]).remove(0).error {
+                // The disk reads the same: the export's dirty bitmaps stay as they are.
+                if let Some(e) = guard.execute_unchanged(vec![write]).remove(0).error {
                     return Err(failed(format!("writing {n} bytes at {at} to {}: {}", top.display(), e.report())));
                 }
                 here += n;

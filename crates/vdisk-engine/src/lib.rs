@@ -344,10 +344,15 @@ impl Device {
         planner
     }
 
-    /// Runs `batch` on the current image in the caller's thread (under a quiesce: see `swap`).
-    fn execute_now(&self, batch: &mut [Request]) {
+    /// Runs `batch` on the current image in the caller's thread (under a
+    /// quiesce: see `swap`); its writes mark the dirty maps if `observed`.
+    fn execute_now(&self, batch: &mut [Request], observed: bool) {
         let mut reqs: Vec<&mut Request> = batch.iter_mut().collect();
-        threads::execute(self.planner(), &mut reqs);
+        let mut planner = self.planner();
+        if !observed {
+            planner.observers = Arc::default();
+        }
+        threads::execute(planner, &mut reqs);
     }
 
     /// The dirty maps this device marks with every write, TRIM and

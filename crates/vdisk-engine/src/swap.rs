@@ -132,7 +132,15 @@ impl Quiesced<'_> {
     /// may come between: stream's copy of a run the top does not hold yet).
     /// Returns the requests, each with its error if it failed.
     pub fn execute(&self, mut batch: Vec<crate::Request>) -> Vec<crate::Request> {
-        self.dev.execute_now(&mut batch);
+        self.dev.execute_now(&mut batch, true);
+        batch
+    }
+
+    /// [`QuiesceGuard::execute`] for writes that change nothing the disk
+    /// reads (stream's copy of backing data into the top): the device's dirty
+    /// maps are not marked, so an incremental backup does not copy them again.
+    pub fn execute_unchanged(&self, mut batch: Vec<crate::Request>) -> Vec<crate::Request> {
+        self.dev.execute_now(&mut batch, false);
         batch
     }
 
