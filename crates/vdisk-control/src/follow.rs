@@ -15,14 +15,17 @@ use vdisk_daemon::Error;
 /// How often the job table is read.
 const POLL: Duration = Duration::from_millis(200);
 
-/// The progress line of a job record of `job_list`.
+/// The progress line of a job record of `job_list` ("starting" until the
+/// job knows how much it has to do).
 pub fn progress_line(j: &Value) -> String {
     let (done, total) = (j["done"].as_u64().unwrap_or(0), j["total"].as_u64().unwrap_or(0));
+    let (what, export) = (j["type"].as_str().unwrap_or("job"), j["export"].as_str().unwrap_or("?"));
+    if total == 0 && done == 0 {
+        return format!("{what} {export}: starting");
+    }
     let pct = if total > 0 { done as f64 * 100.0 / total as f64 } else { 0.0 };
     format!(
-        "{} {}: {pct:.1}% ({} of {}, {}/s)",
-        j["type"].as_str().unwrap_or("job"),
-        j["export"].as_str().unwrap_or("?"),
+        "{what} {export}: {pct:.1}% ({} of {}, {}/s)",
         one_decimal(done),
         one_decimal(total),
         one_decimal(j["rate"].as_u64().unwrap_or(0)),
@@ -100,5 +103,7 @@ mod tests {
         let j = serde_json::json!({"type": "stream", "export": "disk", "done": 15099494, "total": 33554432,
             "rate": 12897484, "state": "running"});
         assert_eq!(progress_line(&j), "stream disk: 45.0% (14.4 MiB of 32.0 MiB, 12.3 MiB/s)");
+        let j = serde_json::json!({"type": "mirror", "export": "disk", "done": 0, "total": 0, "rate": 0});
+        assert_eq!(progress_line(&j), "mirror disk: starting");
     }
 }
