@@ -9,8 +9,9 @@
 //!
 //! Memory per connection is bounded: requests in flight (read but not yet
 //! replied to) may hold at most [`MAX_INFLIGHT_BYTES`], and a read runs only
-//! while less than `READ_WINDOW` (2 MiB) is in flight or unsent; past that
-//! the reader stops reading until the client takes its replies. All connections together
+//! while less than the connection's read window (2 MiB, growing to 16 MiB
+//! while the client takes its replies whole: the outbox) is in flight or
+//! unsent; past that the reader stops reading until the client takes its replies. All connections together
 //! hold at most the server's [`Budget`]; a request it does not admit yet
 //! waits the same way, after the pending batch went to the engine.
 

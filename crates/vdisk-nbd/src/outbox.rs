@@ -16,9 +16,13 @@
 //! takes nothing for `--send-timeout`.
 //!
 //! A read's reply data is only held while the client takes it. Reads run
-//! only while the connection's unsent replies stay under [`READ_WINDOW`] (the
-//! reader stops reading the socket past it, so further requests wait in the
-//! kernel's receive buffer). And when the socket has taken nothing for
+//! only while the connection's reads in flight and unsent replies stay under
+//! its read window (the reader stops reading the socket past it, so further
+//! requests wait in the kernel's receive buffer). The window starts at
+//! [`READ_WINDOW`], doubles each time the socket takes replies whole, up to
+//! [`MAX_READ_WINDOW`] (so a client that reads keeps enough large reads in
+//! flight to cover a slow backend's latency, an RBD image's), and falls back
+//! to [`READ_WINDOW`] when the writer parks. And when the socket has taken nothing for
 //! `SEND_WAKE` (lib.rs), the writer *parks*: the
 //! data of the read replies it could not send is dropped (released from the
 //! budget; headers, the export offset and how much was sent are kept), and
@@ -42,10 +46,13 @@ use crate::reply::{Encoder, OutMsg, REQUEST_OVERHEAD};
 use crate::stream::Stream;
 
 pub const MAX_INFLIGHT_BYTES: usize = 64 << 20;
-/// Reads run only while less than this is in flight or unsent on the
-/// connection (one read always may): what a client that stops reading makes
-/// the server read for nothing.
+/// Reads run only while less than the connection's read window is in flight
+/// or unsent (one read always may): what a client that stops reading makes
+/// the server read for nothing. The window starts here, and comes back here
+/// when the writer parks.
 pub const READ_WINDOW: usize = 2 << 20;
+/// The most a client that takes its replies may have in flight in reads.
+pub const MAX_READ_WINDOW: usize = 16 << 20;
 
 pub struct Outbox {
     state: Mutex<State>,
@@ -74,6 +81,8 @@ struct State {
     sending: bool,
     /// Requests read and not yet answered, and their cost.
     inflight: Counts,
+    /// How much reads may have in flight or unsent (the module doc).
+    read_window: usize,
     /// The writer thread is blocked on `changed`.
     writer_waiting: bool,
     /// The reader is blocked on `changed`, over its in-flight budget.
@@ -104,7 +113,7 @@ impl Outbox {
         device: Arc<Device>,
     ) -> Self {
         Outbox {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State { read_window: READ_WINDOW, ..State::default() }),
             changed: Condvar::new(),
             stream,
             encoder,
@@ -208,17 +217,19 @@ impl Outbox {
     fn release(&self, st: &mut State, msgs: &[OutMsg], sent: bool) {
         let bytes = msgs.iter().map(|m| m.cost).sum::<usize>();
         st.inflight.remove(msgs.len(), bytes);
+        if sent && !msgs.is_empty() {
+            st.read_window = (st.read_window * 2).min(MAX_READ_WINDOW);
+        }
         let held = msgs.iter().map(|m| if m.dropped { REQUEST_OVERHEAD.min(m.cost) } else { m.cost }).sum::<usize>();
         self.budget.release(&self.account, held, held, sent);
     }
 
     /// Adds a request to the in-flight count. Without `wait`, refuses (false)
     /// when over budget; with it, blocks until replies drain.
-    /// A read waits while [`READ_WINDOW`] is in flight or unsent.
+    /// A read waits while its window is in flight or unsent.
     pub fn charge(&self, cost: usize, read: bool, wait: bool) -> bool {
-        let max = if read { READ_WINDOW } else { MAX_INFLIGHT_BYTES };
         let mut st = self.state.lock().unwrap();
-        while !st.inflight.admits(cost, max) {
+        while !st.inflight.admits(cost, if read { st.read_window } else { MAX_INFLIGHT_BYTES }) {
             if !wait {
                 return false;
             }
@@ -318,6 +329,7 @@ impl Outbox {
                     // Parked: what could not go drops its data and waits for the socket.
                     let mut rest = msgs.split_off(done);
                     self.release(&mut st, &msgs, true);
+                    st.read_window = READ_WINDOW;
                     for m in &mut rest {
                         self.drop_data(m);
                     }
