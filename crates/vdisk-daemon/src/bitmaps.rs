@@ -100,6 +100,14 @@ impl Keeper {
     }
 }
 
+impl State {
+    /// Where a save goes: nowhere for a read-only export, or while no bitmap
+    /// was ever kept (an image that never had one is not written to).
+    fn saver(&self, read_only: bool) -> Option<&Keeper> {
+        self.keeper.as_ref().filter(|_| !read_only && self.kept)
+    }
+}
+
 /// One export's bitmaps.
 pub struct ExportBitmaps {
     export: String,
@@ -184,7 +192,7 @@ impl ExportBitmaps {
             self.device.write_observers().remove(&b.map);
         }
         // An image that never had a bitmap is not written to (no sidecar made, no qcow2 header rewritten).
-        let Some(keeper) = st.keeper.as_ref().filter(|_| !self.read_only && st.kept) else { return Ok(()) };
+        let Some(keeper) = st.saver(self.read_only) else { return Ok(()) };
         keeper
             .store()
             .save(&st.set, true)
@@ -294,7 +302,7 @@ impl ExportBitmaps {
     /// are saved closed where they are kept (the module doc).
     fn hand_over(&self) {
         let st = self.state.lock().unwrap();
-        let Some(keeper) = st.keeper.as_ref().filter(|_| !st.closed && !self.read_only && st.kept) else { return };
+        let Some(keeper) = st.saver(self.read_only).filter(|_| !st.closed) else { return };
         if let Err(e) = keeper.store().save(&st.set, true) {
             log::warn!(export:% = self.export; "export {:?}: cannot save its dirty bitmaps before its top changes: {}",
                 self.export, e.report());
@@ -325,7 +333,7 @@ impl ExportBitmaps {
                 },
             }
         }
-        let Some(keeper) = st.keeper.as_ref().filter(|_| !self.read_only && st.kept) else { return };
+        let Some(keeper) = st.saver(self.read_only) else { return };
         if let Err(e) = keeper.store().save(&st.set, false) {
             log::warn!(export:% = export; "export {export:?}: cannot save its dirty bitmaps in {} ({}): they are \
                 kept in memory, and the next bitmap change or a clean stop saves them", path.display(), e.report());

@@ -833,8 +833,7 @@ fn confine_paths(mut spec: ExportSpec, roots: &Arc<Roots>) -> Result<ExportSpec,
     }
     // Another server's NBD export, over TCP: a host the control socket's
     // clients might not reach themselves. Its unix sockets are checked at the open.
-    let uri = spec.image.to_str().filter(|s| vdisk_nbd::remote::Uri::is_nbd(s));
-    if let Some(Ok(u)) = uri.map(vdisk_nbd::remote::Uri::parse) {
+    if let Some(Ok(u)) = formats::nbd_uri(&spec.image).map(vdisk_nbd::remote::Uri::parse) {
         if matches!(u.address, vdisk_nbd::remote::Address::Tcp { .. }) {
             return Err(Error::invalid(format!(
                 "{}: with image roots, an NBD export may be added only over a unix socket beneath them (serve a TCP \

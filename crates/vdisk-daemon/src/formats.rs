@@ -29,10 +29,15 @@ pub fn rbd_spec(name: &Path, defaults: &ConnectOptions) -> Result<Option<Spec>, 
     }
 }
 
+/// The NBD URI an image's name is, if it is one (another server's export).
+pub fn nbd_uri(name: &Path) -> Option<&str> {
+    name.to_str().filter(|s| Uri::is_nbd(s))
+}
+
 /// The export name an image gets by default: an RBD image's name (and
 /// snapshot), an NBD URI's export name, a file's stem. None: the caller's own rule.
 pub fn export_name(name: &Path) -> Option<String> {
-    if let Some(uri) = name.to_str().filter(|s| Uri::is_nbd(s)) {
+    if let Some(uri) = nbd_uri(name) {
         return Uri::parse(uri).ok().map(|u| u.export).filter(|e| !e.is_empty());
     }
     Target::parse(name, &ConnectOptions::default()).ok()?.export_name()
@@ -40,7 +45,7 @@ pub fn export_name(name: &Path) -> Option<String> {
 
 /// Opens an image for serving (within the caller's image roots, if any).
 pub fn open(image: &Path, options: &vdisk_image::OpenOptions) -> Result<Opened, Error> {
-    if let Some(uri) = image.to_str().filter(|s| Uri::is_nbd(s)) {
+    if let Some(uri) = nbd_uri(image) {
         return open_nbd(uri, options);
     }
     let direct = options.direct;

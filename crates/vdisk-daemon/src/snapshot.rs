@@ -237,7 +237,7 @@ pub(crate) fn check_source(
 
 /// The export is served from another server's NBD export (a mirror's pivot onto it).
 pub(crate) fn served_remotely(live: &Live) -> bool {
-    vdisk_nbd::remote::Uri::is_nbd(&live.spec.image.to_string_lossy())
+    crate::formats::nbd_uri(&live.spec.image).is_some()
 }
 
 fn snapshot(live: &mut Live, name: &str, overlay: &Path, format: OverlayFormat, job: u64) -> Result<Snapshot, Error> {
